@@ -1,0 +1,57 @@
+// The collective algorithms, over a Communicator. Buffers are raw, contiguous and owned by
+// the caller; counts are in elements of `dtype`. Every function is one collective call.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "collectives/communicator.h"
+
+namespace ddlcomm {
+
+// In place. Ring (reduce-scatter + all-gather) for large buffers, recursive doubling for
+// small ones. Every rank ends with bitwise identical results.
+void allreduce(Communicator& comm, void* data, size_t count, DataType dtype, ReduceOp op);
+
+// In place from `root`: binomial tree for small buffers, pipelined chain for large ones.
+void broadcast(Communicator& comm, void* data, size_t count, DataType dtype, int root);
+
+// `root` receives op(all inputs) in `output`; `input` is never modified.
+void reduce(Communicator& comm, const void* input, void* output, size_t count, DataType dtype, ReduceOp op,
+            int root);
+
+// output = concat(input of rank 0, ..., rank n-1); `count` is per rank. input may alias
+// output's slot for this rank.
+void allgather(Communicator& comm, const void* input, void* output, size_t count, DataType dtype);
+
+// output (count elements) = op over ranks of their input block `rank` (input has n*count).
+void reduceScatter(Communicator& comm, const void* input, void* output, size_t count, DataType dtype, ReduceOp op);
+
+// Block i of `input` (sendCounts[i] elements) goes to rank i; block j of `output`
+// (recvCounts[j] elements) comes from rank j.
+void allToAll(Communicator& comm, const void* input, const std::vector<size_t>& sendCounts, void* output,
+              const std::vector<size_t>& recvCounts, DataType dtype);
+
+// `root` receives every rank's `count` elements into `output` (n*count); others pass null.
+void gather(Communicator& comm, const void* input, void* output, size_t count, DataType dtype, int root);
+// Rank i receives block i of root's `input` (n*count) into `output`.
+void scatter(Communicator& comm, const void* input, void* output, size_t count, DataType dtype, int root);
+
+void barrier(Communicator& comm);
+
+namespace ring {
+// Splits `total` elements into n nearly equal chunks; chunk i is [begin(i), begin(i+1)).
+struct Chunks {
+  size_t total;
+  int n;
+  size_t begin(int i) const { return total * size_t(i) / size_t(n); }
+  size_t length(int i) const { return begin(i + 1) - begin(i); }
+};
+// After the call, chunk `rank` of `data` holds the reduction over all ranks.
+void reduceScatterInPlace(Call& call, char* data, const Chunks& chunks, DataType dtype, ReduceOp op);
+// Before the call chunk `rank` is this rank's; after it every chunk is filled.
+void allgatherInPlace(Call& call, char* data, const Chunks& chunks, DataType dtype);
+}  // namespace ring
+
+}  // namespace ddlcomm

@@ -1,0 +1,107 @@
+#include "collectives/communicator.h"
+
+#include <cstdlib>
+
+namespace ddlcomm {
+namespace {
+
+const char* kFailureKey = "ddlcomm/first_failure";
+
+size_t envSize(const char* name, size_t fallback) {
+  const char* v = std::getenv(name);
+  if (!v || !*v) return fallback;
+  char* end = nullptr;
+  unsigned long long parsed = std::strtoull(v, &end, 10);
+  DDLCOMM_CHECK(end && *end == '\0', ErrorKind::InvalidArgument, name, "='", v, "' is not a byte count");
+  return size_t(parsed);
+}
+
+}  // namespace
+
+CollectiveOptions CollectiveOptions::fromEnvironment(std::chrono::milliseconds timeout) {
+  CollectiveOptions o;
+  o.timeout = timeout;
+  o.smallMessageBytes = envSize("DDLCOMM_SMALL_MESSAGE_BYTES", o.smallMessageBytes);
+  o.segmentBytes = std::max<size_t>(4096, envSize("DDLCOMM_SEGMENT_BYTES", o.segmentBytes));
+  if (const char* algo = std::getenv("DDLCOMM_ALLREDUCE_ALGO")) {
+    std::string a = algo;
+    if (a == "ring") o.allreduceAlgorithm = AllreduceAlgorithm::Ring;
+    else if (a == "rd" || a == "recursive_doubling") o.allreduceAlgorithm = AllreduceAlgorithm::RecursiveDoubling;
+    else if (a.empty() || a == "auto") o.allreduceAlgorithm = AllreduceAlgorithm::Auto;
+    else fail(ErrorKind::InvalidArgument, "DDLCOMM_ALLREDUCE_ALGO='", a, "': expected auto, ring or recursive_doubling");
+  }
+  return o;
+}
+
+Call::Call(Communicator& comm, OpCode op, DataType dtype, uint64_t count)
+    : comm_(comm),
+      deadline_(Clock::now() + comm.options().timeout),
+      sent_(size_t(comm.size()), 0),
+      received_(size_t(comm.size()), 0) {
+  base_.op = op;
+  base_.dtype = dtype;
+  base_.count = count;
+  base_.seq = comm.nextSequenceNumber();
+}
+
+void Call::send(Request& r, int peer, const void* data, size_t bytes) {
+  r.peer = peer;
+  r.signature = base_;
+  r.signature.step = sent_[size_t(peer)]++;
+  r.data = const_cast<char*>(static_cast<const char*>(data));
+  r.bytes = bytes;
+  comm_.transport().postSend(r);
+}
+
+void Call::recv(Request& r, int peer, void* data, size_t bytes) {
+  r.peer = peer;
+  r.signature = base_;
+  r.signature.step = received_[size_t(peer)]++;
+  r.data = static_cast<char*>(data);
+  r.bytes = bytes;
+  comm_.transport().postRecv(r);
+}
+
+void Call::wait(Request& r) { comm_.transport().wait(r, deadline_); }
+
+Communicator::Communicator(std::unique_ptr<Transport> transport, std::shared_ptr<KeyValueStore> store,
+                           CollectiveOptions options)
+    : transport_(std::move(transport)), store_(std::move(store)), options_(options) {}
+
+void Communicator::failed(const Error& error) {
+  std::string message = error.what();
+  ErrorKind kind = error.kind();
+  const bool remoteSymptom = kind == ErrorKind::PeerFailure || kind == ErrorKind::Timeout;
+  try {
+    if (store_ && store_->check(kFailureKey)) {
+      std::string first = store_->get(kFailureKey);
+      if (remoteSymptom && first.rfind("rank " + std::to_string(rank()) + " ", 0) != 0) {
+        message += "; the first failure reported in this group was: " + first;
+      }
+    } else if (store_) {
+      store_->set(kFailureKey, message);
+    }
+  } catch (...) {
+    // The store may have died with the failed rank; the local message still stands.
+  }
+  transport_->abort(kind, message);
+  throw Error(kind, message);
+}
+
+void Communicator::throwIfAborted() const {
+  try {
+    transport_->throwIfBroken();
+  } catch (const Error& e) {
+    throw Error(ErrorKind::Aborted,
+                std::string("this process group failed earlier and cannot be used any more: ") + e.what());
+  }
+}
+
+char* Communicator::scratch(size_t bytes, int slot) {
+  if (scratch_.size() <= size_t(slot)) scratch_.resize(size_t(slot) + 1);
+  auto& buffer = scratch_[size_t(slot)];
+  if (buffer.size() < bytes) buffer.resize(bytes);
+  return buffer.data();
+}
+
+}  // namespace ddlcomm

@@ -1,0 +1,93 @@
+// A communicator: one group's transport plus what every collective needs around it:
+// sequence numbers, deadlines, scratch memory, and the failure policy (record the cause
+// in the store for the other ranks, abort the transport, throw).
+#pragma once
+
+#include <chrono>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/dtype.h"
+#include "transport/store.h"
+#include "transport/transport.h"
+
+namespace ddlcomm {
+
+enum class AllreduceAlgorithm { Auto, Ring, RecursiveDoubling };
+
+struct CollectiveOptions {
+  std::chrono::milliseconds timeout{std::chrono::minutes(30)};
+  // At or below this many bytes all-reduce uses recursive doubling (latency-bound regime).
+  size_t smallMessageBytes = 64 * 1024;  // DDLCOMM_SMALL_MESSAGE_BYTES
+  // Ring pipelining granularity: a segment is reduced and forwarded while the next arrives.
+  size_t segmentBytes = 512 * 1024;  // DDLCOMM_SEGMENT_BYTES
+  AllreduceAlgorithm allreduceAlgorithm = AllreduceAlgorithm::Auto;  // DDLCOMM_ALLREDUCE_ALGO
+
+  static CollectiveOptions fromEnvironment(std::chrono::milliseconds timeout);
+};
+
+class Communicator;
+
+// One collective invocation: its identity on the wire, its deadline, and per-peer message
+// counters so both sides number their messages the same way without the algorithm's help.
+class Call {
+ public:
+  Call(Communicator& comm, OpCode op, DataType dtype, uint64_t count);
+  Communicator& comm() { return comm_; }
+  Deadline deadline() const { return deadline_; }
+  const Signature& signature() const { return base_; }
+
+  void send(Request& request, int peer, const void* data, size_t bytes);
+  void recv(Request& request, int peer, void* data, size_t bytes);
+  void wait(Request& request);
+
+ private:
+  Communicator& comm_;
+  Signature base_;
+  Deadline deadline_;
+  std::vector<uint32_t> sent_;
+  std::vector<uint32_t> received_;
+};
+
+class Communicator {
+ public:
+  Communicator(std::unique_ptr<Transport> transport, std::shared_ptr<KeyValueStore> store,
+               CollectiveOptions options);
+
+  int rank() const { return transport_->rank(); }
+  int size() const { return transport_->size(); }
+  Transport& transport() { return *transport_; }
+  const CollectiveOptions& options() const { return options_; }
+
+  // Runs `body` as the collective `op` (a fresh sequence number). Any failure aborts the
+  // communicator: the cause goes into the store first, so ranks that only see a closed
+  // socket can name the rank that really failed.
+  template <typename Body>
+  void run(OpCode op, DataType dtype, uint64_t count, Body&& body) {
+    throwIfAborted();
+    Call call(*this, op, dtype, count);
+    try {
+      body(call);
+    } catch (const Error& e) {
+      failed(e);
+    }
+  }
+
+  // Same failure policy for work that is not a collective call (point-to-point).
+  [[noreturn]] void failed(const Error& error);
+  void throwIfAborted() const;
+  uint64_t nextSequenceNumber() { return nextSeq_++; }
+
+  // Reusable scratch buffers (slot 0, 1, ...), grown on demand, never shrunk.
+  char* scratch(size_t bytes, int slot = 0);
+
+ private:
+  std::unique_ptr<Transport> transport_;
+  std::shared_ptr<KeyValueStore> store_;
+  CollectiveOptions options_;
+  uint64_t nextSeq_ = 0;
+  std::vector<std::vector<char>> scratch_;
+};
+
+}  // namespace ddlcomm

@@ -1,0 +1,155 @@
+#include "collectives/executor.h"
+
+#include <algorithm>
+
+namespace ddlcomm {
+
+Executor::Executor(std::unique_ptr<Communicator> communicator)
+    : comm_(std::move(communicator)), rank_(comm_->rank()), size_(comm_->size()) {
+  thread_ = std::thread([this] { loop(); });
+}
+
+Executor::~Executor() { shutdown(); }
+
+void Executor::submit(std::function<void(Communicator&)> task, Done done) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (stopping_) {
+      done(std::make_exception_ptr(Error(ErrorKind::Aborted, "the process group has been shut down")));
+      return;
+    }
+    queue_.push_back(Item{std::move(task), std::move(done)});
+  }
+  cv_.notify_one();
+  comm_->transport().wakeup();
+}
+
+void Executor::submitPointToPoint(std::shared_ptr<Request> request, bool isSend, Done done) {
+  auto shared = std::make_shared<Done>(std::move(done));
+  submit(
+      [this, request, isSend, shared](Communicator& comm) {
+        try {
+          comm.throwIfAborted();
+          if (isSend) {
+            comm.transport().postSend(*request);
+          } else {
+            comm.transport().postRecv(*request);
+          }
+        } catch (const Error& e) {
+          comm.failed(e);
+        }
+        pending_.push_back(Pending{request, std::move(*shared), Clock::now() + comm.options().timeout});
+      },
+      [shared](std::exception_ptr error) {
+        if (error) (*shared)(error);  // posting failed; success is reported by completePending
+      });
+}
+
+void Executor::abort(const std::string& reason) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (abortReason_.empty()) abortReason_ = reason.empty() ? "aborted" : reason;
+    stopping_ = true;
+  }
+  cv_.notify_one();
+  comm_->transport().wakeup();
+}
+
+void Executor::shutdown() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stopping_ = true;
+  }
+  cv_.notify_one();
+  comm_->transport().wakeup();
+  if (thread_.joinable()) thread_.join();
+}
+
+void Executor::completePending() {
+  auto finished = std::stable_partition(pending_.begin(), pending_.end(),
+                                        [](const Pending& p) { return !p.request->done(); });
+  std::vector<Pending> done(std::make_move_iterator(finished), std::make_move_iterator(pending_.end()));
+  pending_.erase(finished, pending_.end());
+  for (Pending& p : done) {
+    std::exception_ptr error;
+    if (p.request->failed) {
+      try {
+        comm_->throwIfAborted();
+        error = std::make_exception_ptr(Error(ErrorKind::Aborted, "request failed"));
+      } catch (...) {
+        error = std::current_exception();
+      }
+    }
+    p.done(error);
+  }
+}
+
+void Executor::progressPending(std::chrono::milliseconds maxWait) {
+  Deadline now = Clock::now();
+  Deadline earliest = now + maxWait;
+  for (const Pending& p : pending_) earliest = std::min(earliest, p.deadline);
+  try {
+    if (earliest <= now) {
+      const Pending& late = *std::min_element(pending_.begin(), pending_.end(), [](const Pending& a, const Pending& b) {
+        return a.deadline < b.deadline;
+      });
+      comm_->failed(Error(ErrorKind::Timeout,
+                          detail::concat("rank ", rank_, " timed out in ", late.request->signature.describe(),
+                                         " with rank ", late.request->peer)));
+    }
+    comm_->transport().poll(std::chrono::duration_cast<std::chrono::milliseconds>(earliest - now));
+  } catch (const Error& e) {
+    try {
+      comm_->failed(e);
+    } catch (const Error&) {
+    }
+  }
+  completePending();
+}
+
+void Executor::loop() {
+  while (true) {
+    Item item;
+    std::string abortReason;
+    {
+      std::unique_lock<std::mutex> lock(mutex_);
+      if (pending_.empty()) {
+        cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+      }
+      abortReason = abortReason_;
+      if (!abortReason.empty()) {
+        std::deque<Item> dropped;
+        dropped.swap(queue_);
+        lock.unlock();
+        comm_->transport().abort(ErrorKind::Aborted, "process group aborted: " + abortReason);
+        auto error = std::make_exception_ptr(Error(ErrorKind::Aborted, "process group aborted: " + abortReason));
+        for (Item& d : dropped) d.done(error);
+        completePending();
+        return;
+      }
+      if (queue_.empty()) {
+        if (pending_.empty()) {
+          if (stopping_) return;
+          continue;
+        }
+      } else {
+        item = std::move(queue_.front());
+        queue_.pop_front();
+      }
+    }
+    if (!item.task) {
+      progressPending(std::chrono::milliseconds(100));
+      continue;
+    }
+    std::exception_ptr error;
+    try {
+      item.task(*comm_);
+    } catch (...) {
+      error = std::current_exception();
+    }
+    item.done(error);
+    completePending();
+  }
+}
+
+}  // namespace ddlcomm

@@ -1,0 +1,69 @@
+// The progress thread of one process group. It runs the group's operations one after
+// another in submission order (so every rank posts its messages in the same order), and
+// keeps point-to-point requests moving between and during them. The Executor owns and
+// joins its thread; the Communicator is only ever touched from that thread.
+#pragma once
+
+#include <condition_variable>
+#include <deque>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "collectives/communicator.h"
+
+namespace ddlcomm {
+
+class Executor {
+ public:
+  using Done = std::function<void(std::exception_ptr)>;  // called on the executor thread
+
+  explicit Executor(std::unique_ptr<Communicator> communicator);
+  ~Executor();  // finishes queued work (each bounded by the timeout), then joins
+  Executor(const Executor&) = delete;
+  Executor& operator=(const Executor&) = delete;
+
+  // Runs `task` (a blocking collective on the communicator) after everything submitted before.
+  void submit(std::function<void(Communicator&)> task, Done done);
+  // Posts a send or receive in submission order; `done` fires when it completes, while
+  // later operations already proceed. `request` must stay alive until then.
+  void submitPointToPoint(std::shared_ptr<Request> request, bool isSend, Done done);
+
+  // Fails everything queued or in flight and makes the group unusable. Thread-safe.
+  void abort(const std::string& reason);
+  // Stops accepting work, drains the queue, joins the thread. Idempotent.
+  void shutdown();
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+
+ private:
+  struct Item {
+    std::function<void(Communicator&)> task;
+    Done done;
+  };
+  struct Pending {
+    std::shared_ptr<Request> request;
+    Done done;
+    Deadline deadline;
+  };
+  void loop();
+  void progressPending(std::chrono::milliseconds maxWait);
+  void completePending();
+
+  std::unique_ptr<Communicator> comm_;
+  const int rank_;
+  const int size_;
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  std::deque<Item> queue_;
+  bool stopping_ = false;
+  std::string abortReason_;
+  std::vector<Pending> pending_;  // executor thread only
+  std::thread thread_;
+};
+
+}  // namespace ddlcomm

@@ -1,0 +1,14 @@
+#include "common/error.h"
+
+#include <cstring>
+
+namespace ddlcomm {
+
+std::string systemErrorText(const char* what, int err) {
+  char buf[256];
+  // GNU strerror_r may return a static string instead of filling buf.
+  const char* text = strerror_r(err, buf, sizeof(buf));
+  return detail::concat(what, ": ", text, " (errno ", err, ")");
+}
+
+}  // namespace ddlcomm

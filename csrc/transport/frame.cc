@@ -1,0 +1,66 @@
+#include "transport/frame.h"
+
+#include "common/error.h"
+
+namespace ddlcomm {
+
+const char* opCodeName(OpCode op) {
+  switch (op) {
+    case OpCode::Allreduce: return "allreduce";
+    case OpCode::Broadcast: return "broadcast";
+    case OpCode::Reduce: return "reduce";
+    case OpCode::Allgather: return "allgather";
+    case OpCode::ReduceScatter: return "reduce_scatter";
+    case OpCode::AllToAll: return "all_to_all";
+    case OpCode::Barrier: return "barrier";
+    case OpCode::Gather: return "gather";
+    case OpCode::Scatter: return "scatter";
+    case OpCode::PointToPoint: return "send/recv";
+    case OpCode::CompressedAllreduce: return "compressed_allreduce";
+  }
+  return "unknown-op";
+}
+
+std::string Signature::describe() const {
+  if (op == OpCode::PointToPoint) {
+    return detail::concat("send/recv with tag ", seq, " (", dataTypeName(dtype), " x ", count, ")");
+  }
+  return detail::concat(opCodeName(op), " #", seq, " (", dataTypeName(dtype), " x ", count, ", message ", step, ")");
+}
+
+FrameHeader makeFrameHeader(const Signature& sig, uint8_t piece, uint64_t bytes) {
+  FrameHeader h{};
+  h.magic = kFrameMagic;
+  h.version = kFrameVersion;
+  h.op = uint8_t(sig.op);
+  h.dtype = uint8_t(sig.dtype);
+  h.piece = piece;
+  h.step = sig.step;
+  h.seq = sig.seq;
+  h.count = sig.count;
+  h.bytes = bytes;
+  return h;
+}
+
+Signature parseFrameHeader(const FrameHeader& h, int peer) {
+  if (h.magic != kFrameMagic) {
+    fail(ErrorKind::Protocol, "corrupt frame from rank ", peer, ": bad magic 0x", std::hex, h.magic);
+  }
+  if (h.version != kFrameVersion) {
+    fail(ErrorKind::Protocol, "rank ", peer, " speaks frame version ", int(h.version), ", this rank ",
+         int(kFrameVersion), ": mixed ddlcomm versions in one job");
+  }
+  if (h.op < uint8_t(OpCode::Allreduce) || h.op > uint8_t(OpCode::CompressedAllreduce) ||
+      !isValidDataType(h.dtype)) {
+    fail(ErrorKind::Protocol, "corrupt frame from rank ", peer, ": op ", int(h.op), ", dtype ", int(h.dtype));
+  }
+  Signature sig;
+  sig.op = OpCode(h.op);
+  sig.dtype = DataType(h.dtype);
+  sig.seq = h.seq;
+  sig.step = h.step;
+  sig.count = h.count;
+  return sig;
+}
+
+}  // namespace ddlcomm

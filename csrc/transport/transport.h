@@ -1,0 +1,62 @@
+// The one transport interface: tagged messages between ranks, progressed by whichever
+// thread waits. Implementations: tcp/ (sockets + epoll). An RDMA one would slot in here.
+//
+// Threading: a Transport is driven by one thread (the backend's executor). Only wakeup()
+// may be called from other threads.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <exception>
+#include <string>
+
+#include "common/error.h"
+#include "transport/frame.h"
+
+namespace ddlcomm {
+
+using Clock = std::chrono::steady_clock;
+using Deadline = Clock::time_point;
+
+// One posted send or receive. The caller owns it and the buffer it points to, and keeps
+// both alive until done() (or until the transport has failed it). Plain data on purpose:
+// collectives keep these on the stack or in small arrays, so nothing is allocated per message.
+struct Request {
+  int peer = -1;
+  Signature signature;
+  char* data = nullptr;
+  size_t bytes = 0;
+
+  // Filled in by the transport.
+  int piecesLeft = 0;
+  bool failed = false;
+  bool done() const { return piecesLeft == 0; }
+};
+
+class Transport {
+ public:
+  virtual ~Transport() = default;
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+
+  // Queue a message. Messages between a pair of ranks are delivered in posting order.
+  virtual void postSend(Request& request) = 0;
+  // Expect a message. Collective receives match the next collective message from `peer`
+  // and must carry an identical signature; point-to-point receives match by tag.
+  virtual void postRecv(Request& request) = 0;
+
+  // Drives progress until `request` is done. Throws Error on timeout, on a peer failure or
+  // on a signature mismatch; the transport is then broken and every request fails.
+  virtual void wait(Request& request, Deadline deadline) = 0;
+  // One round of progress; blocks up to `timeout` when nothing can move, or until wakeup().
+  virtual void poll(std::chrono::milliseconds timeout) = 0;
+  // Thread-safe: interrupts a blocked poll().
+  virtual void wakeup() = 0;
+
+  // Fails every request and closes every connection. Idempotent.
+  virtual void abort(ErrorKind kind, const std::string& reason) noexcept = 0;
+  // Throws the abort reason if the transport is broken.
+  virtual void throwIfBroken() const = 0;
+};
+
+}  // namespace ddlcomm
