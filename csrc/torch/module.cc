@@ -3,6 +3,7 @@
 #include <pybind11/stl.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include "bindings/bindings.h"
 #include "torch/backend.h"
 
 namespace py = pybind11;
@@ -20,4 +21,5 @@ PYBIND11_MODULE(_C, m) {
            py::arg("global_ranks") = std::vector<int64_t>{}, py::arg("group_name") = "",
            py::call_guard<py::gil_scoped_release>())
       .def("__repr__", &ProcessGroupDdlcomm::describe);
+  ddlcomm::bindings::bindCompression(m);
 }

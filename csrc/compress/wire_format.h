@@ -1,0 +1,60 @@
+// The one definition of every compressed payload: a fixed header, then sections whose
+// sizes follow from the header alone. Encoders on the CPU (csrc/compress) and the GPU
+// (csrc/cuda) write exactly these bytes; decoders validate them before touching memory.
+//
+//   offset  size  field
+//   0       4     magic 'DDLZ' (0x5a4c4444 little endian)
+//   4       1     version (1)
+//   5       1     format (Format)
+//   6       1     flags (kFlagTwoScales: 1-bit with separate means for >= 0 and < 0)
+//   7       1     reserved (0)
+//   8       4     blockSize: elements per scale block (1-bit, ternary); 0 otherwise
+//   12      4     reserved (0)
+//   16      8     numel: elements of the original vector
+//   24      8     k: entries carried (top-k, random-k); 0 otherwise
+//   32      ...   sections, in this order:
+//     OneBit   float32 scales[nblocks * (twoScales ? 2 : 1)] (for two scales: [pos, neg] per block),
+//              then sign bits[ceil(numel / 8)]: bit (i % 8) of byte i / 8 is 1 when x_i >= 0
+//     Ternary  float32 scales[nblocks], then 2-bit codes[ceil(numel / 4)]: code of x_i in bits
+//              2*(i % 4) .. 2*(i % 4)+1 of byte i / 4; 0 -> 0, 1 -> +s, 2 -> -s, 3 is invalid
+//     TopK,    uint32 indices[k], strictly increasing, < numel; then float32 values[k]
+//     RandomK
+//     Float16  uint16 values[numel] (IEEE half / bfloat16 bits)
+//     BFloat16
+// nblocks = ceil(numel / blockSize). All integers little endian. Unused bits are zero.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace ddlcomm::compress {
+
+enum class Format : uint8_t {
+  OneBit = 1,
+  Ternary = 2,
+  TopK = 3,
+  RandomK = 4,
+  Float16 = 5,
+  BFloat16 = 6,
+};
+
+constexpr uint32_t kPayloadMagic = 0x5a4c4444;  // "DDLZ"
+constexpr uint8_t kPayloadVersion = 1;
+constexpr uint8_t kFlagTwoScales = 1;
+
+#pragma pack(push, 1)
+struct PayloadHeader {
+  uint32_t magic;
+  uint8_t version;
+  uint8_t format;
+  uint8_t flags;
+  uint8_t reserved0;
+  uint32_t blockSize;
+  uint32_t reserved1;
+  uint64_t numel;
+  uint64_t k;
+};
+#pragma pack(pop)
+static_assert(sizeof(PayloadHeader) == 32, "payload header is part of the wire format");
+
+}  // namespace ddlcomm::compress
