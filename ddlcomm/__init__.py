@@ -11,6 +11,7 @@ Launch with ``torchrun`` like any other backend.
 
 from __future__ import annotations
 
+import atexit
 from datetime import timedelta
 from typing import Any
 
@@ -44,5 +45,13 @@ def is_available() -> bool:
     return BACKEND_NAME in dist.Backend.backend_list
 
 
+def _destroy_at_exit() -> None:
+    # Process groups left alive would otherwise be destroyed during interpreter teardown,
+    # when their progress threads can no longer be joined safely.
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 if BACKEND_NAME not in dist.Backend.backend_list:
     dist.Backend.register_backend(BACKEND_NAME, _create_backend, extended_api=True, devices=["cpu"])
+    atexit.register(_destroy_at_exit)

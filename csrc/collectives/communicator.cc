@@ -66,26 +66,32 @@ void Call::wait(Request& r) { comm_.transport().wait(r, deadline_); }
 
 Communicator::Communicator(std::unique_ptr<Transport> transport, std::shared_ptr<KeyValueStore> store,
                            CollectiveOptions options)
-    : transport_(std::move(transport)), store_(std::move(store)), options_(options) {}
+    : transport_(std::move(transport)), store_(std::move(store)), options_(options) {
+  transport_->setFailureHook([this](ErrorKind kind, const std::string& message) { return recordFailure(kind, message); });
+}
 
-void Communicator::failed(const Error& error) {
-  std::string message = error.what();
-  ErrorKind kind = error.kind();
+Communicator::~Communicator() { transport_->setFailureHook(nullptr); }
+
+std::string Communicator::recordFailure(ErrorKind kind, const std::string& local) {
+  std::string message = local;
   const bool remoteSymptom = kind == ErrorKind::PeerFailure || kind == ErrorKind::Timeout;
   try {
     if (store_ && store_->check(kFailureKey)) {
       std::string first = store_->get(kFailureKey);
-      if (remoteSymptom && first.rfind("rank " + std::to_string(rank()) + " ", 0) != 0) {
-        message += "; the first failure reported in this group was: " + first;
-      }
+      if (remoteSymptom && first != local) message += "; the first failure reported in this group was: " + first;
     } else if (store_) {
-      store_->set(kFailureKey, message);
+      store_->set(kFailureKey, "rank " + std::to_string(rank()) + ": " + local);
     }
   } catch (...) {
     // The store may have died with the failed rank; the local message still stands.
   }
-  transport_->abort(kind, message);
-  throw Error(kind, message);
+  return message;
+}
+
+void Communicator::failed(const Error& error) {
+  transport_->abort(error.kind(), error.what());  // no-op if the transport failed first
+  transport_->throwIfBroken();
+  throw error;
 }
 
 void Communicator::throwIfAborted() const {

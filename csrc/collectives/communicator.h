@@ -54,6 +54,9 @@ class Communicator {
  public:
   Communicator(std::unique_ptr<Transport> transport, std::shared_ptr<KeyValueStore> store,
                CollectiveOptions options);
+  ~Communicator();
+  Communicator(const Communicator&) = delete;
+  Communicator& operator=(const Communicator&) = delete;
 
   int rank() const { return transport_->rank(); }
   int size() const { return transport_->size(); }
@@ -76,6 +79,9 @@ class Communicator {
 
   // Same failure policy for work that is not a collective call (point-to-point).
   [[noreturn]] void failed(const Error& error);
+  // The failure hook: publish this rank's failure in the store, or, if a peer published
+  // first, add its message to ours so every rank names the rank that really failed.
+  std::string recordFailure(ErrorKind kind, const std::string& message);
   void throwIfAborted() const;
   uint64_t nextSequenceNumber() { return nextSeq_++; }
 

@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cstddef>
 #include <exception>
+#include <functional>
 #include <string>
 
 #include "common/error.h"
@@ -57,6 +58,15 @@ class Transport {
   virtual void abort(ErrorKind kind, const std::string& reason) noexcept = 0;
   // Throws the abort reason if the transport is broken.
   virtual void throwIfBroken() const = 0;
+
+  // Called once, on the first failure, before any connection is closed: peers notice the
+  // closed connections, so whatever the hook publishes is there when they look. Returns
+  // the message to fail with.
+  using FailureHook = std::function<std::string(ErrorKind, const std::string&)>;
+  void setFailureHook(FailureHook hook) { failureHook_ = std::move(hook); }
+
+ protected:
+  FailureHook failureHook_;
 };
 
 }  // namespace ddlcomm

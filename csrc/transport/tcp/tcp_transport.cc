@@ -162,6 +162,10 @@ void TcpTransport::checkPeer(int peer, const char* what) const {
 }
 
 void TcpTransport::postSend(Request& r) {
+  guarded([&] { postSendUnguarded(r); });
+}
+
+void TcpTransport::postSendUnguarded(Request& r) {
   throwIfBroken();
   checkPeer(r.peer, "send to");
   const int n = pieceCount(r);
@@ -182,6 +186,10 @@ void TcpTransport::postSend(Request& r) {
 }
 
 void TcpTransport::postRecv(Request& r) {
+  guarded([&] { postRecvUnguarded(r); });
+}
+
+void TcpTransport::postRecvUnguarded(Request& r) {
   throwIfBroken();
   checkPeer(r.peer, "receive from");
   const int n = pieceCount(r);
@@ -404,16 +412,13 @@ void TcpTransport::connectionFailed(Connection& c, const std::string& what) {
 
 bool TcpTransport::pumpAll() {
   bool moved = false;
-  try {
+  guarded([&] {
     for (Connection& c : connections_) {
       if (c.peer == rank_ || c.closed) continue;
       if (!c.sends.empty()) moved |= writeSome(c);
       if (c.readable) moved |= readSome(c);
     }
-  } catch (const Error& e) {
-    abort(e.kind(), e.what());
-    throw;
-  }
+  });
   return moved;
 }
 
@@ -476,6 +481,7 @@ void TcpTransport::timedOut(const Request& r) {
       detail::concat("rank ", rank_, " timed out in ", r.signature.describe(), " waiting for rank ", r.peer, ":",
                      progress, " rank ", r.peer, " may be stuck, slower than the timeout, or in a different collective");
   abort(ErrorKind::Timeout, message);
+  throwIfBroken();
   throw Error(ErrorKind::Timeout, message);
 }
 
@@ -484,6 +490,13 @@ void TcpTransport::abort(ErrorKind kind, const std::string& reason) noexcept {
   broken_ = true;
   brokenKind_ = kind;
   brokenReason_ = reason;
+  if (failureHook_ && kind != ErrorKind::Aborted) {  // not for a deliberate shutdown
+    try {
+      brokenReason_ = failureHook_(kind, reason);
+    } catch (...) {
+      // Keep the local reason; the hook is best effort.
+    }
+  }
   auto failAll = [](auto& pieces) {
     for (auto& p : pieces) {
       p.request->failed = true;

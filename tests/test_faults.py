@@ -1,0 +1,32 @@
+"""Bad input, mismatched calls across ranks and failing peers: clear errors, no hangs."""
+
+from __future__ import annotations
+
+import pytest
+
+from harness import assert_all_ok, launch
+
+
+def test_bad_arguments_raise_synchronously() -> None:
+    assert_all_ok(launch("faults", "bad_arguments", 2))
+
+
+@pytest.mark.parametrize("scenario", ["size_mismatch", "small_size_mismatch", "dtype_mismatch"])
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_mismatch_raises_on_every_rank(scenario: str, world_size: int) -> None:
+    assert_all_ok(launch("faults", scenario, world_size, timeout=60))
+
+
+def test_op_mismatch() -> None:
+    assert_all_ok(launch("faults", "op_mismatch", 2, timeout=60))
+
+
+@pytest.mark.parametrize("when", ["before", "during"])
+def test_peer_exit_names_the_failed_rank(when: str) -> None:
+    results = launch("faults", "peer_exit", 4, timeout=90, args=(when,))
+    assert results[1].returncode == 3, results[1].output
+    assert_all_ok([r for r in results if r.rank != 1])
+
+
+def test_straggler_beyond_timeout() -> None:
+    assert_all_ok(launch("faults", "straggler", 2, timeout=60))

@@ -1,0 +1,218 @@
+"""Collective correctness scenarios, run on every rank by tests/test_backend.py."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from common import ALL_DTYPES, OPS, assert_equal, init, make_input, op_valid, reference, run
+
+# 16385 float32 crosses the 64 KiB small-message threshold; 300_007 spans several ring segments.
+SIZES = [0, 1, 3, 7, 1000, 16385]
+LARGE = 300_007
+
+
+def allreduce() -> None:
+    rank, n = init()
+    for dtype in ALL_DTYPES:
+        for op in OPS:
+            if not op_valid(op, dtype):
+                continue
+            sizes = SIZES + ([LARGE] if dtype in (torch.float32, torch.bfloat16, torch.int64, torch.bool) else [])
+            for numel in sizes:
+                inputs = [make_input(r, numel, dtype, op) for r in range(n)]
+                t = inputs[rank].clone()
+                dist.all_reduce(t, op=OPS[op])
+                assert_equal(t, reference(inputs, op), f"all_reduce {op} {dtype} x{numel}")
+    # Real-valued data: every rank must hold the same bits, close to gloo's answer.
+    gloo = dist.new_group(backend="gloo")
+    for numel in (5000, LARGE):
+        x = torch.randn(numel, generator=torch.Generator().manual_seed(rank))
+        ours, theirs = x.clone(), x.clone()
+        dist.all_reduce(ours)
+        dist.all_reduce(theirs, group=gloo)
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+        everyone = [torch.empty_like(ours) for _ in range(n)]
+        dist.all_gather(everyone, ours, group=gloo)
+        for r, other in enumerate(everyone):
+            assert torch.equal(other, ours), f"rank {r} holds different bits than rank {rank}"
+
+
+def collectives() -> None:
+    rank, n = init()
+    for dtype in (torch.float32, torch.bfloat16, torch.int64, torch.bool):
+        for numel in (0, 1, 1001, 70_000):
+            # broadcast from every root (tree for small, chain for large)
+            for root in range(n):
+                expected = make_input(root, numel, dtype, salt=1)
+                t = expected.clone() if rank == root else torch.zeros(numel, dtype=dtype)
+                dist.broadcast(t, root)
+                assert_equal(t, expected, f"broadcast root {root} {dtype} x{numel}")
+            # reduce to every root; non-roots keep their input
+            for root in range(n):
+                inputs = [make_input(r, numel, dtype, salt=2) for r in range(n)]
+                t = inputs[rank].clone()
+                dist.reduce(t, root, op=dist.ReduceOp.MAX)
+                assert_equal(t, reference(inputs, "MAX") if rank == root else inputs[rank], f"reduce root {root}")
+            inputs = [make_input(r, numel, dtype, salt=3) for r in range(n)]
+            # all_gather (list) and all_gather_into_tensor
+            out = [torch.empty(numel, dtype=dtype) for _ in range(n)]
+            dist.all_gather(out, inputs[rank])
+            for r in range(n):
+                assert_equal(out[r], inputs[r], f"all_gather slot {r}")
+            flat = torch.empty(n * numel, dtype=dtype)
+            dist.all_gather_into_tensor(flat, inputs[rank])
+            assert_equal(flat, torch.cat(inputs), "all_gather_into_tensor")
+            # reduce_scatter (list) and reduce_scatter_tensor
+            blocks = [[make_input(r * n + b, numel, dtype, salt=4) for b in range(n)] for r in range(n)]
+            out = torch.empty(numel, dtype=dtype)
+            dist.reduce_scatter(out, [b.clone() for b in blocks[rank]])
+            assert_equal(out, reference([blocks[r][rank] for r in range(n)], "SUM"), "reduce_scatter")
+            dist.reduce_scatter_tensor(out, torch.cat(blocks[rank]), op=dist.ReduceOp.MIN)
+            assert_equal(out, reference([blocks[r][rank] for r in range(n)], "MIN"), "reduce_scatter_tensor")
+            # gather / scatter at root n-1
+            root = n - 1
+            gathered = [torch.empty(numel, dtype=dtype) for _ in range(n)] if rank == root else None
+            dist.gather(inputs[rank], gathered, dst=root)
+            if rank == root:
+                for r in range(n):
+                    assert_equal(gathered[r], inputs[r], f"gather slot {r}")
+            got = torch.empty(numel, dtype=dtype)
+            dist.scatter(got, [blocks[root][b] for b in range(n)] if rank == root else None, src=root)
+            assert_equal(got, blocks[root][rank], "scatter")
+
+    # all_to_all_single, equal and uneven splits; all_to_all with lists
+    x = torch.arange(n * 6, dtype=torch.float32) + 100 * rank
+    y = torch.empty_like(x)
+    dist.all_to_all_single(y, x)
+    expected = torch.cat([torch.arange(rank * 6, rank * 6 + 6, dtype=torch.float32) + 100 * r for r in range(n)])
+    assert_equal(y, expected, "all_to_all_single equal")
+    send_splits = [r + 1 for r in range(n)]  # rank sends r+1 rows to rank r
+    recv_splits = [rank + 1] * n
+    x = torch.full((sum(send_splits), 3), float(rank))
+    y = torch.empty(sum(recv_splits), 3)
+    dist.all_to_all_single(y, x, output_split_sizes=recv_splits, input_split_sizes=send_splits)
+    assert_equal(y, torch.cat([torch.full((rank + 1, 3), float(r)) for r in range(n)]), "all_to_all_single uneven")
+    ins = [torch.full((r + 2,), rank * 10 + r, dtype=torch.int32) for r in range(n)]
+    outs = [torch.empty(rank + 2, dtype=torch.int32) for _ in range(n)]
+    dist.all_to_all(outs, ins)
+    for r in range(n):
+        assert_equal(outs[r], torch.full((rank + 2,), r * 10 + rank, dtype=torch.int32), f"all_to_all from {r}")
+
+    # coalesced all-reduce, and non-contiguous tensors (handled through a staged copy)
+    tensors = [make_input(rank, k, torch.float32, salt=5).clone() for k in (3, 0, 50)]
+    dist.all_reduce_coalesced(tensors)
+    for k, t in zip((3, 0, 50), tensors):
+        assert_equal(t, reference([make_input(r, k, torch.float32, salt=5) for r in range(n)], "SUM"), "coalesced")
+    base = [torch.arange(12, dtype=torch.float32).reshape(3, 4) * (r + 1) for r in range(n)]
+    t = base[rank].clone().t()  # 4x3, not contiguous
+    assert not t.is_contiguous()
+    dist.all_reduce(t)
+    assert_equal(t, sum(b.t() for b in base), "non-contiguous all_reduce")
+    dist.barrier()
+
+    # point-to-point: a ring of sends, and two tags received in the opposite order
+    right, left = (rank + 1) % n, (rank - 1) % n
+    got = torch.empty(4)
+    reqs = [dist.isend(torch.full((4,), float(rank)), right, tag=7), dist.irecv(got, left, tag=7)]
+    for r in reqs:
+        r.wait()
+    assert_equal(got, torch.full((4,), float(left)), "ring send/recv")
+    if rank == 0:
+        dist.send(torch.tensor([1.0]), 1, tag=1)
+        dist.send(torch.tensor([2.0, 2.0]), 1, tag=2)
+    elif rank == 1:
+        second, first = torch.empty(2), torch.empty(1)
+        dist.recv(second, 0, tag=2)
+        dist.recv(first, 0, tag=1)
+        assert second.tolist() == [2.0, 2.0] and first.tolist() == [1.0], "tag matching"
+    dist.barrier()
+
+
+def async_ops() -> None:
+    rank, n = init()
+    # Several ops in flight at once complete in order with the right values and futures.
+    tensors = [torch.full((1000 * (i + 1),), float(rank + i)) for i in range(4)]
+    works = [dist.all_reduce(t, async_op=True) for t in tensors]
+    futures = [w.get_future() for w in works]
+    for i, (w, f) in enumerate(zip(works, futures)):
+        w.wait()
+        assert w.is_completed() and w.is_success()
+        value = f.wait()[0]
+        assert torch.equal(value, tensors[i])
+        assert torch.all(tensors[i] == sum(r + i for r in range(n)))
+    chained = dist.all_reduce(torch.ones(10), async_op=True).get_future().then(lambda f: f.value()[0] * 2)
+    assert torch.all(chained.wait() == 2 * n)
+
+
+def subgroups() -> None:
+    rank, n = init()
+    evens = dist.new_group([r for r in range(n) if r % 2 == 0])
+    odds = dist.new_group([r for r in range(n) if r % 2 == 1])
+    mine = evens if rank % 2 == 0 else odds
+    members = [r for r in range(n) if r % 2 == rank % 2]
+    t = torch.tensor([float(rank)] * 5)
+    dist.all_reduce(t, group=mine)
+    assert torch.all(t == sum(members)), t
+    root = members[-1]
+    b = torch.tensor([float(rank)])
+    dist.broadcast(b, root, group=mine)
+    assert b.item() == root
+    # the default group still works after the subgroups were used
+    t = torch.ones(3)
+    dist.all_reduce(t)
+    assert torch.all(t == n)
+
+
+def single_rank() -> None:
+    rank, n = init()
+    assert n == 1
+    t = torch.arange(10.0)
+    dist.all_reduce(t, op=dist.ReduceOp.AVG)
+    assert_equal(t, torch.arange(10.0), "world size 1 all_reduce")
+    out = [torch.empty(10)]
+    dist.all_gather(out, t)
+    assert_equal(out[0], t, "world size 1 all_gather")
+    dist.broadcast(t, 0)
+    dist.barrier()
+
+
+def ddp() -> None:
+    """20 DDP steps on ddlcomm give the same parameters as on gloo."""
+    rank, n = init()
+    gloo = dist.new_group(backend="gloo")
+
+    def train(group) -> list[torch.Tensor]:
+        torch.manual_seed(0)  # same initial weights for both runs
+        model = torch.nn.Sequential(torch.nn.Linear(20, 64), torch.nn.ReLU(), torch.nn.Linear(64, 5))
+        ddp_model = torch.nn.parallel.DistributedDataParallel(model, process_group=group, bucket_cap_mb=0.01)
+        opt = torch.optim.SGD(ddp_model.parameters(), lr=0.1, momentum=0.9)
+        g = torch.Generator().manual_seed(100 + rank)
+        for _ in range(20):
+            x = torch.randn(32, 20, generator=g)
+            y = torch.randint(0, 5, (32,), generator=g)
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(ddp_model(x), y).backward()
+            opt.step()
+        return [p.detach().clone() for p in model.parameters()]
+
+    ours = train(None)
+    theirs = train(gloo)
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    # and the replicas agree bitwise with each other
+    for p in ours:
+        copies = [torch.empty_like(p) for _ in range(n)]
+        dist.all_gather(copies, p, group=gloo)
+        assert all(torch.equal(c, p) for c in copies)
+
+
+if __name__ == "__main__":
+    run({
+        "allreduce": allreduce,
+        "collectives": collectives,
+        "async_ops": async_ops,
+        "subgroups": subgroups,
+        "single_rank": single_rank,
+        "ddp": ddp,
+    })

@@ -1,0 +1,103 @@
+"""Shared set-up for worker processes: process groups and deterministic inputs."""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+import ddlcomm  # noqa: F401  (registers the backend)
+
+ALL_DTYPES = [
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int8,
+    torch.uint8,
+    torch.int32,
+    torch.int64,
+    torch.bool,
+]
+FLOAT_DTYPES = {torch.float32, torch.float64, torch.float16, torch.bfloat16}
+OPS = {
+    "SUM": dist.ReduceOp.SUM,
+    "AVG": dist.ReduceOp.AVG,
+    "MIN": dist.ReduceOp.MIN,
+    "MAX": dist.ReduceOp.MAX,
+    "PRODUCT": dist.ReduceOp.PRODUCT,
+    "BAND": dist.ReduceOp.BAND,
+    "BOR": dist.ReduceOp.BOR,
+    "BXOR": dist.ReduceOp.BXOR,
+}
+
+
+def init(backend: str = "ddlcomm", timeout_s: float = 60.0) -> tuple[int, int]:
+    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    return dist.get_rank(), dist.get_world_size()
+
+
+def op_valid(op: str, dtype: torch.dtype) -> bool:
+    if op == "AVG":
+        return dtype in FLOAT_DTYPES
+    if op in ("BAND", "BOR", "BXOR"):
+        return dtype not in FLOAT_DTYPES
+    return True
+
+
+def make_input(rank: int, numel: int, dtype: torch.dtype, op: str = "SUM", salt: int = 0) -> torch.Tensor:
+    """Small integers, so every reduction is exact in every dtype and results can be compared bitwise."""
+    g = torch.Generator().manual_seed(1000 * rank + 17 * numel + salt)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, (numel,), generator=g).bool()
+    if op == "PRODUCT":
+        values = torch.randint(1, 3, (numel,), generator=g)  # 1 or 2: a product of 4 ranks stays <= 16
+        if dtype != torch.uint8:
+            values = values * (1 - 2 * torch.randint(0, 2, (numel,), generator=g))
+        return values.to(dtype)
+    low = 0 if dtype == torch.uint8 else -4
+    return torch.randint(low, 5, (numel,), generator=g).to(dtype)
+
+
+def reference(inputs: list[torch.Tensor], op: str) -> torch.Tensor:
+    """The reduction computed directly from every rank's input."""
+    dtype = inputs[0].dtype
+    stacked = torch.stack(inputs)
+    if dtype == torch.bool:
+        if op in ("SUM", "MAX", "BOR"):
+            return stacked.any(0)
+        if op in ("PRODUCT", "MIN", "BAND"):
+            return stacked.all(0)
+        return functools.reduce(torch.bitwise_xor, inputs)
+    if op == "SUM":
+        return stacked.sum(0).to(dtype)
+    if op == "AVG":
+        return stacked.sum(0).to(dtype) / len(inputs)
+    if op == "PRODUCT":
+        return stacked.prod(0).to(dtype)
+    if op == "MIN":
+        return stacked.amin(0)
+    if op == "MAX":
+        return stacked.amax(0)
+    fn = {"BAND": torch.bitwise_and, "BOR": torch.bitwise_or, "BXOR": torch.bitwise_xor}[op]
+    return functools.reduce(fn, inputs)
+
+
+def assert_equal(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    if actual.dtype != expected.dtype or actual.shape != expected.shape or not torch.equal(actual, expected):
+        diff = (actual != expected).nonzero()[:5].flatten().tolist() if actual.shape == expected.shape else "shape"
+        raise AssertionError(
+            f"{what}: mismatch at {diff}; got {actual.flatten()[:8].tolist()} expected {expected.flatten()[:8].tolist()}"
+        )
+
+
+def run(scenarios: dict) -> None:
+    name = sys.argv[1]
+    scenarios[name](*sys.argv[2:])
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    print(f"rank {os.environ.get('RANK')} scenario {name} OK", flush=True)
