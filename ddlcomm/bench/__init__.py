@@ -1,0 +1,1 @@
+"""Benchmarks: ``python -m ddlcomm.bench.collectives`` (run under torchrun)."""
