@@ -6,6 +6,7 @@
 #include <numeric>
 
 #include "collectives/collectives.h"
+#include "collectives/compressed_allreduce.h"
 #include "transport/tcp/tcp_transport.h"
 
 namespace ddlcomm::torch_glue {
@@ -512,6 +513,46 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDdlcomm::scatter(std::vector<at::Tens
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupDdlcomm::barrier(const c10d::BarrierOptions&) {
   return enqueue(c10d::OpType::BARRIER, {}, [](Communicator& comm) { ddlcomm::barrier(comm); });
+}
+
+int64_t ProcessGroupDdlcomm::serverResidualNumel(int64_t numel) const {
+  return int64_t(serverResidualLength(size_t(numel), rank_, size_));
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupDdlcomm::compressedAllreduce(at::Tensor& tensor,
+                                                                        const compress::Config& config,
+                                                                        std::optional<at::Tensor> workerResidual,
+                                                                        std::optional<at::Tensor> serverResidual,
+                                                                        bool average) {
+  checkTensor(tensor, "compressed allreduce");
+  TORCH_CHECK_TYPE(tensor.scalar_type() == at::kFloat || tensor.scalar_type() == at::kHalf ||
+                       tensor.scalar_type() == at::kBFloat16,
+                   "ddlcomm compressed allreduce needs a float32, float16 or bfloat16 tensor, got ",
+                   tensor.scalar_type());
+  auto checkResidual = [](const std::optional<at::Tensor>& r, int64_t numel, const char* which) {
+    if (!r) return;
+    checkTensor(*r, which);
+    TORCH_CHECK_TYPE(r->scalar_type() == at::kFloat, "ddlcomm: the ", which, " must be float32");
+    TORCH_CHECK_VALUE(r->is_contiguous() && r->numel() == numel, "ddlcomm: the ", which,
+                      " must be a contiguous float32 tensor of ", numel, " elements, got ", r->numel());
+  };
+  checkResidual(workerResidual, tensor.numel(), "worker residual");
+  checkResidual(serverResidual, serverResidualNumel(tensor.numel()), "server residual");
+  const DataType dtype = toDataType(tensor);
+  return enqueue(c10d::OpType::ALLREDUCE, {tensor},
+                 [tensor, config, workerResidual, serverResidual, average, dtype](Communicator& comm) mutable {
+                   at::Tensor work = staged(tensor);
+                   CompressedAllreduceArgs args;
+                   args.config = config;
+                   args.dtype = dtype;
+                   args.data = work.data_ptr();
+                   args.count = size_t(work.numel());
+                   args.workerResidual = workerResidual ? workerResidual->data_ptr<float>() : nullptr;
+                   args.serverResidual = serverResidual ? serverResidual->data_ptr<float>() : nullptr;
+                   args.average = average;
+                   ddlcomm::compressedAllreduce(comm, args);
+                   writeBack(tensor, work);
+                 });
 }
 
 namespace {

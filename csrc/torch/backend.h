@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "collectives/executor.h"
+#include "compress/compress.h"
 
 namespace ddlcomm::torch_glue {
 
@@ -87,6 +88,14 @@ class ProcessGroupDdlcomm : public c10d::Backend {
   uint64_t getSequenceNumberForGroup() override { return opsIssued_.load(); }
   void abort() override;
   void shutdown() override;
+
+  // Compressed all-reduce of a float tensor with error feedback (residuals are float32,
+  // owned by the caller: the worker one has the tensor's numel, the server one
+  // serverResidualNumel()). Returns the average over ranks if `average`.
+  c10::intrusive_ptr<c10d::Work> compressedAllreduce(at::Tensor& tensor, const compress::Config& config,
+                                                     std::optional<at::Tensor> workerResidual,
+                                                     std::optional<at::Tensor> serverResidual, bool average);
+  int64_t serverResidualNumel(int64_t numel) const;
 
   // Runs `task` on the executor with `outputs` as the Work's result (used by the ops above
   // and by the compressed all-reduce).

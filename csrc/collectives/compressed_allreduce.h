@@ -1,0 +1,34 @@
+// Compressed all-reduce with error feedback (DESIGN.md, "Compressed all-reduce"). Every
+// rank ends with bitwise identical results, because everything a rank decodes is bytes
+// that every other rank decodes too, summed in rank order.
+#pragma once
+
+#include <cstddef>
+
+#include "collectives/communicator.h"
+#include "compress/compress.h"
+
+namespace ddlcomm {
+
+struct CompressedAllreduceArgs {
+  compress::Config config;
+  DataType dtype = DataType::Float32;  // of `data`: float32, float16 or bfloat16
+  void* data = nullptr;                // in: this rank's vector; out: the reduced vector
+  size_t count = 0;
+  float* workerResidual = nullptr;  // float32[count], or null for no error feedback
+  float* serverResidual = nullptr;  // float32[serverResidualLength(...)], or null
+  bool average = true;              // divide the sum by the number of ranks
+};
+
+// Length of the server residual of `rank`: the chunk of the vector this rank reduces.
+size_t serverResidualLength(size_t count, int rank, int size);
+
+// Quantizers and casts (1-bit, ternary, fp16, bf16): each rank encodes its vector in n
+// chunks with the worker residual; all-to-all sends chunk i to rank i, which decodes and
+// sums the n payloads in rank order, re-encodes the sum with its server residual; an
+// all-gather of those payloads gives every rank the same bytes to decode.
+// Sparse formats (top-k, random-k): all-gather of every rank's (index, value) payload,
+// decoded and summed in rank order.
+void compressedAllreduce(Communicator& comm, const CompressedAllreduceArgs& args);
+
+}  // namespace ddlcomm
