@@ -1,7 +1,122 @@
+// ddlcomm._C.compress: the compressor kernels on raw addresses. The Python wrapper
+// (ddlcomm/compress.py) checks the tensors and passes data_ptr()s; these functions release the
+// GIL around the kernels, which validate everything else and raise ddlcomm errors, translated
+// here into ValueError / TypeError.
+#include <cstdint>
+#include <exception>
+
 #include "bindings/bindings.h"
+#include "common/dtype.h"
+#include "common/error.h"
+#include "compress/compress.h"
+
+namespace py = pybind11;
 
 namespace ddlcomm::bindings {
+namespace {
 
-void bindCompression(pybind11::module_&) {}
+using compress::Config;
+using compress::Format;
+
+template <class T>
+T* at(uintptr_t address) {
+  return reinterpret_cast<T*>(address);
+}
+
+DataType dataType(int code) {
+  DDLCOMM_CHECK(code >= 0 && isValidDataType(uint8_t(code)), ErrorKind::UnsupportedType, "unknown dtype code ",
+                code);
+  return DataType(code);
+}
+
+void translateErrors(std::exception_ptr error) {
+  try {
+    if (error) std::rethrow_exception(error);
+  } catch (const Error& e) {
+    switch (e.kind()) {
+      case ErrorKind::UnsupportedType: PyErr_SetString(PyExc_TypeError, e.what()); return;
+      case ErrorKind::InvalidArgument:
+      case ErrorKind::Protocol:
+      case ErrorKind::Mismatch: PyErr_SetString(PyExc_ValueError, e.what()); return;
+      default: PyErr_SetString(PyExc_RuntimeError, e.what()); return;
+    }
+  }
+}
+
+}  // namespace
+
+void bindCompression(py::module_& m) {
+  py::register_local_exception_translator(translateErrors);
+  py::module_ c = m.def_submodule("compress", "Compressor kernels on raw buffers (see ddlcomm.compress)");
+
+  py::enum_<Format>(c, "Format")
+      .value("ONE_BIT", Format::OneBit)
+      .value("TERNARY", Format::Ternary)
+      .value("TOP_K", Format::TopK)
+      .value("RANDOM_K", Format::RandomK)
+      .value("FLOAT16", Format::Float16)
+      .value("BFLOAT16", Format::BFloat16);
+
+  py::class_<Config>(c, "Config")
+      .def(py::init<>())
+      .def_readwrite("format", &Config::format)
+      .def_readwrite("block_size", &Config::blockSize)
+      .def_readwrite("two_scales", &Config::twoScales)
+      .def_readwrite("clip", &Config::clip)
+      .def_readwrite("ratio", &Config::ratio)
+      .def_readwrite("k", &Config::k)
+      .def_readwrite("approximate", &Config::approximate)
+      .def_readwrite("scaled", &Config::scaled)
+      .def_readwrite("seed", &Config::seed);
+
+  c.def("kept_entries", &compress::keptEntries, py::arg("config"), py::arg("numel"));
+  c.def("encoded_bytes", &compress::encodedBytes, py::arg("config"), py::arg("numel"));
+
+  c.def(
+      "encode",
+      [](const Config& config, int xType, uintptr_t x, uintptr_t residual, size_t numel, uint64_t stream,
+         uintptr_t payload, size_t capacity) {
+        return compress::encode(config, dataType(xType), at<const void>(x), at<float>(residual), numel, stream,
+                                at<uint8_t>(payload), capacity);
+      },
+      py::arg("config"), py::arg("x_dtype"), py::arg("x"), py::arg("residual"), py::arg("numel"), py::arg("stream"),
+      py::arg("payload"), py::arg("capacity"), py::call_guard<py::gil_scoped_release>(),
+      "Encodes numel elements at address x (residual: float32 address or 0); returns the payload size.");
+
+  c.def(
+      "decode",
+      [](uintptr_t payload, size_t bytes, int outType, uintptr_t out, size_t numel) {
+        compress::decode(at<const uint8_t>(payload), bytes, dataType(outType), at<void>(out), numel);
+      },
+      py::arg("payload"), py::arg("nbytes"), py::arg("out_dtype"), py::arg("out"), py::arg("numel"),
+      py::call_guard<py::gil_scoped_release>());
+
+  c.def(
+      "decode_accumulate",
+      [](uintptr_t payload, size_t bytes, uintptr_t out, size_t numel) {
+        compress::decodeAccumulate(at<const uint8_t>(payload), bytes, at<float>(out), numel);
+      },
+      py::arg("payload"), py::arg("nbytes"), py::arg("out"), py::arg("numel"), py::call_guard<py::gil_scoped_release>());
+
+  c.def(
+      "inspect",
+      [](uintptr_t payload, size_t bytes) {
+        compress::PayloadInfo info;
+        {
+          py::gil_scoped_release release;
+          info = compress::inspect(at<const uint8_t>(payload), bytes);
+        }
+        py::dict d;
+        d["format"] = compress::formatName(info.format);
+        d["version"] = int(compress::kPayloadVersion);
+        d["two_scales"] = bool(info.flags & compress::kFlagTwoScales);
+        d["block_size"] = info.blockSize;
+        d["numel"] = info.numel;
+        d["k"] = info.k;
+        d["nbytes"] = bytes;
+        return d;
+      },
+      py::arg("payload"), py::arg("nbytes"));
+}
 
 }  // namespace ddlcomm::bindings

@@ -4,13 +4,24 @@
 // Cross-device contract (the CUDA kernels in csrc/cuda/ follow it, so a payload encoded on
 // either device is bit-identical for the deterministic formats):
 //  - Block sums (1-bit scale = mean |y| of the block, ternary std) are float32 sums taken in
-//    32 interleaved lanes (lane j sums elements j, j+32, ... in index order), then combined
-//    lane[j] += lane[j+16], +8, +4, +2, +1; no fused multiply-add. Max is order-free.
-//  - Randomness is counter-based: counterUniform(seed, stream, index) in [0, 1), so results
-//    do not depend on threading or device.
-//  - Non-finite input: the affected block's scale (or the top-k value) is non-finite so the
-//    decoded result is non-finite too, and the residual of those elements is reset to 0
-//    so later steps are not poisoned.
+//    32 interleaved lanes (lane j sums elements j, j+32, ... of the block in index order,
+//    starting from +0), then combined lane[j] += lane[j+16], +8, +4, +2, +1; no fused
+//    multiply-add anywhere. A mean is sum / float(count) (IEEE division). Max is order-free.
+//      1-bit:     scale = mean |y|; twoScales: pos = mean of y over {y >= 0}, neg = mean of
+//                 |y| over {!(y >= 0)} (NaN counts as negative), 0 for an empty set.
+//      ternary:   s = max |y| (NaN above +inf); with clip > 0: mean = sum(y) / n,
+//                 var = sum(y*y) / n - mean*mean, std = sqrt(var < 0 ? 0 : var), and
+//                 s = clip*std if clip*std < s (so a NaN std clips nothing). Element i is sent (code 1 for y >= 0, else 2)
+//                 iff counterUniform(seed, stream, i) * s < |y_i|, or s is not finite.
+//  - Randomness is counter-based: counterBits / counterUniform(seed, stream, index), so
+//    results do not depend on threading or device. Random-k takes Floyd's k distinct
+//    indices: for j = numel-k .. numel-1, t = (counterBits(seed, stream, j) * (j+1)) >> 64
+//    (128-bit product); take t, or j when t is already taken.
+//  - Residual: r = y - decoded where that is finite, else 0. A non-finite input makes its
+//    block's scale (or its top-k / cast value) non-finite, so the decoded result is
+//    non-finite too, and the residual there is reset to 0 so later steps are not poisoned.
+//  - Top-k keeps the k largest |y| (NaN largest), ties to the lower index; approximate top-k
+//    selects exactly the same entries (it only finds them faster, see sparse.cc).
 #pragma once
 
 #include <cstddef>
@@ -29,12 +40,17 @@ struct Config {
   double ratio = 0.01;       // top-k / random-k: fraction kept when k == 0
   uint64_t k = 0;            // top-k / random-k: entries kept (overrides ratio)
   bool approximate = false;  // top-k: threshold estimated on a sample (Deep Gradient Compression)
-  uint64_t seed = 0;         // ternary / random-k randomness
+  bool scaled = false;       // random-k: values times float(double(numel) / k): unbiased estimate
+  uint64_t seed = 0;         // ternary / random-k randomness (top-k sampling)
 };
 
-// Entries kept by top-k / random-k for a vector of numel elements.
+// "one_bit", "ternary", "top_k", "random_k", "float16", "bfloat16".
+const char* formatName(Format format);
+
+// Entries kept by top-k / random-k for a vector of numel elements: min(k, numel) when k is
+// set, else round(ratio * numel) clamped to [1, numel] (0 for an empty vector).
 uint64_t keptEntries(const Config& config, size_t numel);
-// Upper bound on (and, except for approximate top-k, exact) payload size.
+// Payload size of every encode of numel elements with this config (exact for all formats).
 size_t encodedBytes(const Config& config, size_t numel);
 
 // x: numel elements of xType (float32, float16 or bfloat16). residual: float32[numel] or
@@ -59,14 +75,18 @@ void decode(const uint8_t* payload, size_t bytes, DataType outType, void* out, s
 // out[numel] (float32) += decode(payload).
 void decodeAccumulate(const uint8_t* payload, size_t bytes, float* out, size_t numel);
 
-// Counter-based uniform in [0, 1) (splitmix64 of the three inputs, top 24 bits).
-inline float counterUniform(uint64_t seed, uint64_t stream, uint64_t index) {
+// Counter-based random bits: splitmix64 of the three inputs.
+inline uint64_t counterBits(uint64_t seed, uint64_t stream, uint64_t index) {
   uint64_t z = seed ^ (stream * 0x9e3779b97f4a7c15ull) ^ (index * 0xbf58476d1ce4e5b9ull);
   z += 0x9e3779b97f4a7c15ull;
   z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
   z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  z ^= z >> 31;
-  return float(z >> 40) * (1.0f / 16777216.0f);
+  return z ^ (z >> 31);
+}
+
+// Counter-based uniform in [0, 1): the top 24 bits of counterBits.
+inline float counterUniform(uint64_t seed, uint64_t stream, uint64_t index) {
+  return float(counterBits(seed, stream, index) >> 40) * (1.0f / 16777216.0f);
 }
 
 }  // namespace ddlcomm::compress

@@ -1,0 +1,112 @@
+// Element access shared by the compressor kernels: how an input dtype is widened to float32,
+// how a decoded float32 lands in an output (assigned in its dtype, or accumulated), and the
+// error-feedback residual rule. Everything here is inlined into the multiversioned kernels.
+#pragma once
+
+#include <cfloat>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#include "common/dtype.h"
+#include "common/half.h"
+
+namespace ddlcomm::compress {
+
+struct F32 {
+  using Raw = float;
+  static float load(float v) { return v; }
+  static float store(float v) { return v; }
+};
+struct F16 {
+  using Raw = uint16_t;
+  static float load(uint16_t v) { return fp16ToFloat(v); }
+  static uint16_t store(float v) { return floatToFp16(v); }
+};
+struct BF16 {
+  using Raw = uint16_t;
+  static float load(uint16_t v) { return bf16ToFloat(v); }
+  static uint16_t store(float v) { return floatToBf16(v); }
+};
+
+// y = x (+ residual): the value every compressor encodes.
+template <class E, bool EF>
+[[gnu::always_inline]] inline float loadY(const typename E::Raw* x, const float* residual, size_t i) {
+  float y = E::load(x[i]);
+  if constexpr (EF) y += residual[i];
+  return y;
+}
+
+// |y| as an integer that orders like the magnitude, NaN above +inf (any NaN payload): an
+// order-free max for ternary scales and the ranking key of top-k.
+[[gnu::always_inline]] inline uint32_t magnitudeBits(float y) {
+  uint32_t u;
+  std::memcpy(&u, &y, sizeof u);
+  return u & 0x7fffffffu;
+}
+
+// Error feedback: residual = y - decoded, or 0 where that is not finite (see compress.h).
+[[gnu::always_inline]] inline float residualOf(float y, float decoded) {
+  const float r = y - decoded;
+  return std::fabs(r) <= FLT_MAX ? r : 0.f;
+}
+
+// The input of an encode, as handed over by the dispatcher.
+struct Input {
+  DataType type;
+  const void* x;
+  float* residual;  // null: no error feedback
+  size_t numel;
+};
+
+// Where decoded values go: assigned in `type`, or added to float32 (accumulate).
+struct Output {
+  DataType type;
+  void* data;
+  bool accumulate;
+};
+
+template <class E>
+struct Assign {
+  typename E::Raw* out;
+  [[gnu::always_inline]] void operator()(size_t i, float v) const { out[i] = E::store(v); }
+};
+struct Accumulate {
+  float* out;
+  [[gnu::always_inline]] void operator()(size_t i, float v) const { out[i] += v; }
+};
+
+// Calls fn(std::true_type{}) or fn(std::false_type{}): turns a runtime flag into a template one.
+template <class Fn>
+[[gnu::always_inline]] inline void withFlag(bool flag, Fn&& fn) {
+  if (flag) {
+    fn(std::true_type{});
+  } else {
+    fn(std::false_type{});
+  }
+}
+
+// Calls fn(E{}) for the input dtype (float32, float16, bfloat16; checked by the dispatcher).
+template <class Fn>
+[[gnu::always_inline]] inline void withElement(DataType type, Fn&& fn) {
+  switch (type) {
+    case DataType::Float16: fn(F16{}); return;
+    case DataType::BFloat16: fn(BF16{}); return;
+    default: fn(F32{}); return;
+  }
+}
+
+// Calls fn(sink) with the Assign/Accumulate sink that writes `out` at offset 0.
+template <class Fn>
+[[gnu::always_inline]] inline void withSink(const Output& out, Fn&& fn) {
+  if (out.accumulate) return fn(Accumulate{static_cast<float*>(out.data)});
+  switch (out.type) {
+    case DataType::Float16: fn(Assign<F16>{static_cast<uint16_t*>(out.data)}); return;
+    case DataType::BFloat16: fn(Assign<BF16>{static_cast<uint16_t*>(out.data)}); return;
+    default: fn(Assign<F32>{static_cast<float*>(out.data)}); return;
+  }
+}
+
+}  // namespace ddlcomm::compress

@@ -1,0 +1,37 @@
+// Internal interface between the dispatcher (payload.cc), which validates arguments and lays
+// out the payload sections, and the per-format kernels. Section pointers may be unaligned.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "compress/compress.h"
+#include "compress/elements.h"
+
+namespace ddlcomm::compress {
+
+// 1-bit (onebit.cc): scales float32[nblocks * (twoScales ? 2 : 1)], then sign bits.
+void encodeOneBit(const Config& config, const Input& in, uint8_t* scales, uint8_t* bits);
+void decodeOneBit(size_t numel, uint32_t blockSize, bool twoScales, const uint8_t* scales, const uint8_t* bits,
+                  const Output& out);
+
+// Ternary (ternary.cc): scales float32[nblocks], then 2-bit codes.
+void encodeTernary(const Config& config, const Input& in, uint64_t stream, uint8_t* scales, uint8_t* codes);
+void decodeTernary(size_t numel, uint32_t blockSize, const uint8_t* scales, const uint8_t* codes, const Output& out);
+// Throws Error(Protocol) on a code 3.
+void checkTernaryCodes(const uint8_t* codes, size_t numel);
+
+// Top-k / random-k (sparse.cc): uint32 indices[k] ascending, then float32 values[k].
+void encodeTopK(const Config& config, const Input& in, uint64_t stream, size_t k, uint8_t* indices,
+                uint8_t* values);
+void encodeRandomK(const Config& config, const Input& in, uint64_t stream, size_t k, uint8_t* indices,
+                   uint8_t* values);
+void decodeSparse(size_t numel, size_t k, const uint8_t* indices, const uint8_t* values, const Output& out);
+// Throws Error(Protocol) unless the indices are strictly increasing and < numel.
+void checkSparseIndices(const uint8_t* indices, size_t k, size_t numel);
+
+// Float16 / BFloat16 casts (cast.cc): uint16 values[numel].
+void encodeCast(Format format, const Input& in, uint8_t* values);
+void decodeCast(Format format, size_t numel, const uint8_t* values, const Output& out);
+
+}  // namespace ddlcomm::compress

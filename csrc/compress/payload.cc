@@ -1,0 +1,230 @@
+// The public entry points of compress.h: argument checks, payload layout (wire_format.h),
+// header writing and complete validation, and dispatch to the per-format kernels.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "common/error.h"
+#include "compress/bits.h"
+#include "compress/compress.h"
+#include "compress/kernels.h"
+
+namespace ddlcomm::compress {
+namespace {
+
+constexpr size_t kHeaderBytes = sizeof(PayloadHeader);
+
+bool isKnownFormat(uint8_t raw) { return raw >= uint8_t(Format::OneBit) && raw <= uint8_t(Format::BFloat16); }
+bool hasBlocks(Format format) { return format == Format::OneBit || format == Format::Ternary; }
+bool isSparse(Format format) { return format == Format::TopK || format == Format::RandomK; }
+
+// Byte sizes of a payload's two sections (the second is empty for casts) and of the whole.
+struct Layout {
+  size_t first = 0, second = 0, total = 0;
+};
+
+// False when a size does not fit in size_t.
+bool computeLayout(Format format, bool twoScales, uint64_t blockSize, uint64_t numel, uint64_t k, Layout& layout) {
+  auto ceilDiv = [](uint64_t a, uint64_t b) { return a / b + (a % b != 0); };
+  bool overflow = false;
+  uint64_t first = 0, second = 0;
+  switch (format) {
+    case Format::OneBit:
+      overflow = __builtin_mul_overflow(ceilDiv(numel, blockSize), twoScales ? 8 : 4, &first);
+      second = ceilDiv(numel, 8);
+      break;
+    case Format::Ternary:
+      overflow = __builtin_mul_overflow(ceilDiv(numel, blockSize), 4, &first);
+      second = ceilDiv(numel, 4);
+      break;
+    case Format::TopK:
+    case Format::RandomK:
+      overflow = __builtin_mul_overflow(k, 4, &first);
+      second = first;
+      break;
+    case Format::Float16:
+    case Format::BFloat16:
+      overflow = __builtin_mul_overflow(numel, 2, &first);
+      break;
+  }
+  uint64_t total = 0;
+  overflow = overflow || __builtin_add_overflow(first, second, &total) ||
+             __builtin_add_overflow(total, kHeaderBytes, &total) || total > SIZE_MAX;
+  layout = {size_t(first), size_t(second), size_t(total)};
+  return !overflow;
+}
+
+void checkConfig(const Config& config) {
+  DDLCOMM_CHECK(isKnownFormat(uint8_t(config.format)), ErrorKind::InvalidArgument, "unknown compression format ",
+                int(config.format));
+  if (hasBlocks(config.format)) {
+    DDLCOMM_CHECK(config.blockSize > 0, ErrorKind::InvalidArgument, "block size must be positive");
+  }
+  if (config.format == Format::Ternary) {
+    DDLCOMM_CHECK(std::isfinite(config.clip) && config.clip >= 0.f, ErrorKind::InvalidArgument,
+                  "clip must be a finite number >= 0, got ", config.clip);
+  }
+  if (isSparse(config.format) && config.k == 0) {
+    DDLCOMM_CHECK(config.ratio > 0.0 && config.ratio <= 1.0, ErrorKind::InvalidArgument,
+                  "ratio must be in (0, 1], got ", config.ratio);
+  }
+}
+
+Layout layoutFor(const Config& config, size_t numel) {
+  checkConfig(config);
+  Layout layout;
+  DDLCOMM_CHECK(computeLayout(config.format, config.twoScales, config.blockSize, numel, keptEntries(config, numel),
+                              layout),
+                ErrorKind::InvalidArgument, "a payload for ", numel, " elements would not fit in memory");
+  return layout;
+}
+
+void checkFloatType(DataType type, const char* what) {
+  DDLCOMM_CHECK(type == DataType::Float32 || type == DataType::Float16 || type == DataType::BFloat16,
+                ErrorKind::UnsupportedType, what, " must be float32, float16 or bfloat16, got ", dataTypeName(type));
+}
+
+// The bits of the last byte of a packed section beyond the last element must be zero.
+void checkUnusedBits(const uint8_t* section, size_t bytes, uint64_t numel, unsigned bitsPerElement,
+                     const char* name) {
+  const unsigned used = unsigned(numel % 8) * bitsPerElement % 8;
+  if (bytes == 0 || used == 0) return;
+  DDLCOMM_CHECK((section[bytes - 1] >> used) == 0, ErrorKind::Protocol, name,
+                " payload: unused bits of the last byte are not zero");
+}
+
+void decodeInto(const uint8_t* payload, size_t bytes, const Output& out, size_t numel) {
+  const PayloadInfo info = inspect(payload, bytes);
+  DDLCOMM_CHECK(info.numel == numel, ErrorKind::InvalidArgument, "the payload holds ", info.numel,
+                " elements, the output has ", numel);
+  DDLCOMM_CHECK(numel == 0 || out.data != nullptr, ErrorKind::InvalidArgument, "decode: null output");
+  Layout layout;
+  computeLayout(info.format, info.flags & kFlagTwoScales, info.blockSize, info.numel, info.k, layout);
+  const uint8_t* first = payload + kHeaderBytes;
+  const uint8_t* second = first + layout.first;
+  switch (info.format) {
+    case Format::OneBit: return decodeOneBit(numel, info.blockSize, info.flags & kFlagTwoScales, first, second, out);
+    case Format::Ternary: return decodeTernary(numel, info.blockSize, first, second, out);
+    case Format::TopK:
+    case Format::RandomK: return decodeSparse(numel, info.k, first, second, out);
+    case Format::Float16:
+    case Format::BFloat16: return decodeCast(info.format, numel, first, out);
+  }
+}
+
+}  // namespace
+
+const char* formatName(Format format) {
+  switch (format) {
+    case Format::OneBit: return "one_bit";
+    case Format::Ternary: return "ternary";
+    case Format::TopK: return "top_k";
+    case Format::RandomK: return "random_k";
+    case Format::Float16: return "float16";
+    case Format::BFloat16: return "bfloat16";
+  }
+  return "unknown";
+}
+
+uint64_t keptEntries(const Config& config, size_t numel) {
+  if (!isSparse(config.format) || numel == 0) return 0;
+  if (config.k > 0) return std::min<uint64_t>(config.k, numel);
+  const double k = std::round(config.ratio * double(numel));
+  return k < 1.0 ? 1 : std::min<uint64_t>(uint64_t(k), numel);
+}
+
+size_t encodedBytes(const Config& config, size_t numel) { return layoutFor(config, numel).total; }
+
+size_t encode(const Config& config, DataType xType, const void* x, float* residual, size_t numel, uint64_t stream,
+              uint8_t* payload, size_t capacity) {
+  const Layout layout = layoutFor(config, numel);
+  checkFloatType(xType, "the input");
+  DDLCOMM_CHECK(capacity >= layout.total, ErrorKind::InvalidArgument, "payload buffer of ", capacity,
+                " bytes is too small, the payload needs ", layout.total);
+  DDLCOMM_CHECK(numel == 0 || x != nullptr, ErrorKind::InvalidArgument, "encode: null input");
+  if (isSparse(config.format)) {
+    DDLCOMM_CHECK(numel <= (uint64_t(1) << 32), ErrorKind::InvalidArgument,
+                  "top-k / random-k index with 32 bits: at most 2^32 elements, got ", numel);
+  }
+  const uint64_t k = keptEntries(config, numel);
+  PayloadHeader header{};
+  header.magic = kPayloadMagic;
+  header.version = kPayloadVersion;
+  header.format = uint8_t(config.format);
+  header.flags = config.format == Format::OneBit && config.twoScales ? kFlagTwoScales : 0;
+  header.blockSize = hasBlocks(config.format) ? config.blockSize : 0;
+  header.numel = numel;
+  header.k = k;
+  std::memcpy(payload, &header, kHeaderBytes);
+
+  const Input in{xType, x, residual, numel};
+  uint8_t* first = payload + kHeaderBytes;
+  uint8_t* second = first + layout.first;
+  switch (config.format) {
+    case Format::OneBit: encodeOneBit(config, in, first, second); break;
+    case Format::Ternary: encodeTernary(config, in, stream, first, second); break;
+    case Format::TopK: encodeTopK(config, in, stream, k, first, second); break;
+    case Format::RandomK: encodeRandomK(config, in, stream, k, first, second); break;
+    case Format::Float16:
+    case Format::BFloat16: encodeCast(config.format, in, first); break;
+  }
+  return layout.total;
+}
+
+PayloadInfo inspect(const uint8_t* payload, size_t bytes) {
+  DDLCOMM_CHECK(payload != nullptr || bytes == 0, ErrorKind::InvalidArgument, "inspect: null payload");
+  DDLCOMM_CHECK(bytes >= kHeaderBytes, ErrorKind::Protocol, "payload of ", bytes, " bytes is shorter than its ",
+                kHeaderBytes, "-byte header");
+  PayloadHeader h;
+  std::memcpy(&h, payload, kHeaderBytes);
+  DDLCOMM_CHECK(h.magic == kPayloadMagic, ErrorKind::Protocol, "not a ddlcomm payload (bad magic)");
+  DDLCOMM_CHECK(h.version == kPayloadVersion, ErrorKind::Protocol, "payload version ", int(h.version),
+                " is not supported (expected ", int(kPayloadVersion), ")");
+  DDLCOMM_CHECK(isKnownFormat(h.format), ErrorKind::Protocol, "unknown payload format ", int(h.format));
+  const auto format = Format(h.format);
+  const char* name = formatName(format);
+  DDLCOMM_CHECK(h.reserved0 == 0 && h.reserved1 == 0, ErrorKind::Protocol, name, " payload: reserved header fields are not zero");
+  const uint8_t allowedFlags = format == Format::OneBit ? kFlagTwoScales : 0;
+  DDLCOMM_CHECK((h.flags & ~allowedFlags) == 0, ErrorKind::Protocol, name, " payload: invalid flags ", int(h.flags));
+  if (hasBlocks(format)) {
+    DDLCOMM_CHECK(h.blockSize > 0, ErrorKind::Protocol, name, " payload: block size is 0");
+  } else {
+    DDLCOMM_CHECK(h.blockSize == 0, ErrorKind::Protocol, name, " payload: block size must be 0, got ", h.blockSize);
+  }
+  if (isSparse(format)) {
+    DDLCOMM_CHECK(h.k <= h.numel, ErrorKind::Protocol, name, " payload: k = ", h.k, " exceeds numel = ", h.numel);
+  } else {
+    DDLCOMM_CHECK(h.k == 0, ErrorKind::Protocol, name, " payload: k must be 0, got ", h.k);
+  }
+  Layout layout;
+  DDLCOMM_CHECK(computeLayout(format, h.flags & kFlagTwoScales, h.blockSize, h.numel, h.k, layout),
+                ErrorKind::Protocol, name, " payload: header sizes overflow (numel ", h.numel, ", k ", h.k, ")");
+  DDLCOMM_CHECK(bytes == layout.total, ErrorKind::Protocol, name, " payload has ", bytes, " bytes, its header (numel ",
+                h.numel, ", k ", h.k, ", block size ", h.blockSize, ") needs ", layout.total);
+
+  const uint8_t* first = payload + kHeaderBytes;
+  const uint8_t* second = first + layout.first;
+  switch (format) {
+    case Format::OneBit: checkUnusedBits(second, layout.second, h.numel, 1, name); break;
+    case Format::Ternary:
+      checkUnusedBits(second, layout.second, h.numel, 2, name);
+      checkTernaryCodes(second, h.numel);
+      break;
+    case Format::TopK:
+    case Format::RandomK: checkSparseIndices(first, h.k, h.numel); break;
+    case Format::Float16:
+    case Format::BFloat16: break;
+  }
+  return {format, h.flags, h.blockSize, h.numel, h.k};
+}
+
+void decode(const uint8_t* payload, size_t bytes, DataType outType, void* out, size_t numel) {
+  checkFloatType(outType, "the output");
+  decodeInto(payload, bytes, Output{outType, out, false}, numel);
+}
+
+void decodeAccumulate(const uint8_t* payload, size_t bytes, float* out, size_t numel) {
+  decodeInto(payload, bytes, Output{DataType::Float32, out, true}, numel);
+}
+
+}  // namespace ddlcomm::compress

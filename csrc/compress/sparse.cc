@@ -1,0 +1,334 @@
+// Sparse compressors with error feedback: top-k (largest |y|) and random-k. The payload carries
+// the kept entries (indices ascending, then values); every other element stays in the residual.
+//
+// Top-k ranks elements by magnitudeBits(y) (NaN largest), ties to the lower index, and keeps
+// exactly k. The exact path finds the k-th largest key with a 3-level radix histogram (four
+// passes over y). The approximate path (Deep Gradient Compression) estimates a threshold t
+// from a counter-based random sample, collects the candidates with key >= t in the same pass
+// that forms y, and selects exactly among them. Whenever there are at least k candidates they
+// contain the true top-k, so the result equals exact top-k bit for bit; with fewer than k
+// candidates (or too many to hold) it falls back to the exact path on the y already formed.
+// The sample only decides how fast that is, never what is sent.
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "common/error.h"
+#include "common/half.h"
+#include "compress/bits.h"
+#include "compress/block_sum.h"
+#include "compress/kernels.h"
+#include "compress/parallel.h"
+
+namespace ddlcomm::compress {
+namespace {
+
+using Key = uint32_t;  // magnitudeBits(y)
+constexpr Key kInfinityKey = 0x7f800000;
+
+struct Entry {
+  uint32_t index;
+  float value;
+};
+
+// Uniform integer in [0, bound) from 64 random bits (128-bit product, no modulo bias worth noting).
+inline uint64_t uniformBelow(uint64_t bits, uint64_t bound) {
+  return uint64_t((unsigned __int128)bits * bound >> 64);
+}
+
+// ---- y = x + residual, tile by tile --------------------------------------------------------
+
+// Elements per tile: small enough for L1, so a pass that forms y also consumes it from cache.
+constexpr size_t kTile = 4096;
+
+// y[begin, begin + n). With error feedback the first pass stores y into the residual
+// (r = x + r: what stays there unless the element is sent) and later passes read it back.
+// Without, y is x itself (float32) or x widened into `scratch`.
+DDLCOMM_MULTIVERSION const float* loadTile(const Input& in, bool first, size_t begin, size_t n, float* scratch) {
+  if (in.residual != nullptr) {
+    if (first) {
+      withElement(in.type, [&](auto e) __attribute__((always_inline)) {
+        using E = decltype(e);
+        const auto* x = static_cast<const typename E::Raw*>(in.x) + begin;
+        float* r = in.residual + begin;
+        for (size_t i = 0; i < n; ++i) r[i] = loadY<E, true>(x, r, i);
+      });
+    }
+    return in.residual + begin;
+  }
+  if (in.type == DataType::Float32) return static_cast<const float*>(in.x) + begin;
+  withElement(in.type, [&](auto e) __attribute__((always_inline)) {
+    using E = decltype(e);
+    const auto* x = static_cast<const typename E::Raw*>(in.x) + begin;
+    for (size_t i = 0; i < n; ++i) scratch[i] = E::load(x[i]);
+  });
+  return scratch;
+}
+
+// Calls visit(begin, y, n) for the tiles of [begin, end).
+template <class Visit>
+void forEachTile(const Input& in, bool first, size_t begin, size_t end, Visit&& visit) {
+  std::vector<float> scratch(in.residual == nullptr && in.type != DataType::Float32 ? kTile : 0);
+  for (size_t i = begin; i < end; i += kTile) {
+    const size_t n = std::min(kTile, end - i);
+    visit(i, loadTile(in, first, i, n, scratch.data()), n);
+  }
+}
+
+// ---- selection ------------------------------------------------------------------------------
+
+// The k-th largest key, and how many entries with exactly that key are kept (lowest indices).
+struct Threshold {
+  Key key;
+  size_t ties;
+};
+
+// Counts, into hist, the keys whose bits above `filterShift` equal `prefix`, by bits [shift, shift + width).
+DDLCOMM_MULTIVERSION void histogram(const float* y, size_t n, unsigned filterShift, Key prefix, unsigned shift,
+                                    Key width, uint64_t* hist) {
+  const Key mask = (Key(1) << width) - 1;
+  for (size_t i = 0; i < n; ++i) {
+    const Key key = magnitudeBits(y[i]);
+    if ((key >> filterShift) == prefix) ++hist[(key >> shift) & mask];
+  }
+}
+
+// Exact radix select of the k-th largest key (k >= 1): keys are 31 bits, taken 11 + 11 + 9.
+Threshold exactThreshold(const Input& in, size_t k, bool first) {
+  struct Level {
+    unsigned shift, width;
+  };
+  constexpr Level kLevels[] = {{20, 11}, {9, 11}, {0, 9}};
+  Key prefix = 0;
+  size_t need = k;  // entries still to take among those whose key starts with `prefix`
+  for (const Level& level : kLevels) {
+    const size_t buckets = size_t(1) << level.width;
+    const size_t parts = threadsFor(in.numel);
+    std::vector<uint64_t> hist(parts * buckets, 0);
+    runParts(parts, in.numel, kTile, [&](size_t part, size_t begin, size_t end) {
+      forEachTile(in, first, begin, end, [&](size_t, const float* y, size_t n) {
+        histogram(y, n, level.shift + level.width, prefix, level.shift, level.width, &hist[part * buckets]);
+      });
+    });
+    first = false;
+    for (size_t part = 1; part < parts; ++part) {
+      for (size_t b = 0; b < buckets; ++b) hist[b] += hist[part * buckets + b];
+    }
+    size_t bucket = buckets - 1;
+    for (; hist[bucket] < need; --bucket) need -= hist[bucket];
+    prefix = (prefix << level.width) | Key(bucket);
+  }
+  return {prefix, need};
+}
+
+// Appends the entries of y[0, n) (element base + i) with key > t, or key == t while fewer than
+// tieLimit of those were taken, as long as `out` holds fewer than `limit`. Returns how many
+// qualified, appended or not.
+DDLCOMM_MULTIVERSION size_t collect(const float* y, size_t n, size_t base, Key t, size_t tieLimit, size_t& ties,
+                                    size_t limit, std::vector<Entry>& out) {
+  size_t found = 0;
+  forEachRow(n, [&](size_t off, auto rowLen) __attribute__((always_inline)) {
+    uint32_t mask = rowMask(rowLen, [&](size_t j) __attribute__((always_inline)) {
+      return magnitudeBits(y[off + j]) >= t;
+    });
+    for (; mask != 0; mask &= mask - 1) {
+      const size_t i = off + size_t(__builtin_ctz(mask));
+      if (magnitudeBits(y[i]) == t && ties++ >= tieLimit) continue;
+      ++found;
+      if (out.size() < limit) out.push_back({uint32_t(base + i), y[i]});
+    }
+  });
+  return found;
+}
+
+// Collects, per part, the entries with key >= t (ties as in collect, at most `limit` kept per
+// part); returns how many qualified in total.
+size_t collectParts(const Input& in, bool first, Key t, size_t tieLimit, size_t limit,
+                    std::vector<std::vector<Entry>>& parts) {
+  parts.assign(threadsFor(in.numel), {});
+  std::vector<size_t> found(parts.size(), 0);
+  runParts(parts.size(), in.numel, kTile, [&](size_t part, size_t begin, size_t end) {
+    size_t ties = 0;
+    forEachTile(in, first, begin, end, [&](size_t base, const float* y, size_t n) {
+      found[part] += collect(y, n, base, t, tieLimit, ties, limit, parts[part]);
+    });
+  });
+  size_t total = 0;
+  for (size_t f : found) total += f;
+  return total;
+}
+
+// Zeroes the residual where it is not finite: after a top-k whose threshold is non-finite,
+// the unsent non-finite entries (selected ones are already 0).
+DDLCOMM_MULTIVERSION void clearNonFinite(float* residual, size_t begin, size_t end) {
+  for (size_t i = begin; i < end; ++i) residual[i] = residualOf(residual[i], 0.f);
+}
+
+// Writes the entries with key > threshold.key plus the first threshold.ties with key equal to
+// it, in index order (parts are consecutive ranges), and sets their residual to y - y = 0.
+// Unsent non-finite entries exist only when the threshold is non-finite: their residual is
+// zeroed by one more pass.
+void writeSelected(const Input& in, const std::vector<std::vector<Entry>>& parts, Threshold threshold,
+                   uint8_t* indices, uint8_t* values) {
+  size_t kept = 0, ties = 0;
+  for (const auto& entries : parts) {
+    for (const Entry& e : entries) {
+      const Key key = magnitudeBits(e.value);
+      if (key < threshold.key || (key == threshold.key && ties++ >= threshold.ties)) continue;
+      storeLE(indices + 4 * kept, e.index);
+      storeLE(values + 4 * kept, e.value);
+      if (in.residual != nullptr) in.residual[e.index] = residualOf(e.value, e.value);
+      ++kept;
+    }
+  }
+  if (in.residual != nullptr && threshold.key >= kInfinityKey) {
+    parallelFor(in.numel, 1, kTile, [&](size_t begin, size_t end) { clearNonFinite(in.residual, begin, end); });
+  }
+}
+
+// ---- approximate top-k: threshold from a sample ---------------------------------------------
+
+constexpr size_t kSampleSize = size_t(1) << 15;
+
+// A key that about k + 4 standard deviations of the population exceed, from kSampleSize
+// counter-based random elements of y = x + residual (not formed yet). 0 when the sample cannot
+// tell (k close to numel).
+DDLCOMM_MULTIVERSION Key sampleThreshold(const Input& in, size_t k, uint64_t seed, uint64_t stream) {
+  const double expected = double(k) * double(kSampleSize) / double(in.numel);
+  const size_t rank = size_t(std::ceil(expected + 4.0 * std::sqrt(expected) + 4.0));
+  if (rank >= kSampleSize) return 0;
+  std::vector<Key> keys(kSampleSize);
+  withElement(in.type, [&](auto e) __attribute__((always_inline)) {
+    using E = decltype(e);
+    const auto* x = static_cast<const typename E::Raw*>(in.x);
+    for (size_t j = 0; j < kSampleSize; ++j) {
+      const size_t i = uniformBelow(counterBits(seed, stream, j), in.numel);
+      float y = E::load(x[i]);
+      if (in.residual != nullptr) y += in.residual[i];
+      keys[j] = magnitudeBits(y);
+    }
+  });
+  std::nth_element(keys.begin(), keys.begin() + (rank - 1), keys.end(), std::greater<Key>());
+  return keys[rank - 1];
+}
+
+// Selects among the candidates (all entries with key >= some t, at least k of them).
+Threshold thresholdAmong(const std::vector<std::vector<Entry>>& parts, size_t k) {
+  std::vector<Key> keys;
+  for (const auto& entries : parts) {
+    for (const Entry& e : entries) keys.push_back(magnitudeBits(e.value));
+  }
+  std::nth_element(keys.begin(), keys.begin() + (k - 1), keys.end(), std::greater<Key>());
+  const Key t = keys[k - 1];
+  const size_t above = size_t(std::count_if(keys.begin(), keys.end(), [t](Key key) { return key > t; }));
+  return {t, k - above};
+}
+
+// ---- random-k ---------------------------------------------------------------------------------
+
+// Floyd's algorithm: k distinct indices, uniform over all k-subsets, as a bitmap.
+std::vector<uint64_t> floydSample(size_t numel, size_t k, uint64_t seed, uint64_t stream) {
+  std::vector<uint64_t> taken((numel + 63) / 64, 0);
+  for (size_t j = numel - k; j < numel; ++j) {
+    size_t t = uniformBelow(counterBits(seed, stream, j), j + 1);
+    if ((taken[t / 64] >> (t % 64)) & 1) t = j;
+    taken[t / 64] |= uint64_t(1) << (t % 64);
+  }
+  return taken;
+}
+
+// One pass over the words [w0, w1) of the bitmap: writes the taken entries from payload
+// position `kept` on, and the residual y - sent (sent = 0 for the others) everywhere.
+template <class E, bool EF>
+[[gnu::always_inline]] inline void randomKWords(const Input& in, const uint64_t* taken, float scale, size_t w0,
+                                                size_t w1, size_t kept, uint8_t* indices, uint8_t* values) {
+  const auto* x = static_cast<const typename E::Raw*>(in.x);
+  float* r = in.residual;
+  for (size_t w = w0; w < w1; ++w) {
+    const size_t base = 64 * w, len = std::min<size_t>(64, in.numel - base);
+    for (uint64_t bits = taken[w]; bits != 0; bits &= bits - 1) {
+      const size_t i = base + size_t(__builtin_ctzll(bits));
+      storeLE(indices + 4 * kept, uint32_t(i));
+      storeLE(values + 4 * kept, loadY<E, EF>(x, r, i) * scale);
+      ++kept;
+    }
+    if constexpr (EF) {
+      const uint64_t bits = taken[w];
+      for (size_t j = 0; j < len; ++j) {
+        const float y = loadY<E, EF>(x, r, base + j);
+        r[base + j] = residualOf(y, (bits >> j) & 1 ? y * scale : 0.f);
+      }
+    }
+  }
+}
+
+DDLCOMM_MULTIVERSION void randomKPart(const Input& in, const uint64_t* taken, float scale, size_t w0, size_t w1,
+                                      size_t kept, uint8_t* indices, uint8_t* values) {
+  withElement(in.type, [&](auto e) __attribute__((always_inline)) {
+    withFlag(in.residual != nullptr, [&](auto ef) __attribute__((always_inline)) {
+      randomKWords<decltype(e), decltype(ef)::value>(in, taken, scale, w0, w1, kept, indices, values);
+    });
+  });
+}
+
+// ---- decode -----------------------------------------------------------------------------------
+
+DDLCOMM_MULTIVERSION void fillZero(const Output& out, size_t begin, size_t end) {
+  withSink(out, [&](auto sink) __attribute__((always_inline)) {
+    for (size_t i = begin; i < end; ++i) sink(i, 0.f);
+  });
+}
+
+}  // namespace
+
+void encodeTopK(const Config& config, const Input& in, uint64_t stream, size_t k, uint8_t* indices,
+                uint8_t* values) {
+  if (k == 0) return;
+  std::vector<std::vector<Entry>> parts;
+  bool first = true;
+  if (config.approximate && in.numel >= 8 * kSampleSize) {
+    const Key t = sampleThreshold(in, k, config.seed, stream);
+    const size_t limit = 4 * k + kSampleSize;
+    const size_t found = t > 0 ? collectParts(in, true, t, SIZE_MAX, limit, parts) : 0;
+    first = t == 0;
+    if (found >= k && found <= limit) return writeSelected(in, parts, thresholdAmong(parts, k), indices, values);
+  }
+  const Threshold threshold = exactThreshold(in, k, first);
+  collectParts(in, false, threshold.key, threshold.ties, SIZE_MAX, parts);
+  writeSelected(in, parts, threshold, indices, values);
+}
+
+void encodeRandomK(const Config& config, const Input& in, uint64_t stream, size_t k, uint8_t* indices,
+                   uint8_t* values) {
+  const float scale = config.scaled && k > 0 ? float(double(in.numel) / double(k)) : 1.f;
+  const std::vector<uint64_t> taken = floydSample(in.numel, k, config.seed, stream);
+  const size_t words = taken.size();
+  const size_t parts = threadsFor(in.numel);
+  std::vector<size_t> kept(parts + 1, 0);  // payload position where each part starts
+  runParts(parts, words, 1, [&](size_t part, size_t w0, size_t w1) {
+    for (size_t w = w0; w < w1; ++w) kept[part + 1] += size_t(__builtin_popcountll(taken[w]));
+  });
+  for (size_t part = 0; part < parts; ++part) kept[part + 1] += kept[part];
+  runParts(parts, words, 1, [&](size_t part, size_t w0, size_t w1) {
+    randomKPart(in, taken.data(), scale, w0, w1, kept[part], indices, values);
+  });
+}
+
+void decodeSparse(size_t numel, size_t k, const uint8_t* indices, const uint8_t* values, const Output& out) {
+  if (!out.accumulate) parallelFor(numel, 1, kTile, [&](size_t begin, size_t end) { fillZero(out, begin, end); });
+  withSink(out, [&](auto sink) {
+    for (size_t e = 0; e < k; ++e) sink(loadLE<uint32_t>(indices + 4 * e), loadLE<float>(values + 4 * e));
+  });
+}
+
+void checkSparseIndices(const uint8_t* indices, size_t k, size_t numel) {
+  for (size_t e = 0; e < k; ++e) {
+    const uint32_t index = loadLE<uint32_t>(indices + 4 * e);
+    DDLCOMM_CHECK(index < numel, ErrorKind::Protocol, "sparse payload: index ", index, " at position ", e,
+                  " is out of range for ", numel, " elements");
+    DDLCOMM_CHECK(e == 0 || index > loadLE<uint32_t>(indices + 4 * (e - 1)), ErrorKind::Protocol,
+                  "sparse payload: indices are not strictly increasing at position ", e);
+  }
+}
+
+}  // namespace ddlcomm::compress

@@ -1,0 +1,141 @@
+// Ternary compression (TernGrad) with error feedback: each element becomes -s, 0 or +s with
+// s = max |y| of its block (optionally clipped at clip * std), chosen by counter-based
+// stochastic rounding so that E[decoded] = y wherever |y| <= s.
+#include <algorithm>
+#include <cfloat>
+#include <cmath>
+
+#include "common/error.h"
+#include "common/half.h"
+#include "compress/bits.h"
+#include "compress/block_sum.h"
+#include "compress/kernels.h"
+#include "compress/parallel.h"
+
+namespace ddlcomm::compress {
+namespace {
+
+// Parts start at multiples of 8 blocks, so each part's codes start on a byte boundary.
+constexpr size_t kBlocksPerUnit = 8;
+
+template <class E, bool EF>
+[[gnu::always_inline]] inline float blockScale(const typename E::Raw* x, const float* r, size_t len, float clip) {
+  uint32_t maxBits[kLanes] = {};
+  LaneSums sum, squares;
+  forEachRow(len, [&](size_t off, auto n) __attribute__((always_inline)) {
+    for (size_t j = 0; j < n; ++j) maxBits[j] = std::max(maxBits[j], magnitudeBits(loadY<E, EF>(x, r, off + j)));
+  });
+  if (clip > 0.f) {
+    forEachRow(len, [&](size_t off, auto n) __attribute__((always_inline)) {
+      for (size_t j = 0; j < n; ++j) {
+        const float y = loadY<E, EF>(x, r, off + j);
+        sum.lane[j] += y;
+        squares.lane[j] += y * y;
+      }
+    });
+  }
+  uint32_t maxAll = 0;
+  for (size_t j = 0; j < kLanes; ++j) maxAll = std::max(maxAll, maxBits[j]);
+  float s;
+  std::memcpy(&s, &maxAll, sizeof s);
+  if (clip > 0.f) {
+    const float mean = sum.total() / float(len);
+    const float var = squares.total() / float(len) - mean * mean;
+    const float clipAt = clip * std::sqrt(var < 0.f ? 0.f : var);
+    if (clipAt < s) s = clipAt;
+  }
+  return s;
+}
+
+template <class E, bool EF>
+[[gnu::always_inline]] inline void encodeBlocks(const Config& config, const Input& in, uint64_t stream,
+                                                uint8_t* scales, uint8_t* codes, size_t b0, size_t b1) {
+  const auto* x = static_cast<const typename E::Raw*>(in.x);
+  const size_t bs = config.blockSize;
+  BitWriter writer(codes + b0 * bs / 4);
+  for (size_t b = b0; b < b1; ++b) {
+    const size_t start = b * bs, len = std::min(bs, in.numel - start);
+    const auto* xb = x + start;
+    float* rb = EF ? in.residual + start : nullptr;
+    const float s = blockScale<E, EF>(xb, rb, len, config.clip);
+    storeLE(scales + 4 * b, s);
+    const bool sendAll = !(s <= FLT_MAX);  // non-finite scale: every element decodes to it
+    forEachRow(len, [&](size_t off, auto n) __attribute__((always_inline)) {
+      uint64_t packed = 0;
+      for (size_t j = 0; j < n; ++j) {
+        const float y = loadY<E, EF>(xb, rb, off + j);
+        const bool send = counterUniform(config.seed, stream, start + off + j) * s < std::fabs(y) || sendAll;
+        const bool isPos = y >= 0.f;
+        if constexpr (EF) rb[off + j] = residualOf(y, send ? (isPos ? s : -s) : 0.f);
+        packed |= uint64_t(send ? (isPos ? 1 : 2) : 0) << (2 * j);
+      }
+      writer.putWide(packed, 2 * n);
+    });
+  }
+  writer.flush();
+}
+
+DDLCOMM_MULTIVERSION void encodePart(const Config& config, const Input& in, uint64_t stream, uint8_t* scales,
+                                     uint8_t* codes, size_t b0, size_t b1) {
+  withElement(in.type, [&](auto e) __attribute__((always_inline)) {
+    withFlag(in.residual != nullptr, [&](auto ef) __attribute__((always_inline)) {
+      encodeBlocks<decltype(e), decltype(ef)::value>(config, in, stream, scales, codes, b0, b1);
+    });
+  });
+}
+
+template <class Sink>
+[[gnu::always_inline]] inline void decodeBlocks(size_t numel, size_t bs, const uint8_t* scales, const uint8_t* codes,
+                                                Sink sink, size_t b0, size_t b1) {
+  BitReader reader(codes + b0 * bs / 4);
+  for (size_t b = b0; b < b1; ++b) {
+    const size_t start = b * bs, len = std::min(bs, numel - start);
+    const float s = loadLE<float>(scales + 4 * b);
+    forEachRow(len, [&](size_t off, auto n) __attribute__((always_inline)) {
+      const uint64_t packed = reader.getWide(2 * n);
+      for (size_t j = 0; j < n; ++j) {
+        const uint64_t code = (packed >> (2 * j)) & 3;
+        sink(start + off + j, code == 1 ? s : code == 2 ? -s : 0.f);
+      }
+    });
+  }
+}
+
+DDLCOMM_MULTIVERSION void decodePart(size_t numel, uint32_t blockSize, const uint8_t* scales, const uint8_t* codes,
+                                     const Output& out, size_t b0, size_t b1) {
+  withSink(out, [&](auto sink) __attribute__((always_inline)) {
+    decodeBlocks(numel, blockSize, scales, codes, sink, b0, b1);
+  });
+}
+
+// Nonzero when some 2-bit code in the bytes is 3.
+DDLCOMM_MULTIVERSION uint8_t invalidCodeBits(const uint8_t* codes, size_t bytes) {
+  uint8_t bad = 0;
+  for (size_t i = 0; i < bytes; ++i) bad |= codes[i] & (codes[i] >> 1);
+  return bad & 0x55;
+}
+
+}  // namespace
+
+void encodeTernary(const Config& config, const Input& in, uint64_t stream, uint8_t* scales, uint8_t* codes) {
+  const size_t blocks = (in.numel + config.blockSize - 1) / config.blockSize;
+  parallelFor(blocks, config.blockSize, kBlocksPerUnit,
+              [&](size_t b0, size_t b1) { encodePart(config, in, stream, scales, codes, b0, b1); });
+}
+
+void decodeTernary(size_t numel, uint32_t blockSize, const uint8_t* scales, const uint8_t* codes, const Output& out) {
+  const size_t blocks = (numel + blockSize - 1) / blockSize;
+  parallelFor(blocks, blockSize, kBlocksPerUnit,
+              [&](size_t b0, size_t b1) { decodePart(numel, blockSize, scales, codes, out, b0, b1); });
+}
+
+void checkTernaryCodes(const uint8_t* codes, size_t numel) {
+  const size_t bytes = (numel + 3) / 4;
+  if (invalidCodeBits(codes, bytes) == 0) return;
+  for (size_t i = 0; i < numel; ++i) {
+    DDLCOMM_CHECK(((codes[i / 4] >> (2 * (i % 4))) & 3) != 3, ErrorKind::Protocol, "ternary payload: element ", i,
+                  " has the invalid code 3");
+  }
+}
+
+}  // namespace ddlcomm::compress
