@@ -12,12 +12,6 @@ namespace {
 
 bool isSparse(compress::Format f) { return f == compress::Format::TopK || f == compress::Format::RandomK; }
 
-// Randomness stream of one encode: distinct per call, rank, phase and chunk.
-uint64_t streamOf(const Call& call, int rank, int phase, int chunk, int size) {
-  return ((call.signature().seq * 2 + uint64_t(phase)) * uint64_t(size) + uint64_t(rank)) * uint64_t(size + 1) +
-         uint64_t(chunk);
-}
-
 // Every rank sends `mine` to every other rank and receives theirs at their offsets.
 void gatherPayloads(Call& call, const uint8_t* mine, size_t mineBytes, uint8_t* all,
                     const std::vector<size_t>& offsets, const std::vector<size_t>& sizes) {
@@ -61,7 +55,7 @@ void sparseAllreduce(Call& call, const CompressedAllreduceArgs& a) {
   uint8_t* all = reinterpret_cast<uint8_t*>(comm.scratch(size_t(n) * capacity, 0));
   uint8_t* mine = all + offsets[size_t(r)];
   size_t written = compress::encode(a.config, a.dtype, a.data, a.workerResidual, a.count,
-                                    streamOf(call, r, 0, 0, n), mine, capacity);
+                                    encodeStream(a.stream, r, 0, 0, n), mine, capacity);
   DDLCOMM_CHECK(written == capacity, ErrorKind::Protocol, "sparse payload of ", written, " bytes, expected ", capacity);
   gatherPayloads(call, mine, written, all, offsets, sizes);
   float* acc = reinterpret_cast<float*>(comm.scratch(a.count * sizeof(float), 1));
@@ -89,7 +83,7 @@ void scatterReduceGather(Call& call, const CompressedAllreduceArgs& a) {
   for (int i = 0; i < n; ++i) {
     size_t written = compress::encode(a.config, a.dtype, data + chunks.begin(i) * es,
                                       a.workerResidual ? a.workerResidual + chunks.begin(i) : nullptr,
-                                      chunks.length(i), streamOf(call, r, 0, i, n),
+                                      chunks.length(i), encodeStream(a.stream, r, 0, i, n),
                                       outgoing + chunkOffsets[size_t(i)], chunkBytes[size_t(i)]);
     DDLCOMM_CHECK(written == chunkBytes[size_t(i)], ErrorKind::Protocol, "payload of ", written, " bytes, expected ",
                   chunkBytes[size_t(i)]);
@@ -119,7 +113,7 @@ void scatterReduceGather(Call& call, const CompressedAllreduceArgs& a) {
   if (a.average) scale(acc, mineLength, 1.f / float(n));
   uint8_t* gathered = outgoing;  // the worker payloads have been sent; reuse the buffer
   size_t written = compress::encode(a.config, DataType::Float32, acc, a.serverResidual, mineLength,
-                                    streamOf(call, r, 1, r, n), gathered + chunkOffsets[size_t(r)], mineBytes);
+                                    encodeStream(a.stream, r, 1, r, n), gathered + chunkOffsets[size_t(r)], mineBytes);
   DDLCOMM_CHECK(written == mineBytes, ErrorKind::Protocol, "server payload of ", written, " bytes, expected ", mineBytes);
 
   // 5. All-gather the reduced chunks; 6. every rank decodes the same bytes.
@@ -132,6 +126,10 @@ void scatterReduceGather(Call& call, const CompressedAllreduceArgs& a) {
 }
 
 }  // namespace
+
+uint64_t encodeStream(uint64_t callStream, int rank, int phase, int chunk, int size) {
+  return ((callStream * 2 + uint64_t(phase)) * uint64_t(size) + uint64_t(rank)) * uint64_t(size) + uint64_t(chunk);
+}
 
 size_t serverResidualLength(size_t count, int rank, int size) { return ring::Chunks{count, size}.length(rank); }
 

@@ -18,7 +18,12 @@ struct CompressedAllreduceArgs {
   float* workerResidual = nullptr;  // float32[count], or null for no error feedback
   float* serverResidual = nullptr;  // float32[serverResidualLength(...)], or null
   bool average = true;              // divide the sum by the number of ranks
+  uint64_t stream = 0;              // randomness stream of this call (e.g. the training step)
 };
+
+// Randomness stream of one encode: distinct per call stream, rank, phase (0 worker,
+// 1 server) and chunk. The Python fallback over other backends uses the same formula.
+uint64_t encodeStream(uint64_t callStream, int rank, int phase, int chunk, int size);
 
 // Length of the server residual of `rank`: the chunk of the vector this rank reduces.
 size_t serverResidualLength(size_t count, int rank, int size);

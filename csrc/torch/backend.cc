@@ -523,7 +523,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDdlcomm::compressedAllreduce(at::Tens
                                                                         const compress::Config& config,
                                                                         std::optional<at::Tensor> workerResidual,
                                                                         std::optional<at::Tensor> serverResidual,
-                                                                        bool average) {
+                                                                        bool average, uint64_t stream) {
   checkTensor(tensor, "compressed allreduce");
   TORCH_CHECK_TYPE(tensor.scalar_type() == at::kFloat || tensor.scalar_type() == at::kHalf ||
                        tensor.scalar_type() == at::kBFloat16,
@@ -540,7 +540,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDdlcomm::compressedAllreduce(at::Tens
   checkResidual(serverResidual, serverResidualNumel(tensor.numel()), "server residual");
   const DataType dtype = toDataType(tensor);
   return enqueue(c10d::OpType::ALLREDUCE, {tensor},
-                 [tensor, config, workerResidual, serverResidual, average, dtype](Communicator& comm) mutable {
+                 [tensor, config, workerResidual, serverResidual, average, stream, dtype](Communicator& comm) mutable {
                    at::Tensor work = staged(tensor);
                    CompressedAllreduceArgs args;
                    args.config = config;
@@ -550,6 +550,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDdlcomm::compressedAllreduce(at::Tens
                    args.workerResidual = workerResidual ? workerResidual->data_ptr<float>() : nullptr;
                    args.serverResidual = serverResidual ? serverResidual->data_ptr<float>() : nullptr;
                    args.average = average;
+                   args.stream = stream;
                    ddlcomm::compressedAllreduce(comm, args);
                    writeBack(tensor, work);
                  });

@@ -94,7 +94,8 @@ class ProcessGroupDdlcomm : public c10d::Backend {
   // serverResidualNumel()). Returns the average over ranks if `average`.
   c10::intrusive_ptr<c10d::Work> compressedAllreduce(at::Tensor& tensor, const compress::Config& config,
                                                      std::optional<at::Tensor> workerResidual,
-                                                     std::optional<at::Tensor> serverResidual, bool average);
+                                                     std::optional<at::Tensor> serverResidual, bool average,
+                                                     uint64_t stream);
   int64_t serverResidualNumel(int64_t numel) const;
 
   // Runs `task` on the executor with `outputs` as the Work's result (used by the ops above

@@ -4,6 +4,7 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include "bindings/bindings.h"
+#include "collectives/compressed_allreduce.h"
 #include "torch/backend.h"
 
 namespace py = pybind11;
@@ -22,27 +23,11 @@ PYBIND11_MODULE(_C, m) {
            py::call_guard<py::gil_scoped_release>())
       .def("__repr__", &ProcessGroupDdlcomm::describe)
       .def("server_residual_numel", &ProcessGroupDdlcomm::serverResidualNumel, py::arg("numel"))
-      .def(
-          "compressed_allreduce",
-          [](ProcessGroupDdlcomm& pg, at::Tensor tensor, int format, uint32_t blockSize, bool twoScales, float clip,
-             double ratio, uint64_t k, bool approximate, uint64_t seed, std::optional<at::Tensor> workerResidual,
-             std::optional<at::Tensor> serverResidual, bool average) {
-            ddlcomm::compress::Config config;
-            TORCH_CHECK_VALUE(format >= 1 && format <= 6, "unknown compression format ", format);
-            config.format = ddlcomm::compress::Format(format);
-            config.blockSize = blockSize;
-            config.twoScales = twoScales;
-            config.clip = clip;
-            config.ratio = ratio;
-            config.k = k;
-            config.approximate = approximate;
-            config.seed = seed;
-            return pg.compressedAllreduce(tensor, config, workerResidual, serverResidual, average);
-          },
-          py::arg("tensor"), py::arg("format"), py::arg("block_size") = 256, py::arg("two_scales") = false,
-          py::arg("clip") = 0.f, py::arg("ratio") = 0.01, py::arg("k") = 0, py::arg("approximate") = false,
-          py::arg("seed") = 0, py::arg("worker_residual") = py::none(), py::arg("server_residual") = py::none(),
-          py::arg("average") = true, py::call_guard<py::gil_scoped_release>(),
-          "Compressed all-reduce with error feedback; returns a Work whose future holds [tensor].");
+      .def("compressed_allreduce", &ProcessGroupDdlcomm::compressedAllreduce, py::arg("tensor"), py::arg("config"),
+           py::arg("worker_residual") = py::none(), py::arg("server_residual") = py::none(),
+           py::arg("average") = true, py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>(),
+           "Compressed all-reduce with error feedback; returns a Work whose future holds [tensor].")
+      .def_static("encode_stream", &ddlcomm::encodeStream, py::arg("call_stream"), py::arg("rank"), py::arg("phase"),
+                  py::arg("chunk"), py::arg("size"));
   ddlcomm::bindings::bindCompression(m);
 }
