@@ -1,0 +1,267 @@
+"""Gradient compressors with error feedback, on CPU tensors.
+
+Every compressor turns a float32 / float16 / bfloat16 tensor into a self-describing
+``torch.uint8`` payload (layout: ``csrc/compress/wire_format.h``) and back. With a float32
+``residual`` the encode is error-feedback compression, fused in one pass::
+
+    y = tensor + residual
+    payload = encode(y)
+    residual = y - decode(payload)      # updated in place
+
+so nothing is lost, only delayed. Example::
+
+    import torch
+    from ddlcomm.compress import OneBit
+
+    compressor = OneBit(block_size=256)
+    residual = torch.zeros(grad.numel())
+    payload = compressor.encode(grad, residual, stream=step)
+    grad_hat = compressor.decode(payload)            # float32, grad.numel() elements
+    compressor.decode_accumulate(payload, total)     # total += decoded
+
+Tensors are used in place: inputs and residuals must be contiguous CPU tensors (any shape;
+they are read as flat vectors). Wrong dtypes raise TypeError; wrong devices, layouts, sizes
+and corrupt payloads raise ValueError.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from . import _C
+
+__all__ = ["Compressor", "OneBit", "Ternary", "TopK", "RandomK", "FP16", "BF16", "inspect"]
+
+_native = _C.compress
+
+# csrc/common/dtype.h DataType values.
+_DTYPE_CODES = {torch.float32: 0, torch.float16: 2, torch.bfloat16: 3}
+_HEADER_BYTES = 32
+_FORMAT_OFFSET = 5  # byte of the header that holds the format (wire_format.h)
+
+
+def _check_tensor(tensor: Any, name: str) -> None:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.device.type != "cpu":
+        raise ValueError(f"{name} must be a CPU tensor, got device {tensor.device}")
+    if not tensor.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+
+
+def _check_float(tensor: Any, name: str) -> None:
+    if isinstance(tensor, torch.Tensor) and tensor.dtype not in _DTYPE_CODES:
+        raise TypeError(f"{name} must be float32, float16 or bfloat16, got {tensor.dtype}")
+    _check_tensor(tensor, name)
+
+
+def _check_payload(payload: Any) -> None:
+    if isinstance(payload, torch.Tensor) and payload.dtype != torch.uint8:
+        raise TypeError(f"payload must be a torch.uint8 tensor, got {payload.dtype}")
+    _check_tensor(payload, "payload")
+
+
+def inspect(payload: torch.Tensor) -> dict:
+    """Validates a payload completely and describes it.
+
+    Returns a dict with ``format`` ("one_bit", "ternary", "top_k", "random_k", "float16",
+    "bfloat16"), ``version``, ``two_scales``, ``block_size``, ``numel``, ``k`` and ``nbytes``.
+    Raises ValueError for a truncated, corrupt or unknown payload.
+    """
+    _check_payload(payload)
+    return _native.inspect(payload.data_ptr(), payload.numel())
+
+
+class Compressor:
+    """Base class: encode with error feedback, decode, decode-accumulate."""
+
+    _format: Any = None  # _C.compress.Format of the subclass
+
+    def __init__(self, **options: Any) -> None:
+        config = _native.Config()
+        config.format = self._format
+        for name, value in options.items():
+            setattr(config, name, value)
+        self._config = config
+        _native.encoded_bytes(config, 0)  # validates the options (ValueError)
+
+    @property
+    def format(self) -> str:
+        """The payload format name, as ``inspect(payload)["format"]`` reports it."""
+        return self._format.name.lower()
+
+    def compressed_nbytes(self, numel: int) -> int:
+        """Size in bytes of the payload of a tensor with ``numel`` elements."""
+        return _native.encoded_bytes(self._config, int(numel))
+
+    def encode(self, tensor: torch.Tensor, residual: Optional[torch.Tensor] = None, stream: int = 0) -> torch.Tensor:
+        """Compresses ``tensor`` (+ ``residual``) into a new uint8 payload.
+
+        ``residual``: float32 tensor with as many elements as ``tensor``, updated in place to
+        ``tensor + residual - decode(payload)``; None disables error feedback.
+        ``stream``: any integer in [0, 2**64) that differs between calls that must draw
+        different random numbers (e.g. ``rank << 32 | step``); same input and stream give
+        the same bytes on any thread count.
+        """
+        _check_float(tensor, "tensor")
+        residual_ptr = 0
+        if residual is not None:
+            _check_tensor(residual, "residual")
+            if residual.dtype != torch.float32:
+                raise ValueError(f"residual must be float32, got {residual.dtype}")
+            if residual.numel() != tensor.numel():
+                raise ValueError(f"residual has {residual.numel()} elements, the tensor has {tensor.numel()}")
+            residual_ptr = residual.data_ptr()
+        if not 0 <= stream < 2**64:
+            raise ValueError(f"stream must be in [0, 2**64), got {stream}")
+        numel = tensor.numel()
+        payload = torch.empty(self.compressed_nbytes(numel), dtype=torch.uint8)
+        size = _native.encode(self._config, _DTYPE_CODES[tensor.dtype], tensor.data_ptr(), residual_ptr, numel,
+                              stream, payload.data_ptr(), payload.numel())
+        return payload[:size]
+
+    def decode(self, payload: torch.Tensor, out: Optional[torch.Tensor] = None, numel: Optional[int] = None,
+               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Decodes ``payload`` into ``out`` (allocated as a flat ``dtype`` tensor if None).
+
+        ``numel``, when given, must match the payload (and ``out``). Returns ``out``.
+        """
+        self._check_format(payload)
+        if out is None:
+            if dtype not in _DTYPE_CODES:
+                raise TypeError(f"dtype must be float32, float16 or bfloat16, got {dtype}")
+            count = inspect(payload)["numel"] if numel is None else int(numel)
+            out = torch.empty(count, dtype=dtype)
+        else:
+            _check_float(out, "out")
+            if numel is not None and numel != out.numel():
+                raise ValueError(f"numel={numel} but out has {out.numel()} elements")
+        _native.decode(payload.data_ptr(), payload.numel(), _DTYPE_CODES[out.dtype], out.data_ptr(), out.numel())
+        return out
+
+    def decode_accumulate(self, payload: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """``out += decode(payload)`` in float32 (``out`` must be float32). Returns ``out``."""
+        self._check_format(payload)
+        _check_float(out, "out")
+        if out.dtype != torch.float32:
+            raise TypeError(f"decode_accumulate needs a float32 out, got {out.dtype}")
+        _native.decode_accumulate(payload.data_ptr(), payload.numel(), out.data_ptr(), out.numel())
+        return out
+
+    def _check_format(self, payload: Any) -> None:
+        # Float16 and BFloat16 payloads have the same layout: only the format byte tells them apart.
+        _check_payload(payload)
+        if payload.numel() > _FORMAT_OFFSET and int(payload[_FORMAT_OFFSET]) != int(self._format):
+            raise ValueError(f"{type(self).__name__} cannot decode a payload of format byte "
+                             f"{int(payload[_FORMAT_OFFSET])} (expected {int(self._format)}, {self.format})")
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self._describe()})"
+
+    def _describe(self) -> str:
+        return ""
+
+
+def _block_size(block_size: int) -> int:
+    if not isinstance(block_size, int) or not 0 < block_size < 2**32:
+        raise ValueError(f"block_size must be an integer in [1, 2**32), got {block_size!r}")
+    return block_size
+
+
+class OneBit(Compressor):
+    """Sign bits plus one float32 scale per block of ``block_size`` elements (about 32x smaller).
+
+    The scale is the block's mean |y|; with ``two_scales`` (1-bit SGD) a block decodes to the
+    mean of its y >= 0 entries or minus the mean |y| of its y < 0 entries.
+    """
+
+    _format = _native.Format.ONE_BIT
+
+    def __init__(self, block_size: int = 256, two_scales: bool = False) -> None:
+        super().__init__(block_size=_block_size(block_size), two_scales=bool(two_scales))
+
+    def _describe(self) -> str:
+        return f"block_size={self._config.block_size}, two_scales={self._config.two_scales}"
+
+
+class Ternary(Compressor):
+    """TernGrad: values in {-s, 0, +s}, s = max |y| per block, 2 bits per element.
+
+    Stochastic rounding (P(|q| = s) = |y| / s, from counter-based randomness keyed by
+    ``seed``, the ``stream`` of each encode and the element index) makes the decoded value an
+    unbiased estimate of y. ``clip`` > 0 caps s at ``clip`` * std of the block.
+    """
+
+    _format = _native.Format.TERNARY
+
+    def __init__(self, block_size: int = 256, clip: float = 0.0, seed: int = 0) -> None:
+        if not clip >= 0.0:
+            raise ValueError(f"clip must be >= 0, got {clip}")
+        super().__init__(block_size=_block_size(block_size), clip=float(clip), seed=int(seed))
+
+    def _describe(self) -> str:
+        return f"block_size={self._config.block_size}, clip={self._config.clip}, seed={self._config.seed}"
+
+
+class _Sparse(Compressor):
+    def __init__(self, ratio: float, k: Optional[int], **options: Any) -> None:
+        if k is not None and (not isinstance(k, int) or k <= 0):
+            raise ValueError(f"k must be a positive integer or None, got {k!r}")
+        if not 0.0 < ratio <= 1.0:
+            raise ValueError(f"ratio must be in (0, 1], got {ratio}")
+        super().__init__(ratio=float(ratio), k=k or 0, **options)
+
+    def kept_entries(self, numel: int) -> int:
+        """Entries kept for ``numel`` elements: min(k, numel), else round(ratio * numel) >= 1."""
+        return _native.kept_entries(self._config, int(numel))
+
+    def _describe(self) -> str:
+        return f"k={self._config.k}" if self._config.k else f"ratio={self._config.ratio}"
+
+
+class TopK(_Sparse):
+    """The k largest-magnitude entries (indices ascending + float32 values), ties to the lower index.
+
+    ``approximate`` finds them Deep-Gradient-Compression style: a threshold estimated on a
+    random sample, an exact selection among the candidates above it, and a fallback to the
+    exact method when the sample was wrong. The payload is identical to exact top-k; only the
+    speed differs (much faster for small ratios).
+    """
+
+    _format = _native.Format.TOP_K
+
+    def __init__(self, ratio: float = 0.01, k: Optional[int] = None, approximate: bool = False) -> None:
+        super().__init__(ratio, k, approximate=bool(approximate))
+
+    def _describe(self) -> str:
+        return f"{super()._describe()}, approximate={self._config.approximate}"
+
+
+class RandomK(_Sparse):
+    """k entries at distinct random indices (Floyd's algorithm, counter-based from ``seed`` and ``stream``).
+
+    Values are y at those indices; ``scaled`` multiplies them by numel / k, which makes the
+    decoded vector an unbiased estimate of y (the residual then holds y - decoded).
+    """
+
+    _format = _native.Format.RANDOM_K
+
+    def __init__(self, ratio: float = 0.01, k: Optional[int] = None, seed: int = 0, scaled: bool = False) -> None:
+        super().__init__(ratio, k, seed=int(seed), scaled=bool(scaled))
+
+    def _describe(self) -> str:
+        return f"{super()._describe()}, seed={self._config.seed}, scaled={self._config.scaled}"
+
+
+class FP16(Compressor):
+    """IEEE half precision (round to nearest even; beyond +-65504 becomes +-inf)."""
+
+    _format = _native.Format.FLOAT16
+
+
+class BF16(Compressor):
+    """bfloat16 (round to nearest even)."""
+
+    _format = _native.Format.BFLOAT16
