@@ -1,0 +1,213 @@
+"""Compressed all-reduce and DDP hook scenarios, run on every rank by tests/test_hooks.py."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from common import init, run
+from ddlcomm import compress, hooks
+from ddlcomm.compressed import compressed_all_reduce, native_backend, server_residual_numel
+
+COMPRESSORS = {
+    "onebit": compress.OneBit,
+    "onebit2": lambda: compress.OneBit(block_size=64, two_scales=True),
+    "ternary": lambda: compress.Ternary(block_size=64, seed=3),
+    "topk": lambda: compress.TopK(ratio=0.05),
+    "topk_approx": lambda: compress.TopK(ratio=0.05, approximate=True),
+    "randomk": lambda: compress.RandomK(ratio=0.05, seed=5),
+    "fp16": compress.FP16,
+    "bf16": compress.BF16,
+}
+HOOKS = {
+    "onebit": hooks.onebit_hook, "onebit2": hooks.onebit_hook, "ternary": hooks.ternary_hook,
+    "topk": hooks.topk_hook, "topk_approx": hooks.topk_hook, "randomk": hooks.randomk_hook,
+    "fp16": hooks.fp16_hook, "bf16": hooks.bf16_hook,
+}
+
+
+def native_matches_fallback() -> None:
+    """The native path (ddlcomm group) and the fallback (gloo group) give the same bits."""
+    rank, n = init()
+    gloo = dist.new_group(backend="gloo")
+    assert native_backend(None) is not None and native_backend(gloo) is None
+    for name, make in COMPRESSORS.items():
+        for numel in (1, 5, 1000, 70_001):
+            comp = make()
+            results = []
+            for group in (None, gloo):
+                x = torch.randn(numel, generator=torch.Generator().manual_seed(rank * 7 + numel))
+                wres = torch.randn(numel, generator=torch.Generator().manual_seed(99 + rank)) * 0.1
+                sres = torch.zeros(server_residual_numel(numel, rank, n))
+                out = compressed_all_reduce(x, comp, wres, sres, group=group, stream=11).wait()
+                results.append((out.clone(), wres.clone(), sres.clone()))
+            for a, b, what in zip(results[0], results[1], ("result", "worker residual", "server residual")):
+                assert torch.equal(a, b), f"{name} x{numel}: native and fallback {what} differ"
+            everyone = [torch.empty_like(results[0][0]) for _ in range(n)]
+            dist.all_gather(everyone, results[0][0], group=gloo)
+            assert all(torch.equal(e, results[0][0]) for e in everyone), f"{name}: ranks hold different results"
+
+
+def non_finite() -> None:
+    """inf/NaN in a bucket: the result is non-finite, the residuals stay finite."""
+    rank, n = init()
+    for name, make in COMPRESSORS.items():
+        comp = make()
+        numel = 4096
+        wres = torch.zeros(numel)
+        sres = torch.zeros(server_residual_numel(numel, rank, n))
+        x = torch.ones(numel)
+        if rank == 1:
+            x[100] = float("nan")
+            x[200] = float("inf")
+        out = compressed_all_reduce(x, comp, wres, sres).wait()
+        assert not torch.isfinite(out).all(), f"{name}: non-finite input vanished from the result"
+        assert torch.isfinite(wres).all() and torch.isfinite(sres).all(), f"{name}: residual poisoned"
+        y = torch.ones(numel)
+        out = compressed_all_reduce(y, comp, wres, sres).wait()
+        assert torch.isfinite(out).all(), f"{name}: the step after a non-finite one is still non-finite"
+
+
+def synthetic(rank: int, samples: int = 2048, features: int = 64, classes: int = 10):
+    g = torch.Generator().manual_seed(0)
+    centers = torch.randn(classes, features, generator=g) * 0.25
+    gr = torch.Generator().manual_seed(1 + rank)
+    y = torch.randint(0, classes, (samples,), generator=gr)
+    x = centers[y] + torch.randn(samples, features, generator=gr)
+    return x, y
+
+
+def train(hook_name: str, steps: int, error_feedback: bool = True, lr: float = 0.05) -> float:
+    rank, n = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
+    ddp = DistributedDataParallel(model, bucket_cap_mb=1)
+    if hook_name != "none":
+        state = hooks.CompressionState(compressor=COMPRESSORS[hook_name](), start_compress_iter=2,
+                                       min_compression_bytes=0, error_feedback=error_feedback)
+        ddp.register_comm_hook(state, HOOKS[hook_name])
+    opt = torch.optim.SGD(ddp.parameters(), lr=lr, momentum=0.9)
+    x, y = synthetic(rank)
+    xt, yt = synthetic(100)  # held-out data, identical on every rank
+    for step in range(steps):
+        idx = torch.randint(0, len(x), (64,), generator=torch.Generator().manual_seed(step * 31 + rank))
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(ddp(x[idx]), y[idx]).backward()
+        opt.step()
+    with torch.no_grad():
+        return (model(xt).argmax(1) == yt).float().mean().item()
+
+
+CONVERGENCE = ["none", "onebit", "ternary", "topk", "randomk", "fp16"]
+
+
+def convergence(steps: str = "100") -> None:
+    rank, n = init()
+    result = {name: train(name, int(steps)) for name in CONVERGENCE}
+    result["onebit_no_ef"] = train("onebit", int(steps), error_feedback=False)
+    if rank == 0:
+        print("ACCURACY " + json.dumps(result), flush=True)
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
+
+
+def _step(ddp, opt, x, y, step: int, rank: int, micro: int = 1) -> None:
+    opt.zero_grad()
+    for m in range(micro):
+        idx = torch.randint(0, len(x), (32,), generator=torch.Generator().manual_seed(step * 97 + m * 7 + rank))
+        # Every micro-batch but the last runs under no_sync (forward included: DDP decides there).
+        with ddp.no_sync() if m < micro - 1 else contextlib.nullcontext():
+            torch.nn.functional.cross_entropy(ddp(x[idx]), y[idx]).backward()
+    opt.step()
+
+
+def _params(model) -> torch.Tensor:
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+def hook_mechanics() -> None:
+    rank, n = init()
+    gloo = dist.new_group(backend="gloo")
+    x, y = synthetic(rank)
+
+    def run_steps(group, steps, state=None, model=None, opt=None):
+        model = model or _model()
+        ddp = DistributedDataParallel(model, process_group=group, bucket_cap_mb=0.1)
+        state = state or hooks.CompressionState(group, compress.OneBit(), start_compress_iter=2, min_compression_bytes=0)
+        ddp.register_comm_hook(state, hooks.onebit_hook)
+        opt = opt or torch.optim.SGD(model.parameters(), lr=0.05)
+        for step in range(steps):
+            _step(ddp, opt, x, y, step + state.iter, rank)
+        return model, state, opt
+
+    # Same hook on a ddlcomm group (native) and a gloo group (fallback): identical training.
+    native_model, native_state, _ = run_steps(None, 8)
+    gloo_model, gloo_state, _ = run_steps(gloo, 8)
+    assert torch.equal(_params(native_model), _params(gloo_model)), "native and fallback hooks trained differently"
+    assert native_state.iter == 8 and native_state.stats.compressed_buckets > 0
+    assert native_state.stats.uncompressed_buckets > 0, "warm-up iterations must run uncompressed"
+    # 1 bit + a float32 scale per 256 values: 32 / (1 + 32/256) = 28x fewer bytes than fp32 (less with 2 ranks'
+    # chunk headers), while the warm-up iterations went uncompressed.
+    ratio = native_state.stats.compression_ratio
+    assert 20 < ratio < 32, f"1-bit buckets sent {ratio:.1f}x less than fp32"
+    assert native_state.stats.ratio < ratio
+
+    # A checkpoint of the model, optimizer and hook state resumes bit for bit.
+    model, state, opt = run_steps(None, 5)
+    buffer = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "hook": state.state_dict()}, buffer)
+    run_steps(None, 3, state, model, opt)
+    straight = _params(model)
+    buffer.seek(0)
+    saved = torch.load(buffer)
+    model = _model()
+    model.load_state_dict(saved["model"])
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    opt.load_state_dict(saved["opt"])
+    state = hooks.CompressionState(None, compress.OneBit(), start_compress_iter=2, min_compression_bytes=0)
+    state.load_state_dict(saved["hook"])
+    assert state.worker_residuals and all(r.abs().sum() > 0 for r in state.worker_residuals.values())
+    run_steps(None, 3, state, model, opt)
+    assert torch.equal(_params(model), straight), "resuming from a checkpoint changed the result"
+
+    # no_sync accumulation: the hook runs once per optimizer step, on the summed gradient.
+    model = _model()
+    ddp = DistributedDataParallel(model, bucket_cap_mb=0.1)
+    state = hooks.CompressionState(None, compress.FP16(), start_compress_iter=2, min_compression_bytes=0)
+    ddp.register_comm_hook(state, hooks.fp16_hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for step in range(4):
+        _step(ddp, opt, x, y, step, rank, micro=2)
+    assert state.iter == 4, f"hook counted {state.iter} iterations for 4 optimizer steps"
+    reference = _model()
+    ref_ddp = DistributedDataParallel(reference, bucket_cap_mb=0.1)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.05)
+    for step in range(4):
+        _step(ref_ddp, ref_opt, x, y, step, rank, micro=2)
+    torch.testing.assert_close(_params(model), _params(reference), rtol=2e-3, atol=2e-4)
+
+    # The typed hooks refuse a state with another compressor.
+    try:
+        hooks.topk_hook(hooks.CompressionState(compressor=compress.OneBit()), None)
+    except TypeError:
+        pass
+    else:
+        raise AssertionError("topk_hook accepted a OneBit state")
+
+
+if __name__ == "__main__":
+    run({
+        "native_matches_fallback": native_matches_fallback,
+        "non_finite": non_finite,
+        "convergence": convergence,
+        "hook_mechanics": hook_mechanics,
+    })
