@@ -12,6 +12,10 @@ Executor::Executor(std::unique_ptr<Communicator> communicator)
 Executor::~Executor() { shutdown(); }
 
 void Executor::submit(std::function<void(Communicator&)> task, Done done) {
+  if (std::this_thread::get_id() == thread_.get_id()) {
+    runNow(task, done);
+    return;
+  }
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (stopping_) {
@@ -141,15 +145,19 @@ void Executor::loop() {
       progressPending(std::chrono::milliseconds(100));
       continue;
     }
-    std::exception_ptr error;
-    try {
-      item.task(*comm_);
-    } catch (...) {
-      error = std::current_exception();
-    }
-    item.done(error);
-    completePending();
+    runNow(item.task, item.done);
   }
+}
+
+void Executor::runNow(std::function<void(Communicator&)>& task, Done& done) {
+  std::exception_ptr error;
+  try {
+    task(*comm_);
+  } catch (...) {
+    error = std::current_exception();
+  }
+  done(error);
+  completePending();
 }
 
 }  // namespace ddlcomm

@@ -27,6 +27,10 @@ class Executor {
   Executor& operator=(const Executor&) = delete;
 
   // Runs `task` (a blocking collective on the communicator) after everything submitted before.
+  // Completion callbacks run on the executor thread, in order. An operation submitted from
+  // such a callback runs at once, inline: a callback may wait for it (PyTorch's PowerSGD
+  // hook does), and every rank then runs it at the same point, right after the operation
+  // whose callback issued it.
   void submit(std::function<void(Communicator&)> task, Done done);
   // Posts a send or receive in submission order; `done` fires when it completes, while
   // later operations already proceed. `request` must stay alive until then.
@@ -51,6 +55,7 @@ class Executor {
     Deadline deadline;
   };
   void loop();
+  void runNow(std::function<void(Communicator&)>& task, Done& done);
   void progressPending(std::chrono::milliseconds maxWait);
   void completePending();
 

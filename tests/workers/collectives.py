@@ -207,6 +207,35 @@ def ddp() -> None:
         assert all(torch.equal(c, p) for c in copies)
 
 
+def torch_hooks(backend: str = "ddlcomm") -> None:
+    """PyTorch's own DDP hooks run on ddlcomm. PowerSGD's callbacks wait for further
+    all-reduces of the same group, which deadlocks if futures complete on the progress thread."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    rank, n = init(backend, timeout_s=30)
+    for make_state, hook in (
+        (lambda: powerSGD_hook.PowerSGDState(None, matrix_approximation_rank=2, start_powerSGD_iter=2,
+                                              min_compression_rate=1), powerSGD_hook.powerSGD_hook),
+        (lambda: None, default_hooks.fp16_compress_hook),
+    ):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+        ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.01)
+        ddp.register_comm_hook(make_state(), hook)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        for step in range(5):
+            opt.zero_grad()
+            g = torch.Generator().manual_seed(step * n + rank)
+            x, y = torch.randn(8, 64, generator=g), torch.randint(0, 4, (8,), generator=g)
+            torch.nn.functional.cross_entropy(ddp(x), y).backward()
+            opt.step()
+        flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+        replicas = [torch.empty_like(flat) for _ in range(n)]
+        dist.all_gather(replicas, flat)
+        assert torch.isfinite(flat).all(), f"{hook.__name__}: training produced non-finite parameters"
+        assert all(torch.equal(r, flat) for r in replicas), f"{hook.__name__}: replicas diverged"
+
+
 if __name__ == "__main__":
     run({
         "allreduce": allreduce,
@@ -215,4 +244,5 @@ if __name__ == "__main__":
         "subgroups": subgroups,
         "single_rank": single_rank,
         "ddp": ddp,
+        "torch_hooks": torch_hooks,
     })

@@ -1,0 +1,127 @@
+#!/usr/bin/env python3
+"""Compressed all-reduce and DDP hooks on an emulated slow network, 4 ranks, one run.
+
+    sudo python bench/slownet_bench.py --rates 1gbit,10gbit --out bench/results
+
+For each link rate it builds the emulated cluster of bench/slownet.py (one network
+namespace per rank, a bridge, every link shaped with tc), runs
+``python -m ddlcomm.bench.compressed`` on every rank, prints the tables, and writes
+``slownet.json`` and ``slownet.png`` (time vs link bandwidth) into --out.
+Needs root and iproute2; exits non-zero with the reason when namespaces are unavailable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from slownet import SlowNet  # noqa: E402
+
+
+def run_rate(rate: str, ranks: int, extra: list[str], timeout: float) -> list[dict]:
+    results: list[dict] = []
+    with SlowNet(ranks=ranks, rate=rate) as net:
+        procs = []
+        for rank in range(ranks):
+            env = net.env(rank, 29500)
+            env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+            # rank 0 reports; the others stay quiet unless they fail
+            procs.append(net.popen(rank, [sys.executable, "-m", "ddlcomm.bench.compressed", *extra], env=env,
+                                   stdout=subprocess.PIPE if rank == 0 else subprocess.DEVNULL,
+                                   stderr=subprocess.STDOUT if rank == 0 else None, cwd="/"))
+        deadline = time.monotonic() + timeout
+        out, _ = procs[0].communicate(timeout=max(1, deadline - time.monotonic()))
+        for proc in procs[1:]:
+            proc.wait(timeout=max(1, deadline - time.monotonic()))
+        for line in out.decode().splitlines():
+            if line.startswith("RESULT "):
+                record = json.loads(line[len("RESULT "):])
+                record["rate"] = rate
+                results.append(record)
+                print(f"  [{rate}] {record['kind']:<9} {record['method']:<26} {record['seconds']:8.3f} s  "
+                      f"{record['speedup']:6.2f}x", flush=True)
+        if any(p.returncode for p in procs):
+            codes = [p.returncode for p in procs]
+            print(out.decode()[-3000:], file=sys.stderr)
+            raise SystemExit(f"a rank failed at {rate}: exit codes {codes}")
+    return results
+
+
+def table(results: list[dict], kind: str) -> str:
+    rates = sorted({r["rate"] for r in results}, key=lambda r: float(r.rstrip("gbitm") or 0))
+    methods = list(dict.fromkeys(r["method"] for r in results if r["kind"] == kind))
+    lines = [f"| {kind} | " + " | ".join(f"{rate}: s (speed-up vs first)" for rate in rates) + " | bytes on the wire per rank |",
+             "| --- |" + " --- |" * (len(rates) + 1)]
+    for m in methods:
+        cells = []
+        wire = ""
+        for rate in rates:
+            rec = next((r for r in results if r["kind"] == kind and r["method"] == m and r["rate"] == rate), None)
+            cells.append(f"{rec['seconds']:.3f} ({rec['speedup']:.1f}x)" if rec else "-")
+            if rec and rec.get("wire_bytes") is not None:
+                wire = f"{rec['wire_bytes'] / 1e6:.1f} MB"
+        lines.append(f"| {m} | " + " | ".join(cells) + f" | {wire or 'n/a'} |")
+    return "\n".join(lines)
+
+
+def plot(results: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def gbits(rate: str) -> float:
+        value = float(rate.rstrip("gbitm"))
+        return value if rate.endswith("gbit") else value / 1000
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for ax, kind, title in ((axes[0], "allreduce", "all-reduce of 100 MB float32, 4 ranks"),
+                            (axes[1], "ddp", "DDP iteration, 25M-parameter model, 4 ranks")):
+        for method in dict.fromkeys(r["method"] for r in results if r["kind"] == kind):
+            points = sorted((gbits(r["rate"]), r["seconds"]) for r in results if r["kind"] == kind and r["method"] == method)
+            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=method)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("link bandwidth (Gbit/s)")
+        ax.set_ylabel("seconds")
+        ax.set_title(title)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rates", default="1gbit,10gbit")
+    parser.add_argument("--ranks", type=int, default=4)
+    parser.add_argument("--out", default="bench/results")
+    parser.add_argument("--timeout", type=float, default=1500)
+    parser.add_argument("worker_args", nargs=argparse.REMAINDER, help="passed to ddlcomm.bench.compressed after --")
+    args = parser.parse_args()
+    ok, reason = SlowNet.available()
+    if not ok:
+        print(f"slownet_bench: cannot emulate a network here: {reason}", file=sys.stderr)
+        raise SystemExit(2)
+    extra = [a for a in args.worker_args if a != "--"]
+    results: list[dict] = []
+    for rate in args.rates.split(","):
+        results += run_rate(rate, args.ranks, extra, args.timeout)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "slownet.json").write_text(json.dumps(results, indent=1))
+    print()
+    print(table(results, "allreduce"))
+    print()
+    print(table(results, "ddp"))
+    plot(results, out / "slownet.png")
+    print(f"\nwrote {out / 'slownet.json'} and {out / 'slownet.png'}")
+
+
+if __name__ == "__main__":
+    main()
