@@ -86,7 +86,8 @@ inline uint64_t counterBits(uint64_t seed, uint64_t stream, uint64_t index) {
 
 // Counter-based uniform in [0, 1): the top 24 bits of counterBits.
 inline float counterUniform(uint64_t seed, uint64_t stream, uint64_t index) {
-  return float(counterBits(seed, stream, index) >> 40) * (1.0f / 16777216.0f);
+  // Through int32 (exact below 2^24): converting from a signed 32-bit integer vectorizes everywhere.
+  return float(int32_t(counterBits(seed, stream, index) >> 40)) * (1.0f / 16777216.0f);
 }
 
 }  // namespace ddlcomm::compress
