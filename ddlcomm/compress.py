@@ -118,9 +118,9 @@ class Compressor:
             raise ValueError(f"stream must be in [0, 2**64), got {stream}")
         numel = tensor.numel()
         payload = torch.empty(self.compressed_nbytes(numel), dtype=torch.uint8)
-        size = _native.encode(self._config, _DTYPE_CODES[tensor.dtype], tensor.data_ptr(), residual_ptr, numel,
-                              stream, payload.data_ptr(), payload.numel())
-        return payload[:size]
+        _native.encode(self._config, _DTYPE_CODES[tensor.dtype], tensor.data_ptr(), residual_ptr, numel, stream,
+                       payload.data_ptr(), payload.numel())  # writes exactly compressed_nbytes(numel) bytes
+        return payload
 
     def decode(self, payload: torch.Tensor, out: Optional[torch.Tensor] = None, numel: Optional[int] = None,
                dtype: torch.dtype = torch.float32) -> torch.Tensor:
