@@ -7,8 +7,9 @@
 GB/s are of float32 input (4 bytes per element) for every column. "/thread" divides by the
 threads ddlcomm used (DDLCOMM_NUM_THREADS or the core count, at most one per 1 Mi elements);
 memcpy is torch's dst.copy_(src) on one thread (torch.set_num_threads(1)), so "%memcpy" compares
-per-thread bandwidths. The torch-ops references run on as many threads as ddlcomm uses. Each
-number is the best of --reps timed calls: on a shared machine the best is the least disturbed.
+per-thread bandwidths. ddlcomm encodes into a reused payload buffer (encode(..., out=)); the
+torch-ops references run on as many threads as ddlcomm uses. Each number is the best of --reps
+timed calls: on a shared machine the best is the least disturbed.
 """
 
 from __future__ import annotations
@@ -170,8 +171,8 @@ def bench_size(size_mib: int, reps: int, only: set[str] | None) -> None:
         compressor = make()
         residual = torch.zeros(numel)
         stream = iter(range(1 << 62))
-        encode_s = timed(lambda: compressor.encode(x, residual, stream=next(stream)), reps)
-        payload = compressor.encode(x, residual)
+        payload = torch.empty(compressor.compressed_nbytes(numel), dtype=torch.uint8)  # reused, as a DDP hook would
+        encode_s = timed(lambda: compressor.encode(x, residual, stream=next(stream), out=payload), reps)
         out = torch.zeros(numel)
         decode_s = timed(lambda: compressor.decode_accumulate(payload, out), reps)
         torch_residual = torch.zeros(numel)

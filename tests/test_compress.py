@@ -111,6 +111,20 @@ def test_encode_works_in_place_on_any_contiguous_shape() -> None:
     assert torch.equal(r2d.flatten(), residual)
 
 
+def test_encode_into_a_preallocated_buffer() -> None:
+    x, residual = make_input(1000, torch.float32)
+    compressor = Ternary(seed=1)
+    expected = compressor.encode(x, residual.clone(), stream=3)
+    buffer = torch.full((expected.numel() + 10,), 0xAB, dtype=torch.uint8)
+    payload = compressor.encode(x, residual, stream=3, out=buffer)
+    assert payload.data_ptr() == buffer.data_ptr() and torch.equal(payload, expected)
+    assert torch.all(buffer[expected.numel():] == 0xAB)
+    with pytest.raises(ValueError, match="bytes"):
+        compressor.encode(x, out=buffer[:expected.numel() - 1])
+    with pytest.raises(TypeError, match="uint8"):
+        compressor.encode(x, out=torch.empty(expected.numel(), dtype=torch.int8))
+
+
 @pytest.mark.parametrize("numel", [0, 1, 8, 255, 256, 257, 1000])
 def test_compressed_nbytes_follows_wire_format(numel: int) -> None:
     blocks = -(-numel // 256)
