@@ -227,6 +227,9 @@ DDLCOMM_MULTIVERSION Key sampleThreshold(const Input& in, size_t k, uint64_t see
 // Selects among the candidates (all entries with key >= some t, at least k of them).
 Threshold thresholdAmong(const std::vector<std::vector<Entry>>& parts, size_t k) {
   std::vector<Key> keys;
+  size_t total = 0;
+  for (const auto& entries : parts) total += entries.size();
+  keys.reserve(total);
   for (const auto& entries : parts) {
     for (const Entry& e : entries) keys.push_back(magnitudeBits(e.value));
   }
