@@ -57,10 +57,10 @@ def _check_float(tensor: Any, name: str) -> None:
     _check_tensor(tensor, name)
 
 
-def _check_payload(payload: Any) -> None:
+def _check_payload(payload: Any, name: str = "payload") -> None:
     if isinstance(payload, torch.Tensor) and payload.dtype != torch.uint8:
-        raise TypeError(f"payload must be a torch.uint8 tensor, got {payload.dtype}")
-    _check_tensor(payload, "payload")
+        raise TypeError(f"{name} must be a torch.uint8 tensor, got {payload.dtype}")
+    _check_tensor(payload, name)
 
 
 def inspect(payload: torch.Tensor) -> dict:
@@ -96,14 +96,17 @@ class Compressor:
         """Size in bytes of the payload of a tensor with ``numel`` elements."""
         return _native.encoded_bytes(self._config, int(numel))
 
-    def encode(self, tensor: torch.Tensor, residual: Optional[torch.Tensor] = None, stream: int = 0) -> torch.Tensor:
-        """Compresses ``tensor`` (+ ``residual``) into a new uint8 payload.
+    def encode(self, tensor: torch.Tensor, residual: Optional[torch.Tensor] = None, stream: int = 0,
+               out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Compresses ``tensor`` (+ ``residual``) into a uint8 payload.
 
         ``residual``: float32 tensor with as many elements as ``tensor``, updated in place to
         ``tensor + residual - decode(payload)``; None disables error feedback.
         ``stream``: any integer in [0, 2**64) that differs between calls that must draw
         different random numbers (e.g. ``rank << 32 | step``); same input and stream give
         the same bytes on any thread count.
+        ``out``: a contiguous uint8 CPU tensor of at least ``compressed_nbytes(numel)`` bytes
+        to write into (saves an allocation per call); the payload is its leading view.
         """
         _check_float(tensor, "tensor")
         residual_ptr = 0
@@ -117,10 +120,17 @@ class Compressor:
         if not 0 <= stream < 2**64:
             raise ValueError(f"stream must be in [0, 2**64), got {stream}")
         numel = tensor.numel()
-        payload = torch.empty(self.compressed_nbytes(numel), dtype=torch.uint8)
-        size = _native.encode(self._config, _DTYPE_CODES[tensor.dtype], tensor.data_ptr(), residual_ptr, numel,
-                              stream, payload.data_ptr(), payload.numel())
-        return payload[:size]
+        nbytes = self.compressed_nbytes(numel)
+        if out is None:
+            payload = torch.empty(nbytes, dtype=torch.uint8)
+        else:
+            _check_payload(out, "out")
+            if out.numel() < nbytes:
+                raise ValueError(f"out holds {out.numel()} bytes, the payload needs {nbytes}")
+            payload = out.view(-1)[:nbytes]
+        _native.encode(self._config, _DTYPE_CODES[tensor.dtype], tensor.data_ptr(), residual_ptr, numel, stream,
+                       payload.data_ptr(), nbytes)  # writes exactly compressed_nbytes(numel) bytes
+        return payload
 
     def decode(self, payload: torch.Tensor, out: Optional[torch.Tensor] = None, numel: Optional[int] = None,
                dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -22,6 +22,26 @@ template <class T>
   std::memcpy(p, &v, sizeof v);
 }
 
+// Bit j of m moves to bit 2j (2-bit fields from bit masks, for the ternary codes).
+inline uint64_t spreadBits(uint32_t m) {
+  uint64_t x = m;
+  x = (x | x << 16) & 0x0000ffff0000ffffull;
+  x = (x | x << 8) & 0x00ff00ff00ff00ffull;
+  x = (x | x << 4) & 0x0f0f0f0f0f0f0f0full;
+  x = (x | x << 2) & 0x3333333333333333ull;
+  return (x | x << 1) & 0x5555555555555555ull;
+}
+
+// The inverse: bit 2j of x moves to bit j (odd bits are ignored).
+inline uint32_t gatherEvenBits(uint64_t x) {
+  x &= 0x5555555555555555ull;
+  x = (x | x >> 1) & 0x3333333333333333ull;
+  x = (x | x >> 2) & 0x0f0f0f0f0f0f0f0full;
+  x = (x | x >> 4) & 0x00ff00ff00ff00ffull;
+  x = (x | x >> 8) & 0x0000ffff0000ffffull;
+  return uint32_t(x | x >> 16);
+}
+
 // Appends groups of up to 32 bits, least significant first. Starts at a byte boundary;
 // flush() writes the last partial byte with its unused high bits zero.
 class BitWriter {

@@ -28,6 +28,7 @@ struct LaneSums {
   float total() const {
     float t[kLanes];
     for (size_t j = 0; j < kLanes; ++j) t[j] = lane[j];
+#pragma GCC unroll 5  // constant widths: each step becomes one vector add
     for (size_t width = kLanes / 2; width > 0; width /= 2) {
       for (size_t j = 0; j < width; ++j) t[j] += t[j + width];
     }

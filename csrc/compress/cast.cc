@@ -12,10 +12,11 @@ constexpr size_t kAlign = 64;
 template <class E, bool EF, class To>
 [[gnu::always_inline]] inline void encodeRange(const Input& in, uint8_t* values, size_t begin, size_t end) {
   const auto* x = static_cast<const typename E::Raw*>(in.x);
+  float* r = in.residual;  // a local: stores through in.residual could alias `in` itself
   for (size_t i = begin; i < end; ++i) {
-    const float y = loadY<E, EF>(x, in.residual, i);
+    const float y = loadY<E, EF>(x, r, i);
     const uint16_t bits = To::store(y);
-    if constexpr (EF) in.residual[i] = residualOf(y, To::load(bits));
+    if constexpr (EF) r[i] = residualOf(y, To::load(bits));
     storeLE(values + 2 * i, bits);
   }
 }

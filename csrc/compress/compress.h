@@ -11,8 +11,10 @@
 //                 |y| over {!(y >= 0)} (NaN counts as negative), 0 for an empty set.
 //      ternary:   s = max |y| (NaN above +inf); with clip > 0: mean = sum(y) / n,
 //                 var = sum(y*y) / n - mean*mean, std = sqrt(var < 0 ? 0 : var), and
-//                 s = clip*std if clip*std < s (so a NaN std clips nothing). Element i is sent (code 1 for y >= 0, else 2)
-//                 iff counterUniform(seed, stream, i) * s < |y_i|, or s is not finite.
+//                 s = clip*std if clip*std < s (so a NaN std clips nothing). Element i is
+//                 sent (code 1 for y >= 0, else 2) iff counterUniform(seed, stream, i) * s < |y_i|,
+//                 or s is not finite.
+//      casts:     round to nearest even, overflow to +-inf; NaN stays NaN.
 //  - Randomness is counter-based: counterBits / counterUniform(seed, stream, index), so
 //    results do not depend on threading or device. Random-k takes Floyd's k distinct
 //    indices: for j = numel-k .. numel-1, t = (counterBits(seed, stream, j) * (j+1)) >> 64
@@ -39,7 +41,7 @@ struct Config {
   float clip = 0.f;          // ternary: clip y at clip * std(block) before scaling; 0 = off
   double ratio = 0.01;       // top-k / random-k: fraction kept when k == 0
   uint64_t k = 0;            // top-k / random-k: entries kept (overrides ratio)
-  bool approximate = false;  // top-k: threshold estimated on a sample (Deep Gradient Compression)
+  bool approximate = false;  // top-k: sampled threshold (Deep Gradient Compression), same result
   bool scaled = false;       // random-k: values times float(double(numel) / k): unbiased estimate
   uint64_t seed = 0;         // ternary / random-k randomness (top-k sampling)
 };
@@ -48,7 +50,7 @@ struct Config {
 const char* formatName(Format format);
 
 // Entries kept by top-k / random-k for a vector of numel elements: min(k, numel) when k is
-// set, else round(ratio * numel) clamped to [1, numel] (0 for an empty vector).
+// set, else round(ratio * numel) (half away from zero) clamped to [1, numel]; 0 when numel is 0.
 uint64_t keptEntries(const Config& config, size_t numel);
 // Payload size of every encode of numel elements with this config (exact for all formats).
 size_t encodedBytes(const Config& config, size_t numel);
@@ -70,7 +72,8 @@ struct PayloadInfo {
 // throws Error(Protocol) describing the first problem.
 PayloadInfo inspect(const uint8_t* payload, size_t bytes);
 
-// out[numel] (float32, float16 or bfloat16) = decode(payload). numel must match.
+// out[numel] (float32, float16 or bfloat16) = decode(payload), after inspect(). A numel other
+// than the payload's throws Error(InvalidArgument).
 void decode(const uint8_t* payload, size_t bytes, DataType outType, void* out, size_t numel);
 // out[numel] (float32) += decode(payload).
 void decodeAccumulate(const uint8_t* payload, size_t bytes, float* out, size_t numel);
@@ -86,7 +89,8 @@ inline uint64_t counterBits(uint64_t seed, uint64_t stream, uint64_t index) {
 
 // Counter-based uniform in [0, 1): the top 24 bits of counterBits.
 inline float counterUniform(uint64_t seed, uint64_t stream, uint64_t index) {
-  return float(counterBits(seed, stream, index) >> 40) * (1.0f / 16777216.0f);
+  // Through int32 (exact below 2^24): converting from a signed 32-bit integer vectorizes everywhere.
+  return float(int32_t(counterBits(seed, stream, index) >> 40)) * (1.0f / 16777216.0f);
 }
 
 }  // namespace ddlcomm::compress

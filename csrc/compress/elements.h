@@ -39,13 +39,21 @@ template <class E, bool EF>
   return y;
 }
 
+[[gnu::always_inline]] inline uint32_t floatBits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  return u;
+}
+
+[[gnu::always_inline]] inline float bitsFloat(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
 // |y| as an integer that orders like the magnitude, NaN above +inf (any NaN payload): an
 // order-free max for ternary scales and the ranking key of top-k.
-[[gnu::always_inline]] inline uint32_t magnitudeBits(float y) {
-  uint32_t u;
-  std::memcpy(&u, &y, sizeof u);
-  return u & 0x7fffffffu;
-}
+[[gnu::always_inline]] inline uint32_t magnitudeBits(float y) { return floatBits(y) & 0x7fffffffu; }
 
 // Error feedback: residual = y - decoded, or 0 where that is not finite (see compress.h).
 [[gnu::always_inline]] inline float residualOf(float y, float decoded) {

@@ -29,8 +29,10 @@ template <class E, bool EF, bool Two>
       for (size_t j = 0; j < n; ++j) {
         const float y = loadY<E, EF>(x, r, off + j);
         const bool isPos = y >= 0.f;
-        pos.lane[j] += isPos ? y : 0.f;
-        neg.lane[j] += isPos ? 0.f : -y;
+        // Selected with integer masks: GCC turns the float selects of a full row into branches.
+        const uint32_t keep = 0u - uint32_t(isPos), bits = floatBits(y);
+        pos.lane[j] += bitsFloat(bits & keep);
+        neg.lane[j] += bitsFloat((bits ^ 0x80000000u) & ~keep);
         count[j] += isPos;
       }
     });

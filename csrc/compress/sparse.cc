@@ -2,13 +2,14 @@
 // the kept entries (indices ascending, then values); every other element stays in the residual.
 //
 // Top-k ranks elements by magnitudeBits(y) (NaN largest), ties to the lower index, and keeps
-// exactly k. The exact path finds the k-th largest key with a 3-level radix histogram (four
-// passes over y). The approximate path (Deep Gradient Compression) estimates a threshold t
-// from a counter-based random sample, collects the candidates with key >= t in the same pass
-// that forms y, and selects exactly among them. Whenever there are at least k candidates they
-// contain the true top-k, so the result equals exact top-k bit for bit; with fewer than k
-// candidates (or too many to hold) it falls back to the exact path on the y already formed.
-// The sample only decides how fast that is, never what is sent.
+// exactly k. Both paths end the same way: collect the candidates, all entries with key >= t for
+// some t that at least k reach, and select exactly among them (nth_element). The exact path
+// finds t with a radix histogram of the keys (usually one level, so two passes over y in all).
+// The approximate path (Deep Gradient Compression) estimates t from a counter-based random
+// sample and collects in the same pass that forms y (one pass). Whenever the sampled t leaves
+// at least k candidates they contain the true top-k, so the result equals exact top-k bit for
+// bit; with fewer than k (or too many to hold) it falls back to the exact path on the y already
+// formed. The sample only decides how fast that is, never what is sent.
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -94,8 +95,18 @@ DDLCOMM_MULTIVERSION void histogram(const float* y, size_t n, unsigned filterShi
   }
 }
 
-// Exact radix select of the k-th largest key (k >= 1): keys are 31 bits, taken 11 + 11 + 9.
-Threshold exactThreshold(const Input& in, size_t k, bool first) {
+// Result of the radix select: either the exact threshold, or a key `t` that at least k and at
+// most `limit` entries reach (key >= t), among which the caller selects.
+struct RadixResult {
+  bool exact;
+  Threshold threshold;  // exact: the k-th largest key and its ties; else {t, 0}
+};
+
+// Radix select of the k-th largest key (k >= 1) on the 31 key bits, 11 + 11 + 9 at a time: one
+// histogram pass per level, restricted to the bucket that holds the k-th key so far. Stops as
+// soon as the entries at or above that bucket are few enough to collect (typically after one
+// level: a bucket spans 1/8 of an octave).
+RadixResult radixSelect(const Input& in, size_t k, bool first, size_t limit) {
   struct Level {
     unsigned shift, width;
   };
@@ -118,8 +129,9 @@ Threshold exactThreshold(const Input& in, size_t k, bool first) {
     size_t bucket = buckets - 1;
     for (; hist[bucket] < need; --bucket) need -= hist[bucket];
     prefix = (prefix << level.width) | Key(bucket);
+    if (level.shift > 0 && k - need + hist[bucket] <= limit) return {false, {prefix << level.shift, 0}};
   }
-  return {prefix, need};
+  return {true, {prefix, need}};
 }
 
 // Appends the entries of y[0, n) (element base + i) with key > t, or key == t while fewer than
@@ -216,6 +228,9 @@ DDLCOMM_MULTIVERSION Key sampleThreshold(const Input& in, size_t k, uint64_t see
 // Selects among the candidates (all entries with key >= some t, at least k of them).
 Threshold thresholdAmong(const std::vector<std::vector<Entry>>& parts, size_t k) {
   std::vector<Key> keys;
+  size_t total = 0;
+  for (const auto& entries : parts) total += entries.size();
+  keys.reserve(total);
   for (const auto& entries : parts) {
     for (const Entry& e : entries) keys.push_back(magnitudeBits(e.value));
   }
@@ -298,18 +313,24 @@ DDLCOMM_MULTIVERSION void fillZero(const Output& out, size_t begin, size_t end) 
 void encodeTopK(const Config& config, const Input& in, uint64_t stream, size_t k, uint8_t* indices,
                 uint8_t* values) {
   if (k == 0) return;
+  const size_t limit = 4 * k + kSampleSize;  // candidates worth collecting and selecting among
   std::vector<std::vector<Entry>> parts;
-  bool first = true;
+  bool first = true;  // y not formed yet
   if (config.approximate && in.numel >= 8 * kSampleSize) {
     const Key t = sampleThreshold(in, k, config.seed, stream);
-    const size_t limit = 4 * k + kSampleSize;
-    const size_t found = t > 0 ? collectParts(in, true, t, SIZE_MAX, limit, parts) : 0;
-    first = t == 0;
-    if (found >= k && found <= limit) return writeSelected(in, parts, thresholdAmong(parts, k), indices, values);
+    if (t > 0) {
+      const size_t found = collectParts(in, true, t, SIZE_MAX, limit, parts);
+      if (found >= k && found <= limit) return writeSelected(in, parts, thresholdAmong(parts, k), indices, values);
+      first = false;
+    }
   }
-  const Threshold threshold = exactThreshold(in, k, first);
-  collectParts(in, false, threshold.key, threshold.ties, SIZE_MAX, parts);
-  writeSelected(in, parts, threshold, indices, values);
+  const RadixResult radix = radixSelect(in, k, first, limit);
+  if (radix.exact) {
+    collectParts(in, false, radix.threshold.key, radix.threshold.ties, SIZE_MAX, parts);
+    return writeSelected(in, parts, radix.threshold, indices, values);
+  }
+  collectParts(in, false, radix.threshold.key, SIZE_MAX, limit, parts);
+  writeSelected(in, parts, thresholdAmong(parts, k), indices, values);
 }
 
 void encodeRandomK(const Config& config, const Input& in, uint64_t stream, size_t k, uint8_t* indices,

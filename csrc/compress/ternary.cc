@@ -36,8 +36,7 @@ template <class E, bool EF>
   }
   uint32_t maxAll = 0;
   for (size_t j = 0; j < kLanes; ++j) maxAll = std::max(maxAll, maxBits[j]);
-  float s;
-  std::memcpy(&s, &maxAll, sizeof s);
+  float s = bitsFloat(maxAll);
   if (clip > 0.f) {
     const float mean = sum.total() / float(len);
     const float var = squares.total() / float(len) - mean * mean;
@@ -61,15 +60,17 @@ template <class E, bool EF>
     storeLE(scales + 4 * b, s);
     const bool sendAll = !(s <= FLT_MAX);  // non-finite scale: every element decodes to it
     forEachRow(len, [&](size_t off, auto n) __attribute__((always_inline)) {
-      uint64_t packed = 0;
+      uint32_t sent = 0, positive = 0;
       for (size_t j = 0; j < n; ++j) {
         const float y = loadY<E, EF>(xb, rb, off + j);
-        const bool send = counterUniform(config.seed, stream, start + off + j) * s < std::fabs(y) || sendAll;
+        const bool send = (counterUniform(config.seed, stream, start + off + j) * s < std::fabs(y)) | sendAll;
         const bool isPos = y >= 0.f;
         if constexpr (EF) rb[off + j] = residualOf(y, send ? (isPos ? s : -s) : 0.f);
-        packed |= uint64_t(send ? (isPos ? 1 : 2) : 0) << (2 * j);
+        sent |= uint32_t(send) << j;
+        positive |= uint32_t(isPos) << j;
       }
-      writer.putWide(packed, 2 * n);
+      // code 1 (+s) = bits 01, code 2 (-s) = bits 10
+      writer.putWide(spreadBits(sent & positive) | spreadBits(sent & ~positive) << 1, 2 * n);
     });
   }
   writer.flush();
@@ -92,11 +93,9 @@ template <class Sink>
     const size_t start = b * bs, len = std::min(bs, numel - start);
     const float s = loadLE<float>(scales + 4 * b);
     forEachRow(len, [&](size_t off, auto n) __attribute__((always_inline)) {
-      const uint64_t packed = reader.getWide(2 * n);
-      for (size_t j = 0; j < n; ++j) {
-        const uint64_t code = (packed >> (2 * j)) & 3;
-        sink(start + off + j, code == 1 ? s : code == 2 ? -s : 0.f);
-      }
+      const uint64_t codes = reader.getWide(2 * n);
+      const uint32_t plus = gatherEvenBits(codes), minus = gatherEvenBits(codes >> 1);
+      for (size_t j = 0; j < n; ++j) sink(start + off + j, (plus >> j) & 1 ? s : (minus >> j) & 1 ? -s : 0.f);
     });
   }
 }

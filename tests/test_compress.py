@@ -1,0 +1,539 @@
+"""Compressors with error feedback (ddlcomm.compress, csrc/compress/)."""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ddlcomm.compress import BF16, FP16, Compressor, OneBit, RandomK, Ternary, TopK, inspect
+
+HEADER = struct.Struct("<IBBBBIIQQ")  # csrc/compress/wire_format.h
+MASK64 = (1 << 64) - 1
+F32_EPS = float(torch.finfo(torch.float32).eps)
+# Inputs of at least this many elements take the sampled path of approximate top-k (sparse.cc).
+APPROX_MIN_NUMEL = 8 * (1 << 15)
+
+COMPRESSORS = {
+    "one_bit": lambda: OneBit(),
+    "one_bit_two_scales": lambda: OneBit(two_scales=True),
+    "one_bit_block37": lambda: OneBit(block_size=37),
+    "ternary": lambda: Ternary(seed=7),
+    "ternary_clip_block5": lambda: Ternary(block_size=5, clip=1.5, seed=7),
+    "top_k": lambda: TopK(ratio=0.05),
+    "top_k_approx": lambda: TopK(ratio=0.05, approximate=True),
+    "random_k": lambda: RandomK(ratio=0.1, seed=3),
+    "random_k_scaled": lambda: RandomK(k=5, seed=3, scaled=True),
+    "fp16": lambda: FP16(),
+    "bf16": lambda: BF16(),
+}
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+SIZES = [0, 1, 5, 13, 255, 257, 1000, 4099]
+
+
+def make_input(numel: int, dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(numel, generator=gen).to(dtype)
+    residual = 0.1 * torch.randn(numel, generator=gen)
+    return x, residual
+
+
+def header(payload: torch.Tensor) -> dict:
+    magic, version, fmt, flags, res0, block, res1, numel, k = HEADER.unpack(bytes(payload[:32].tolist()))
+    return dict(magic=magic, version=version, format=fmt, flags=flags, reserved0=res0, block_size=block,
+                reserved1=res1, numel=numel, k=k)
+
+
+def with_header(payload: torch.Tensor, **fields: int) -> torch.Tensor:
+    values = header(payload) | fields
+    out = payload.clone()
+    out[:32] = torch.tensor(list(HEADER.pack(*values.values())), dtype=torch.uint8)
+    return out
+
+
+def section(payload: torch.Tensor, offset: int, count: int, dtype: torch.dtype) -> torch.Tensor:
+    size = torch.empty(0, dtype=dtype).element_size()
+    return payload[32 + offset:32 + offset + count * size].clone().view(dtype)
+
+
+def assert_error_feedback(y: torch.Tensor, decoded: torch.Tensor, residual: torch.Tensor) -> None:
+    """decoded + residual == y up to the two float32 roundings of residual = y - decoded."""
+    err = (decoded + residual - y).abs()
+    tol = 2 * F32_EPS * (y.abs() + decoded.abs()) + 1e-30
+    assert torch.all(err <= tol), f"max error {err.max().item()} (tolerance {tol[err.argmax()].item()})"
+
+
+# ---- error feedback, sizes, decode variants ---------------------------------------------------
+
+
+@pytest.mark.parametrize("numel", SIZES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name", COMPRESSORS)
+def test_error_feedback_identity(name: str, dtype: torch.dtype, numel: int) -> None:
+    compressor = COMPRESSORS[name]()
+    x, residual = make_input(numel, dtype)
+    y = x.float() + residual
+    payload = compressor.encode(x, residual, stream=5)
+    assert payload.dtype == torch.uint8 and payload.numel() == compressor.compressed_nbytes(numel)
+    info = inspect(payload)
+    assert info["format"] == compressor.format and info["numel"] == numel and info["nbytes"] == payload.numel()
+    decoded = compressor.decode(payload)
+    assert decoded.dtype == torch.float32 and decoded.shape == (numel,)
+    assert_error_feedback(y, decoded, residual)
+
+    # Every other way of decoding agrees with the float32 decode.
+    for out_dtype in (torch.float16, torch.bfloat16):
+        assert torch.equal(compressor.decode(payload, dtype=out_dtype), decoded.to(out_dtype))
+    base = torch.randn(numel)
+    assert torch.equal(compressor.decode_accumulate(payload, base.clone()), base + decoded)
+    out = torch.empty(numel)
+    assert compressor.decode(payload, out=out, numel=numel) is out and torch.equal(out, decoded)
+
+
+@pytest.mark.parametrize("name", COMPRESSORS)
+def test_without_residual_matches_zero_residual(name: str) -> None:
+    compressor = COMPRESSORS[name]()
+    x, _ = make_input(3000, torch.float16)
+    assert torch.equal(compressor.encode(x, stream=2), compressor.encode(x, torch.zeros(3000), stream=2))
+
+
+def test_encode_works_in_place_on_any_contiguous_shape() -> None:
+    x, residual = make_input(6 * 70, torch.float32)
+    x2d, r2d = x.view(6, 70), residual.clone().view(6, 70)
+    address = r2d.data_ptr()
+    payload = OneBit().encode(x2d, r2d)
+    assert r2d.data_ptr() == address and not torch.equal(r2d.flatten(), residual)
+    assert torch.equal(payload, OneBit().encode(x, residual))
+    assert torch.equal(r2d.flatten(), residual)
+
+
+def test_encode_into_a_preallocated_buffer() -> None:
+    x, residual = make_input(1000, torch.float32)
+    compressor = Ternary(seed=1)
+    expected = compressor.encode(x, residual.clone(), stream=3)
+    buffer = torch.full((expected.numel() + 10,), 0xAB, dtype=torch.uint8)
+    payload = compressor.encode(x, residual, stream=3, out=buffer)
+    assert payload.data_ptr() == buffer.data_ptr() and torch.equal(payload, expected)
+    assert torch.all(buffer[expected.numel():] == 0xAB)
+    with pytest.raises(ValueError, match="bytes"):
+        compressor.encode(x, out=buffer[:expected.numel() - 1])
+    with pytest.raises(TypeError, match="uint8"):
+        compressor.encode(x, out=torch.empty(expected.numel(), dtype=torch.int8))
+
+
+@pytest.mark.parametrize("numel", [0, 1, 8, 255, 256, 257, 1000])
+def test_compressed_nbytes_follows_wire_format(numel: int) -> None:
+    blocks = -(-numel // 256)
+    assert OneBit().compressed_nbytes(numel) == 32 + 4 * blocks + -(-numel // 8)
+    assert OneBit(two_scales=True).compressed_nbytes(numel) == 32 + 8 * blocks + -(-numel // 8)
+    assert Ternary().compressed_nbytes(numel) == 32 + 4 * blocks + -(-numel // 4)
+    assert FP16().compressed_nbytes(numel) == BF16().compressed_nbytes(numel) == 32 + 2 * numel
+    k = 0 if numel == 0 else max(1, int(0.01 * numel + 0.5))
+    assert TopK().kept_entries(numel) == k and TopK().compressed_nbytes(numel) == 32 + 8 * k
+    assert RandomK(k=10).kept_entries(numel) == min(10, numel)
+
+
+# ---- the cross-device contract, recomputed in numpy -----------------------------------------
+
+
+def lane_sum(values: np.ndarray) -> np.float32:
+    """float32 sums in 32 interleaved lanes, then the fixed tree (csrc/compress/compress.h)."""
+    lanes = np.zeros(32, np.float32)
+    for off in range(0, len(values), 32):
+        row = values[off:off + 32].astype(np.float32)
+        lanes[:len(row)] += row
+    width = 16
+    while width:
+        lanes[:width] += lanes[width:2 * width]
+        width //= 2
+    return lanes[0]
+
+
+def counter_bits(seed: int, stream: int, index: int) -> int:
+    z = seed ^ (stream * 0x9E3779B97F4A7C15 & MASK64) ^ (index * 0xBF58476D1CE4E5B9 & MASK64)
+    z = (z + 0x9E3779B97F4A7C15) & MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
+    return z ^ (z >> 31)
+
+
+def counter_uniform(seed: int, stream: int, index: int) -> np.float32:
+    return np.float32(counter_bits(seed, stream, index) >> 40) * np.float32(1.0 / 16777216.0)
+
+
+@pytest.mark.parametrize("block", [256, 37])
+def test_one_bit_scales_follow_the_contract(block: int) -> None:
+    x, _ = make_input(3 * block + 11, torch.float32, seed=1)
+    y = x.numpy()
+    for two_scales in (False, True):
+        payload = OneBit(block_size=block, two_scales=two_scales).encode(x)
+        blocks = [y[b:b + block] for b in range(0, len(y), block)]
+        scales = section(payload, 0, len(blocks) * (2 if two_scales else 1), torch.float32).numpy()
+        for b, v in enumerate(blocks):
+            if two_scales:
+                pos, neg = v[v >= 0], -v[~(v >= 0)]
+                expected = [lane_sum(np.where(v >= 0, v, 0)) / np.float32(len(pos)),
+                            lane_sum(np.where(v >= 0, 0, -v)) / np.float32(len(neg))]
+                assert scales[2 * b:2 * b + 2].tolist() == expected
+            else:
+                assert scales[b] == lane_sum(np.abs(v)) / np.float32(len(v))
+        bits = section(payload, 4 * len(scales), -(-len(y) // 8), torch.uint8).numpy()
+        assert np.array_equal(np.unpackbits(bits, bitorder="little")[:len(y)], (y >= 0).astype(np.uint8))
+
+
+@pytest.mark.parametrize("clip", [0.0, 1.0])
+def test_ternary_scale_and_codes_follow_the_contract(clip: float) -> None:
+    numel, block, seed, stream = 70, 32, 11, 9
+    x, _ = make_input(numel, torch.float32, seed=2)
+    payload = Ternary(block_size=block, clip=clip, seed=seed).encode(x, stream=stream)
+    y = x.numpy()
+    scales = section(payload, 0, 3, torch.float32).numpy()
+    codes = section(payload, 12, -(-numel // 4), torch.uint8).numpy()
+    codes = (codes[:, None] >> np.arange(0, 8, 2)).flatten()[:numel] & 3
+    for b in range(3):
+        v = y[b * block:(b + 1) * block]
+        s = np.abs(v).max()
+        if clip:
+            n = np.float32(len(v))
+            mean = lane_sum(v) / n
+            var = lane_sum(v * v) / n - mean * mean
+            s = min(s, np.float32(clip) * np.sqrt(max(var, np.float32(0))))
+        assert scales[b] == s
+        for j, value in enumerate(v):
+            i = b * block + j
+            send = counter_uniform(seed, stream, i) * s < abs(value)
+            assert codes[i] == (0 if not send else 1 if value >= 0 else 2)
+
+
+def test_random_k_indices_follow_floyd() -> None:
+    numel, k, seed, stream = 1000, 37, 5, 12
+    x, _ = make_input(numel, torch.float32)
+    payload = RandomK(k=k, seed=seed).encode(x, stream=stream)
+    taken: set[int] = set()
+    for j in range(numel - k, numel):
+        t = counter_bits(seed, stream, j) * (j + 1) >> 64
+        taken.add(j if t in taken else t)
+    indices = section(payload, 0, k, torch.int32).long()
+    assert indices.tolist() == sorted(taken)
+    assert torch.equal(section(payload, 4 * k, k, torch.float32), x[indices])
+
+
+# ---- statistics -------------------------------------------------------------------------------
+
+
+def mean_over_streams(compressor: Compressor, x: torch.Tensor, trials: int) -> torch.Tensor:
+    total = torch.zeros(x.numel(), dtype=torch.float64)  # float32 sums would drift by ~trials * eps
+    for stream in range(trials):
+        total += compressor.decode(compressor.encode(x, stream=stream))
+    return (total / trials).float()
+
+
+def test_ternary_is_unbiased() -> None:
+    x, _ = make_input(512, torch.float32, seed=3)
+    trials = 2000
+    mean = mean_over_streams(Ternary(block_size=64, seed=1), x, trials)
+    s = x.abs().view(-1, 64).amax(1).repeat_interleave(64)
+    sigma = ((s * x.abs() - x * x).clamp_min(0) / trials).sqrt()  # Var = s|y| - y^2
+    assert torch.all((mean - x).abs() <= 5 * sigma + 1e-6)
+
+
+def test_random_k_scaled_is_unbiased_and_uniform() -> None:
+    numel, k, trials = 200, 20, 4000
+    x, _ = make_input(numel, torch.float32, seed=4)
+    compressor = RandomK(k=k, seed=9, scaled=True)
+    mean = mean_over_streams(compressor, x, trials)
+    sigma = x.abs() * ((numel / k - 1) / trials) ** 0.5  # Var = y^2 (n/k - 1)
+    assert torch.all((mean - x).abs() <= 5 * sigma)
+    hits = torch.zeros(numel)
+    for stream in range(trials):
+        hits[section(compressor.encode(x, stream=stream), 0, k, torch.int32).long()] += 1
+    p = k / numel
+    assert torch.all((hits - trials * p).abs() <= 5 * (trials * p * (1 - p)) ** 0.5)
+
+
+def test_ternary_and_random_k_depend_on_stream_and_seed() -> None:
+    x, _ = make_input(1000, torch.float32)
+    for make in (lambda seed: Ternary(seed=seed), lambda seed: RandomK(seed=seed)):
+        assert not torch.equal(make(0).encode(x, stream=1), make(0).encode(x, stream=2))
+        assert not torch.equal(make(0).encode(x, stream=1), make(1).encode(x, stream=1))
+
+
+# ---- top-k selection --------------------------------------------------------------------------
+
+
+def reference_top_k(y: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices (ascending) of the k largest magnitude keys (|y| bits: NaN largest), ties to the lower index."""
+    key = y.view(torch.int32).long() & 0x7FFFFFFF
+    return torch.sort(key, descending=True, stable=True).indices[:k].sort().values
+
+
+def sparse_entries(payload: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    k = header(payload)["k"]
+    return section(payload, 0, k, torch.int32).long(), section(payload, 4 * k, k, torch.float32)
+
+
+@pytest.mark.parametrize("numel", [10, 1000, APPROX_MIN_NUMEL + 3])
+def test_top_k_matches_torch_topk_on_distinct_values(numel: int) -> None:
+    gen = torch.Generator().manual_seed(5)
+    x = (torch.randperm(numel, generator=gen) + 1).float() * (torch.randint(0, 2, (numel,), generator=gen) * 2 - 1)
+    for approximate in (False, True):
+        compressor = TopK(ratio=0.01, approximate=approximate)
+        k = compressor.kept_entries(numel)
+        indices, values = sparse_entries(compressor.encode(x))
+        expected = torch.topk(x.abs(), k).indices.sort().values
+        assert torch.equal(indices, expected) and torch.equal(values, x[expected])
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(data=st.lists(st.integers(-4, 4), min_size=1, max_size=300), k=st.integers(1, 300))
+def test_top_k_breaks_ties_by_lower_index(data: list[int], k: int) -> None:
+    x = torch.tensor(data, dtype=torch.float32)
+    indices, _ = sparse_entries(TopK(k=k).encode(x))
+    assert torch.equal(indices, reference_top_k(x, min(k, len(data))))
+
+
+def test_top_k_counts_nan_as_largest() -> None:
+    x = torch.tensor([1.0, float("nan"), -5.0, float("-inf"), 2.0, float("nan"), 3.0])
+    indices, values = sparse_entries(TopK(k=4).encode(x))
+    assert indices.tolist() == [1, 2, 3, 5]
+    assert values[0].isnan() and values[1] == -5 and values[2] == -torch.inf and values[3].isnan()
+
+
+@pytest.mark.parametrize("kind", ["distinct", "ties", "tie_heavy_fallback", "float16"])
+def test_approximate_top_k_equals_exact(kind: str) -> None:
+    """Exactly k entries, the same bytes and residual as exact top-k, with and without sampling luck."""
+    numel = APPROX_MIN_NUMEL + 1001
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(numel, generator=gen)
+    if kind == "ties":
+        x = torch.randint(-60, 60, (numel,), generator=gen).float()
+    elif kind == "tie_heavy_fallback":  # the sampled threshold hits 99% equal values: too many candidates
+        x = torch.where(torch.rand(numel, generator=gen) < 0.99, 1.0, 2.0 + torch.rand(numel, generator=gen))
+    elif kind == "float16":
+        x = x.half()
+    residual = torch.zeros(numel) if kind.startswith("tie") else 0.1 * torch.randn(numel, generator=gen)
+    y = x.float() + residual
+    results = []
+    for approximate in (False, True):
+        r = residual.clone()
+        compressor = TopK(ratio=0.01, approximate=approximate)
+        payload = compressor.encode(x, r, stream=1)
+        assert header(payload)["k"] == compressor.kept_entries(numel)
+        assert_error_feedback(y, compressor.decode(payload), r)
+        results.append((payload, r))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+    assert torch.equal(sparse_entries(results[0][0])[0], reference_top_k(y, TopK().kept_entries(numel)))
+
+
+# ---- non-finite input ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", COMPRESSORS)
+def test_non_finite_input_decodes_non_finite_and_resets_residual(name: str) -> None:
+    compressor = COMPRESSORS[name]()
+    x, residual = make_input(1000, torch.float32, seed=8)
+    bad = [3, 300, 301]
+    x[3], x[300], x[301] = float("nan"), float("inf"), float("-inf")
+    payload = compressor.encode(x, residual)
+    decoded = compressor.decode(payload)
+    if compressor.format == "random_k":  # sends whatever it picks: check only the residual
+        sent = sparse_entries(payload)[0]
+        bad = [i for i in bad if i in sent.tolist()]
+    assert not decoded[bad].isfinite().any()
+    assert residual.isfinite().all() and torch.all(residual[bad] == 0)
+
+
+def test_fp16_overflow_becomes_inf_with_zero_residual() -> None:
+    x = torch.tensor([1e6, -1e6, 1.0])
+    residual = torch.zeros(3)
+    decoded = FP16().decode(FP16().encode(x, residual))
+    assert decoded.tolist() == [float("inf"), float("-inf"), 1.0] and residual.tolist() == [0, 0, 0]
+
+
+def test_top_k_with_more_non_finite_entries_than_k_keeps_residual_finite() -> None:
+    x = torch.full((50,), float("nan"))
+    residual = torch.zeros(50)
+    TopK(k=3).encode(x, residual)
+    assert torch.all(residual == 0)
+
+
+# ---- determinism --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", COMPRESSORS)
+def test_encode_is_deterministic_across_calls_and_thread_counts(name: str, monkeypatch) -> None:
+    compressor = COMPRESSORS[name]()
+    x, residual = make_input(3_000_000 + 7, torch.bfloat16, seed=9)  # > 2 threads' worth (parallel.h)
+    results = []
+    for threads in ("1", "3", "3"):
+        monkeypatch.setenv("DDLCOMM_NUM_THREADS", threads)
+        r = residual.clone()
+        payload = compressor.encode(x, r, stream=4)
+        results.append((payload, r, compressor.decode(payload)))
+    for payload, r, decoded in results[1:]:
+        assert torch.equal(payload, results[0][0]) and torch.equal(r, results[0][1])
+        assert torch.equal(decoded, results[0][2])
+
+
+# ---- corrupt payloads -----------------------------------------------------------------------------
+
+
+def small_payload(name: str, numel: int = 37) -> tuple[Compressor, torch.Tensor]:
+    compressor = COMPRESSORS[name]()
+    x, residual = make_input(numel, torch.float32)
+    return compressor, compressor.encode(x, residual)
+
+
+def assert_rejected(compressor: Compressor, payload: torch.Tensor, numel: int = 37) -> None:
+    with pytest.raises(ValueError):
+        inspect(payload)
+    with pytest.raises(ValueError):
+        compressor.decode(payload, out=torch.zeros(numel))
+    with pytest.raises(ValueError):
+        compressor.decode_accumulate(payload, torch.zeros(numel))
+
+
+@pytest.mark.parametrize("name", COMPRESSORS)
+def test_truncated_or_extended_payload_is_rejected(name: str) -> None:
+    compressor, payload = small_payload(name)
+    for length in range(payload.numel()):
+        with pytest.raises(ValueError):
+            inspect(payload[:length].clone())
+    assert_rejected(compressor, payload[:-1].clone())
+    assert_rejected(compressor, torch.cat([payload, torch.zeros(1, dtype=torch.uint8)]))
+
+
+@pytest.mark.parametrize("name", COMPRESSORS)
+def test_corrupt_header_is_rejected(name: str) -> None:
+    compressor, payload = small_payload(name)
+    h = header(payload)
+    corruptions = [
+        dict(magic=h["magic"] ^ 1), dict(version=0), dict(version=2), dict(format=0), dict(format=7),
+        dict(format=255), dict(flags=h["flags"] | 2), dict(flags=h["flags"] ^ 1), dict(reserved0=1),
+        dict(reserved1=1), dict(block_size=1), dict(k=h["k"] + 1), dict(k=2**64 - 1),
+    ]
+    if h["block_size"]:
+        corruptions += [dict(block_size=0), dict(numel=2**62), dict(numel=2**64 - 1)]
+    for fields in corruptions:
+        assert_rejected(compressor, with_header(payload, **fields))
+    # A different element count can still describe a valid payload (e.g. the sign bits of 36 or 38
+    # elements fill as many bytes as those of 37): decode rejects it against the caller's numel.
+    for numel in (h["numel"] - 1, h["numel"] + 1, 2**62, 2**64 - 1):
+        with pytest.raises(ValueError):
+            compressor.decode(with_header(payload, numel=numel), out=torch.zeros(37))
+
+
+def test_wrong_format_or_size_is_rejected_on_decode() -> None:
+    x, _ = make_input(37, torch.float32)
+    payload = FP16().encode(x)
+    assert inspect(with_header(payload, format=6))["format"] == "bfloat16"
+    with pytest.raises(ValueError, match="format"):
+        FP16().decode(with_header(payload, format=6))
+    with pytest.raises(ValueError, match="format"):
+        OneBit().decode(payload)
+    with pytest.raises(ValueError, match="elements"):
+        FP16().decode(payload, out=torch.zeros(36))
+    with pytest.raises(ValueError, match="elements"):
+        FP16().decode(payload, numel=38)
+    with pytest.raises(ValueError, match="elements"):
+        FP16().decode_accumulate(payload, torch.zeros(38))
+
+
+@pytest.mark.parametrize("name", ["top_k", "random_k"])
+def test_bad_sparse_indices_are_rejected(name: str) -> None:
+    compressor, payload = small_payload(name, numel=200)
+    k = header(payload)["k"]
+    assert k >= 3
+    for position, index in [(k - 1, 200), (0, 2**32 - 1)]:
+        bad = payload.clone()
+        bad[32 + 4 * position:36 + 4 * position] = torch.tensor([index], dtype=torch.int64).view(torch.uint8)[:4]
+        assert_rejected(compressor, bad, 200)
+    indices = section(payload, 0, k, torch.int32)
+    for order in (indices.flip(0), torch.cat([indices[:1], indices[:-1]])):  # decreasing, repeated
+        bad = payload.clone()
+        bad[32:32 + 4 * k] = order.view(torch.uint8)
+        assert_rejected(compressor, bad, 200)
+
+
+def test_invalid_ternary_code_and_unused_bits_are_rejected() -> None:
+    compressor, payload = small_payload("ternary")  # 37 elements: 1 scale, 10 code bytes
+    for position in (0, 17, 36):
+        bad = payload.clone()
+        byte = 32 + 4 + position // 4
+        bad[byte] |= 3 << (2 * (position % 4))
+        assert_rejected(compressor, bad)
+    bad = payload.clone()
+    bad[-1] |= 0x04  # element 37 does not exist
+    assert_rejected(compressor, bad)
+
+
+def test_unused_sign_bits_are_rejected() -> None:
+    compressor, payload = small_payload("one_bit")  # 37 elements: the last byte uses 5 bits
+    bad = payload.clone()
+    bad[-1] |= 0x80
+    assert_rejected(compressor, bad)
+
+
+@settings(max_examples=300, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(name=st.sampled_from(sorted(COMPRESSORS)), flips=st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 7)),
+                                                                  min_size=1, max_size=4))
+def test_random_bit_flips_are_rejected_or_decode_safely(name: str, flips: list[tuple[int, int]]) -> None:
+    compressor, payload = small_payload(name)
+    for position, bit in flips:
+        payload[position % payload.numel()] ^= 1 << bit
+    try:
+        info = inspect(payload)
+    except ValueError:
+        return
+    if info["format"] != compressor.format:
+        with pytest.raises(ValueError, match="format"):
+            compressor.decode(payload)
+        return
+    out = torch.zeros(37)
+    if info["numel"] != 37:  # e.g. a sparse payload with another numel: valid, but not for this caller
+        with pytest.raises(ValueError, match="elements"):
+            compressor.decode_accumulate(payload, out)
+        return
+    compressor.decode_accumulate(payload, out)
+    assert torch.equal(compressor.decode(payload), out)
+
+
+# ---- API errors -------------------------------------------------------------------------------------
+
+
+def test_invalid_arguments_raise_clear_errors() -> None:
+    x, residual = make_input(64, torch.float32)
+    compressor = OneBit()
+    with pytest.raises(TypeError, match="float32"):
+        compressor.encode(x.double())
+    with pytest.raises(TypeError, match="float32"):
+        compressor.encode(torch.arange(64))
+    with pytest.raises(ValueError, match="CPU"):
+        compressor.encode(torch.empty(64, device="meta"))
+    with pytest.raises(ValueError, match="contiguous"):
+        compressor.encode(x[::2])
+    with pytest.raises(ValueError, match="contiguous"):
+        compressor.encode(x.view(8, 8), residual.view(8, 8).t())
+    with pytest.raises(ValueError, match="float32"):
+        compressor.encode(x, residual.half())
+    with pytest.raises(ValueError, match="elements"):
+        compressor.encode(x, residual[:63])
+    with pytest.raises(ValueError, match="stream"):
+        compressor.encode(x, stream=-1)
+    payload = compressor.encode(x)
+    with pytest.raises(TypeError, match="uint8"):
+        compressor.decode(payload.view(torch.int8))
+    with pytest.raises(TypeError, match="float32"):
+        compressor.decode_accumulate(payload, torch.zeros(64, dtype=torch.float16))
+    with pytest.raises(TypeError):
+        compressor.decode(payload, dtype=torch.float64)
+    with pytest.raises(ValueError, match="contiguous"):
+        compressor.decode(payload, out=torch.zeros(128)[::2])
+    for bad in (lambda: OneBit(block_size=0), lambda: Ternary(clip=-1.0), lambda: TopK(ratio=0.0),
+                lambda: TopK(ratio=1.5), lambda: RandomK(k=0)):
+        with pytest.raises(ValueError):
+            bad()
