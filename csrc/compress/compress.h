@@ -6,8 +6,13 @@
 //  - Block sums (1-bit scale = mean |y| of the block, ternary std) are float32 sums taken in
 //    32 interleaved lanes (lane j sums elements j, j+32, ... in index order), then combined
 //    lane[j] += lane[j+16], +8, +4, +2, +1; no fused multiply-add. Max is order-free.
-//  - Randomness is counter-based: counterUniform(seed, stream, index) in [0, 1), so results
-//    do not depend on threading or device.
+//  - Randomness is counter-based: counterUniform(seed, stream, index) in [0, 1) (defined in
+//    compress/counter_random.h, shared with device code), so results do not depend on
+//    threading or device. Ternary draws u = counterUniform(seed, stream, i) for element i.
+//  - Random-k keeps exactly k entries chosen by stratified sampling: index_j =
+//    stratifiedIndex(seed, stream, j, k, numel) for j in [0, k) (one index per stratum
+//    [floor(j*numel/k), floor((j+1)*numel/k)), exact integer arithmetic, see
+//    counter_random.h): strictly increasing, trivially parallel, identical on CPU and GPU.
 //  - Non-finite input: the affected block's scale (or the top-k value) is non-finite so the
 //    decoded result is non-finite too, and the residual of those elements is reset to 0
 //    so later steps are not poisoned.
@@ -17,6 +22,7 @@
 #include <cstdint>
 
 #include "common/dtype.h"
+#include "compress/counter_random.h"
 #include "compress/wire_format.h"
 
 namespace ddlcomm::compress {
@@ -58,15 +64,5 @@ PayloadInfo inspect(const uint8_t* payload, size_t bytes);
 void decode(const uint8_t* payload, size_t bytes, DataType outType, void* out, size_t numel);
 // out[numel] (float32) += decode(payload).
 void decodeAccumulate(const uint8_t* payload, size_t bytes, float* out, size_t numel);
-
-// Counter-based uniform in [0, 1) (splitmix64 of the three inputs, top 24 bits).
-inline float counterUniform(uint64_t seed, uint64_t stream, uint64_t index) {
-  uint64_t z = seed ^ (stream * 0x9e3779b97f4a7c15ull) ^ (index * 0xbf58476d1ce4e5b9ull);
-  z += 0x9e3779b97f4a7c15ull;
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  z ^= z >> 31;
-  return float(z >> 40) * (1.0f / 16777216.0f);
-}
 
 }  // namespace ddlcomm::compress
