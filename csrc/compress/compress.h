@@ -6,13 +6,11 @@
 //  - Block sums (1-bit scale = mean |y| of the block, ternary std) are float32 sums taken in
 //    32 interleaved lanes (lane j sums elements j, j+32, ... in index order), then combined
 //    lane[j] += lane[j+16], +8, +4, +2, +1; no fused multiply-add. Max is order-free.
-//  - Randomness is counter-based: counterUniform(seed, stream, index) in [0, 1) (defined in
+//  - Randomness is counter-based: counterBits / counterUniform(seed, stream, index) (in
 //    compress/counter_random.h, shared with device code), so results do not depend on
-//    threading or device. Ternary draws u = counterUniform(seed, stream, i) for element i.
-//  - Random-k keeps exactly k entries chosen by stratified sampling: index_j =
-//    stratifiedIndex(seed, stream, j, k, numel) for j in [0, k) (one index per stratum
-//    [floor(j*numel/k), floor((j+1)*numel/k)), exact integer arithmetic, see
-//    counter_random.h): strictly increasing, trivially parallel, identical on CPU and GPU.
+//    threading or device. Random-k takes Floyd's k distinct indices: for j = numel-k .. numel-1,
+//    t = (counterBits(seed, stream, j) * (j+1)) >> 64 (128-bit product); take t, or j when t is
+//    already taken. (The GPU computes the same set in parallel, see csrc/cuda/randomk.cu.)
 //  - Non-finite input: the affected block's scale (or the top-k value) is non-finite so the
 //    decoded result is non-finite too, and the residual of those elements is reset to 0
 //    so later steps are not poisoned.

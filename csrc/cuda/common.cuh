@@ -25,21 +25,21 @@ __host__ __device__ __forceinline__ T maxOf(T a, T b) { return a < b ? b : a; }
 
 __device__ __forceinline__ bool isFiniteF(float v) { return (__float_as_uint(v) & 0x7f800000u) != 0x7f800000u; }
 
-// ---- 16-bit floats, bit-identical to common/half.h on x86 -------------------------------
-// The hardware conversions round to nearest even like the CPU; only NaN payloads differ
-// (the GPU makes a canonical NaN, x86's F16C keeps the payload and sets the quiet bit), so
-// NaNs are fixed up to the CPU's bits on a rarely taken branch.
+// ---- 16-bit floats, bit-identical to common/half.h ----------------------------------------
+// The hardware conversions round to nearest even like the CPU; only NaNs differ (the GPU makes
+// a canonical NaN), so NaNs are fixed up to half.h's bits on a rarely taken branch: a half NaN
+// widens with its payload kept, a float NaN narrows to the quiet NaN 0x7e00 with its sign.
 __device__ __forceinline__ float halfBitsToFloat(uint16_t h) {
   float f = __half2float(__ushort_as_half(h));
   if ((h & 0x7fffu) > 0x7c00u)
-    f = __uint_as_float((uint32_t(h & 0x8000u) << 16) | 0x7fc00000u | (uint32_t(h & 0x3ffu) << 13));
+    f = __uint_as_float((uint32_t(h & 0x8000u) << 16) | 0x7f800000u | (uint32_t(h & 0x3ffu) << 13));
   return f;
 }
 
 __device__ __forceinline__ uint16_t floatToHalfBits(float f) {
   uint16_t h = __half_as_ushort(__float2half_rn(f));
   const uint32_t u = __float_as_uint(f);
-  if ((u & 0x7fffffffu) > 0x7f800000u) h = uint16_t(((u >> 16) & 0x8000u) | 0x7e00u | ((u >> 13) & 0x3ffu));
+  if ((u & 0x7fffffffu) > 0x7f800000u) h = uint16_t(((u >> 16) & 0x8000u) | 0x7e00u);
   return h;
 }
 
@@ -78,20 +78,17 @@ __device__ __forceinline__ float loadY(const typename XT::Raw* __restrict__ x, c
   return residual ? __fadd_rn(xv, residual[i]) : xv;
 }
 
-// Error feedback: residual = y - decoded, reset to 0 where the decoded value is non-finite
-// (the contract's non-finite rule; also covers fp16 overflow to inf).
+// Error feedback: residual = y - decoded, or 0 where that is not finite (compress.h's rule:
+// a non-finite input or decoded value never stays in the residual).
 __device__ __forceinline__ float residualAfter(float y, float decoded) {
-  return isFiniteF(decoded) ? __fsub_rn(y, decoded) : 0.0f;
+  const float r = __fsub_rn(y, decoded);
+  return isFiniteF(r) ? r : 0.0f;
 }
 
-// Top-k order: |v| as its float32 bits (monotone in |v| for non-negative floats), every NaN
-// mapped to one key just above +inf so NaN payload bits (which differ between devices) never
-// decide the order. Larger key first; equal keys are taken in index order.
-constexpr uint32_t kNanKey = 0x7f800001u;
-__device__ __forceinline__ uint32_t magnitudeKey(float v) {
-  const uint32_t k = __float_as_uint(v) & 0x7fffffffu;
-  return k > 0x7f800000u ? kNanKey : k;
-}
+// Top-k order: |v| as its float32 bits, which orders like the magnitude, NaN above +inf (by
+// payload, as on the CPU). Larger key first; equal keys are taken in index order.
+constexpr uint32_t kInfKey = 0x7f800000u;
+__device__ __forceinline__ uint32_t magnitudeKey(float v) { return __float_as_uint(v) & 0x7fffffffu; }
 
 // ---- warp collectives ---------------------------------------------------------------------
 // The contract's lane combination: lane[j] += lane[j+16], +8, +4, +2, +1; result on all lanes.
@@ -125,6 +122,27 @@ __device__ __forceinline__ T warpInclusiveScan(T v, int lane) {
 }
 
 __device__ __forceinline__ uint32_t laneMaskLt(int lane) { return (1u << lane) - 1u; }
+
+// Exclusive prefix sum over a block of kThreads threads (all must call it); `total` gets the
+// block's sum. Ends with a barrier, so it can be called again right away.
+template <int kThreads>
+__device__ __forceinline__ uint64_t blockExclusiveScan(uint64_t v, uint64_t& total) {
+  __shared__ uint64_t warpSums[kThreads / kWarpSize];
+  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
+  const uint64_t inc = warpInclusiveScan(v, lane);
+  if (lane == kWarpSize - 1) warpSums[warp] = inc;
+  __syncthreads();
+  if (warp == 0) {
+    const uint64_t w = lane < kThreads / kWarpSize ? warpSums[lane] : 0;
+    const uint64_t scanned = warpInclusiveScan(w, lane);
+    if (lane < kThreads / kWarpSize) warpSums[lane] = scanned;
+  }
+  __syncthreads();
+  const uint64_t result = inc - v + (warp > 0 ? warpSums[warp - 1] : 0);
+  total = warpSums[kThreads / kWarpSize - 1];
+  __syncthreads();
+  return result;
+}
 
 // Block 0 writes the 32 header bytes (payload is 4-byte aligned; checked on the host). The
 // word is selected with constant indices: a run-time index into a kernel parameter would

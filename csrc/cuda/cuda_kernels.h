@@ -18,14 +18,14 @@
 
 namespace ddlcomm::gpu {
 
-// Entries kept by top-k / random-k (k clamped to numel; from ratio: ceil(ratio * numel), at
-// least 1 when numel > 0). Must equal compress::keptEntries.
+// Entries kept by top-k / random-k: min(k, numel) when k is set, else round(ratio * numel)
+// (half away from zero) clamped to [1, numel]; 0 for numel 0. Equals compress::keptEntries.
 uint64_t keptEntriesCuda(const compress::Config& config, size_t numel);
 
 // Exact payload size for every format (approximate top-k on the GPU keeps exactly k entries).
 size_t encodedBytesCuda(const compress::Config& config, size_t numel);
 
-// Device scratch that encodeCuda needs (0 for all formats but top-k). Alignment: 256 bytes.
+// Device scratch that encodeCuda needs (0 but for top-k and random-k). Alignment: 256 bytes.
 size_t encodeWorkspaceBytes(const compress::Config& config, DataType xType, size_t numel);
 
 // y = x + residual; payload = encode(y); residual = y - decode(payload), in one stream-ordered

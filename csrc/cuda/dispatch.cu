@@ -58,8 +58,8 @@ detail::DecodeArgs decodeArgs(const compress::PayloadInfo& info, const uint8_t* 
   DDLCOMM_CHECK(outType == DataType::Float32 || outType == DataType::Float16 || outType == DataType::BFloat16,
                 ErrorKind::UnsupportedType, what, ": output must be float32, float16 or bfloat16, got ",
                 dataTypeName(outType));
-  DDLCOMM_CHECK(info.numel == numel, ErrorKind::Mismatch, what, ": payload holds ", info.numel,
-                " elements, output has ", numel);
+  DDLCOMM_CHECK(info.numel == numel, ErrorKind::InvalidArgument, what, ": the payload holds ", info.numel,
+                " elements, the output has ", numel);
   DDLCOMM_CHECK(!isBlocked(info.format) || numel == 0 || info.blockSize >= 1, ErrorKind::Protocol, what,
                 ": block size 0");
   DDLCOMM_CHECK(!isSparse(info.format) || info.k <= numel, ErrorKind::Protocol, what, ": ", info.k,
@@ -90,10 +90,10 @@ void runDecode(const detail::DecodeArgs& a) {
 }  // namespace
 
 uint64_t keptEntriesCuda(const compress::Config& config, size_t numel) {
+  if (!isSparse(config.format) || numel == 0) return 0;
   if (config.k > 0) return config.k < numel ? config.k : numel;
-  const double want = std::ceil(config.ratio * double(numel));
-  if (!(want > 0.0)) return numel > 0 ? 1 : 0;
-  return want < double(numel) ? uint64_t(want) : numel;
+  const double k = std::round(config.ratio * double(numel));  // half away from zero
+  return k < 1.0 ? 1 : (k < double(numel) ? uint64_t(k) : numel);
 }
 
 size_t encodedBytesCuda(const compress::Config& config, size_t numel) {
@@ -105,7 +105,7 @@ size_t encodeWorkspaceBytes(const compress::Config& config, DataType, size_t num
   checkConfig(config, numel);
   switch (config.format) {
     case compress::Format::TopK: return detail::topkWorkspaceBytes(config.approximate, numel, keptEntriesCuda(config, numel));
-    case compress::Format::Ternary: return detail::ternaryWorkspaceBytes(config, numel);
+    case compress::Format::RandomK: return detail::randomkWorkspaceBytes(numel, keptEntriesCuda(config, numel));
     default: return 0;
   }
 }

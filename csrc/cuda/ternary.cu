@@ -1,7 +1,10 @@
-// Ternary compression (TernGrad) with error feedback: per block s = max |yc| where yc is y,
-// optionally clipped at clip * std(block); element i becomes sign(y) * s with probability
-// |yc| / s (u = counterUniform(seed, stream, i) < |yc| / s), else 0. Same warp-per-block
-// structure as onebit.cu: the std uses the contract's 32-lane sums.
+// Ternary compression (TernGrad) with error feedback, as compress.h defines it: per block
+// s = max |y| (NaN above +inf); with clip > 0, mean = sum(y) / n, var = sum(y*y) / n - mean^2,
+// s = clip * sqrt(max(var, 0)) when that is smaller. Element i is sent as sign(y) * s iff
+// counterUniform(seed, stream, i) * s < |y| (or s is not finite), else 0. Same warp-per-block
+// structure as onebit.cu: the sums are the contract's 32-lane sums.
+#include <cfloat>
+
 #include "cuda/common.cuh"
 #include "cuda/launchers.h"
 
@@ -21,22 +24,15 @@ struct TernaryParams {
   uint64_t stream;
   float* scales;
   uint8_t* codes;
-  float* clipBounds;  // generic path with clipping: c per block (workspace), else null
   uint8_t* payload;
   HeaderWords header;
 };
 
-// Clip at c, keeping the sign. A NaN c (std of a non-finite block) or NaN y leaves y as is,
-// so a non-finite block always gets a non-finite scale.
-__device__ __forceinline__ float clipAt(float y, float c) { return fabsf(y) > c ? copysignf(c, y) : y; }
-
-// Code of one element: 0 -> 0, 1 -> +s, 2 -> -s. A non-finite scale gets a sign code for every
-// element, so the whole block decodes non-finite (the contract's non-finite rule).
-__device__ __forceinline__ uint32_t ternaryCode(float y, float yc, float s, const TernaryParams& p, uint64_t i) {
-  if (!isFiniteF(s)) return y < 0.f ? 2u : 1u;
-  const float prob = __fdiv_rn(fabsf(yc), s);  // s == 0: NaN, never taken
-  const float u = compress::counterUniform(p.seed, p.stream, i);
-  return u < prob ? (yc > 0.f ? 1u : 2u) : 0u;
+// Code of one element (0 -> 0, 1 -> +s, 2 -> -s). A non-finite s sends every element, so the
+// whole block decodes non-finite (the contract's non-finite rule).
+__device__ __forceinline__ uint32_t ternaryCode(float y, float s, uint64_t seed, uint64_t stream, uint64_t i) {
+  const bool send = !(s <= FLT_MAX) || __fmul_rn(compress::counterUniform(seed, stream, i), s) < fabsf(y);
+  return send ? (y >= 0.f ? 1u : 2u) : 0u;
 }
 
 __device__ __forceinline__ float decodeCode(uint32_t code, float s) {
@@ -48,12 +44,27 @@ __device__ __forceinline__ uint32_t spread4(uint32_t b) {
   return (b & 1u) | ((b & 2u) << 1) | ((b & 4u) << 2) | ((b & 8u) << 3);
 }
 
-// Fused encode when blockSize % 4 == 0 (blocks start on code-byte boundaries).
+// Warp-collective block scale from the lanes' partial results (all lanes get it).
+__device__ __forceinline__ float blockScale(uint32_t maxBits, float sum, float squares, uint32_t count,
+                                            float clip) {
+  float s = __uint_as_float(warpMaxU32(maxBits));
+  if (clip > 0.f) {
+    const float n = __uint2float_rn(count);
+    const float mean = __fdiv_rn(warpSumContract(sum), n);
+    const float var = __fsub_rn(__fdiv_rn(warpSumContract(squares), n), __fmul_rn(mean, mean));
+    const float bound = __fmul_rn(clip, __fsqrt_rn(var < 0.f ? 0.f : var));
+    if (bound < s) s = bound;  // a NaN bound (non-finite block) clips nothing
+  }
+  return s;
+}
+
+// Fused encode when blockSize % 4 == 0 (blocks start on code-byte boundaries, so no byte is
+// shared between warps). kWriteData = false only computes the scales (generic path).
 template <typename XT, bool kWriteData>
 __global__ __launch_bounds__(kThreads) void ternaryEncodeKernel(const typename XT::Raw* __restrict__ x,
                                                                 float* __restrict__ residual, TernaryParams p) {
   writeHeader(p.payload, p.header);
-  const int lane = threadIdx.x % kWarpSize;
+  const uint32_t lane = threadIdx.x % kWarpSize;
   const uint64_t warpStride = uint64_t(gridDim.x) * kWarpsPerCta;
   for (uint64_t b = uint64_t(blockIdx.x) * kWarpsPerCta + threadIdx.x / kWarpSize; b < p.nblocks; b += warpStride) {
     const uint64_t base = b * p.blockSize;
@@ -61,60 +72,41 @@ __global__ __launch_bounds__(kThreads) void ternaryEncodeKernel(const typename X
     const uint32_t rounds = (count + kWarpSize - 1) / kWarpSize;
     auto yAt = [&](uint32_t off) { return loadY<XT>(x, residual, base + off); };
 
+    // Pass 1: y of the first rounds into registers (loads issued before use); lane max of |y|
+    // bits and, with clipping, lane sums of y and y*y in index order.
     float v[kCachedRounds];
 #pragma unroll
     for (uint32_t t = 0; t < kCachedRounds; ++t) {
       const uint32_t off = t * kWarpSize + lane;
       v[t] = off < count ? yAt(off) : 0.f;
     }
-
-    // Clip bound c = clip * std, std = sqrt(sum((y - mean)^2) / count), both sums in lanes.
-    float c = __int_as_float(0x7fc00000);  // NaN: no clipping
-    if (p.clip > 0.f) {
-      float s1 = 0.f;
-#pragma unroll
-      for (uint32_t t = 0; t < kCachedRounds; ++t)
-        if (t * kWarpSize + lane < count) s1 = __fadd_rn(s1, v[t]);
-      for (uint32_t t = kCachedRounds; t < rounds; ++t)
-        if (t * kWarpSize + lane < count) s1 = __fadd_rn(s1, yAt(t * kWarpSize + lane));
-      const float n = __uint2float_rn(count);
-      const float mean = __fdiv_rn(warpSumContract(s1), n);
-      float s2 = 0.f;
-      auto addSq = [&](float y) {
-        const float d = __fsub_rn(y, mean);
-        s2 = __fadd_rn(s2, __fmul_rn(d, d));
-      };
-#pragma unroll
-      for (uint32_t t = 0; t < kCachedRounds; ++t)
-        if (t * kWarpSize + lane < count) addSq(v[t]);
-      for (uint32_t t = kCachedRounds; t < rounds; ++t)
-        if (t * kWarpSize + lane < count) addSq(yAt(t * kWarpSize + lane));
-      c = __fmul_rn(p.clip, __fsqrt_rn(__fdiv_rn(warpSumContract(s2), n)));
-    }
-
-    // s = max |yc| as bits: order-free, and a NaN (bits above +inf) wins, so it propagates.
-    uint32_t m = 0;
+    uint32_t maxBits = 0;
+    float sum = 0.f, squares = 0.f;
+    auto add = [&](float y) {
+      maxBits = maxOf(maxBits, __float_as_uint(y) & 0x7fffffffu);
+      if (p.clip > 0.f) {
+        sum = __fadd_rn(sum, y);
+        squares = __fadd_rn(squares, __fmul_rn(y, y));
+      }
+    };
 #pragma unroll
     for (uint32_t t = 0; t < kCachedRounds; ++t)
-      if (t * kWarpSize + lane < count) m = maxOf(m, __float_as_uint(fabsf(clipAt(v[t], c))));
+      if (t * kWarpSize + lane < count) add(v[t]);
     for (uint32_t t = kCachedRounds; t < rounds; ++t)
-      if (t * kWarpSize + lane < count) m = maxOf(m, __float_as_uint(fabsf(clipAt(yAt(t * kWarpSize + lane), c))));
-    const float s = __uint_as_float(warpMaxU32(m));
-    if (lane == 0) {
-      p.scales[b] = s;
-      if (!kWriteData && p.clipBounds) p.clipBounds[b] = c;
-    }
+      if (t * kWarpSize + lane < count) add(yAt(t * kWarpSize + lane));
+    const float s = blockScale(maxBits, sum, squares, count, p.clip);
+    if (lane == 0) p.scales[b] = s;
     if (!kWriteData) continue;
 
-    // One ballot pair per 32 elements = 8 code bytes, written by lanes 0..7.
+    // Pass 2: one ballot pair per 32 elements = 8 code bytes, written by lanes 0..7.
     auto emit = [&](uint32_t t, float y) {
       const uint32_t off = t * kWarpSize + lane;
       const bool in = off < count;
-      const uint32_t code = in ? ternaryCode(y, clipAt(y, c), s, p, base + off) : 0u;
+      const uint32_t code = in ? ternaryCode(y, s, p.seed, p.stream, base + off) : 0u;
       if (in && residual) residual[base + off] = residualAfter(y, decodeCode(code, s));
       const uint32_t pos = __ballot_sync(kFullMask, code == 1u);
       const uint32_t neg = __ballot_sync(kFullMask, code == 2u);
-      if (lane < 8 && uint32_t(lane) * 4 < count - t * kWarpSize) {
+      if (lane < 8 && lane * 4 < count - t * kWarpSize) {
         const uint32_t byte = spread4((pos >> (4 * lane)) & 0xfu) | (spread4((neg >> (4 * lane)) & 0xfu) << 1);
         p.codes[(base + t * kWarpSize) / 4 + lane] = uint8_t(byte);
       }
@@ -130,8 +122,7 @@ __global__ __launch_bounds__(kThreads) void ternaryEncodeKernel(const typename X
 }
 
 // Generic path (blockSize % 4 != 0, where a code byte can span two blocks): after
-// ternaryEncodeKernel<..., false> stored the scales (and the clip bounds, in the workspace),
-// one thread per code byte packs 4 elements.
+// ternaryEncodeKernel<..., false> stored the scales, one thread per code byte packs 4 elements.
 template <typename XT>
 __global__ __launch_bounds__(kThreads) void ternaryPackKernel(const typename XT::Raw* __restrict__ x,
                                                               float* __restrict__ residual, TernaryParams p) {
@@ -141,11 +132,9 @@ __global__ __launch_bounds__(kThreads) void ternaryPackKernel(const typename XT:
     for (uint32_t e = 0; e < 4; ++e) {
       const uint64_t i = q * 4 + e;
       if (i >= p.numel) break;
-      const uint64_t b = i / p.blockSize;
-      const float s = p.scales[b];
-      const float c = p.clipBounds ? p.clipBounds[b] : __int_as_float(0x7fc00000);
+      const float s = p.scales[i / p.blockSize];
       const float y = loadY<XT>(x, residual, i);
-      const uint32_t code = ternaryCode(y, clipAt(y, c), s, p, i);
+      const uint32_t code = ternaryCode(y, s, p.seed, p.stream, i);
       if (residual) residual[i] = residualAfter(y, decodeCode(code, s));
       byte |= code << (2 * e);
     }
@@ -158,7 +147,7 @@ __global__ __launch_bounds__(kThreads) void ternaryDecodeKernel(const float* __r
                                                                 const uint8_t* __restrict__ codes, uint64_t numel,
                                                                 uint64_t nblocks, uint32_t blockSize,
                                                                 typename OutT::Raw* __restrict__ out) {
-  const int lane = threadIdx.x % kWarpSize;
+  const uint32_t lane = threadIdx.x % kWarpSize;
   const uint64_t warpStride = uint64_t(gridDim.x) * kWarpsPerCta;
   for (uint64_t b = uint64_t(blockIdx.x) * kWarpsPerCta + threadIdx.x / kWarpSize; b < nblocks; b += warpStride) {
     const uint64_t base = b * blockSize;
@@ -187,7 +176,6 @@ void encodeTyped(const EncodeArgs& a) {
   p.stream = a.stream;
   p.scales = reinterpret_cast<float*>(a.payload + a.layout.scalesOffset);
   p.codes = a.payload + a.layout.dataOffset;
-  p.clipBounds = nullptr;
   p.payload = a.payload;
   p.header = a.header;
   const auto* x = static_cast<const typename XT::Raw*>(a.x);
@@ -197,7 +185,6 @@ void encodeTyped(const EncodeArgs& a) {
   } else if (p.blockSize % 4 == 0) {
     launch(ternaryEncodeKernel<XT, true>, grid, kThreads, a.cudaStream, x, a.residual, p);
   } else {
-    if (p.clip > 0.f) p.clipBounds = static_cast<float*>(a.workspace);  // sized by encodeWorkspaceBytes
     launch(ternaryEncodeKernel<XT, false>, grid, kThreads, a.cudaStream, x, a.residual, p);
     launch(ternaryPackKernel<XT>, gridFor((p.numel + 3) / 4, kThreads), kThreads, a.cudaStream, x, a.residual, p);
   }
@@ -211,11 +198,6 @@ void decodeTyped(const DecodeArgs& a) {
 }
 
 }  // namespace
-
-size_t ternaryWorkspaceBytes(const compress::Config& config, uint64_t numel) {
-  if (config.blockSize == 0 || config.blockSize % 4 == 0 || !(config.clip > 0.f)) return 0;
-  return 4 * ((numel + config.blockSize - 1) / config.blockSize);
-}
 
 void encodeTernary(const EncodeArgs& a) {
   switch (a.xType) {

@@ -1,7 +1,7 @@
-// Top-k (exact, and sampled-threshold "approximate") and random-k with error feedback, plus
-// the sparse decoders.
+// Top-k (exact, and sampled-threshold "approximate") with error feedback, plus the sparse
+// decoders (top-k and random-k share the payload layout).
 //
-// Order: key(v) = |v| as float32 bits (NaN -> one key above +inf); the k largest keys win,
+// Order: key(v) = |v| as float32 bits (NaN above +inf); the k largest keys win,
 // equal keys are taken in index order; indices are written ascending. Selection is a radix
 // select on the key (digits of 11, 10, 10 bits: histogram, pick the bin holding the k-th
 // largest, refine) followed by an ordered compaction over tiles (per-tile counts, one scan,
@@ -10,8 +10,9 @@
 // Approximate mode (Deep Gradient Compression's sampling, made exact): the k-th largest key
 // is estimated on a stratified sample of 65536 elements; the pass that forms y also compacts
 // the candidates key >= threshold; the exact selection then runs over the candidates only.
-// If the candidates cannot contain the top k (fewer than k of them, or more than the
-// workspace holds) the kernels of the exact path run instead, decided on the device (each
+// If the candidates cannot contain the top k (fewer than k of them, more than the workspace
+// holds, or a NaN threshold that would leave an infinite y out) the kernels of the exact path
+// run instead, decided on the device (each
 // kernel checks the state and returns early), so the host never waits. Either way the
 // payload is the exact top-k: `approximate` only changes the speed.
 #include "cuda/common.cuh"
@@ -58,7 +59,9 @@ struct Gate {
   int want;        // -1: always run; 0: fast path only; 1: full path only
   __device__ __forceinline__ bool pass(const TopkState* st) const {
     if (want < 0) return true;
-    const bool full = exact || st->overflow || st->candCount < k;
+    // The fast path needs every non-finite y among the candidates (their residual is reset
+    // there): a threshold above the infinity key would leave infinities out.
+    const bool full = exact || st->overflow || st->candCount < k || st->sample.prefix > kInfKey;
     return full == (want == 1);
   }
 };
@@ -155,21 +158,6 @@ __global__ __launch_bounds__(kThreads) void histKernel(Src src, TopkState* st, R
     if (h[i]) atomicAdd(&sel->hist[i], h[i]);
 }
 
-// Exclusive prefix sum over a block of kPickThreads threads; `total` gets the block's sum.
-__device__ uint64_t blockExclusiveScan(uint64_t v, uint64_t& total) {
-  __shared__ uint64_t warpSums[kPickThreads / kWarpSize];
-  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
-  const uint64_t inc = warpInclusiveScan(v, lane);
-  if (lane == kWarpSize - 1) warpSums[warp] = inc;
-  __syncthreads();
-  if (warp == 0) warpSums[lane] = warpInclusiveScan(warpSums[lane], lane);
-  __syncthreads();
-  const uint64_t result = inc - v + (warp > 0 ? warpSums[warp - 1] : 0);
-  total = warpSums[kPickThreads / kWarpSize - 1];
-  __syncthreads();  // warpSums is reused by the next call
-  return result;
-}
-
 // One CTA: finds the bin that holds the rank-th largest key (scanning bins from the top),
 // fixes it in the prefix, and clears the histogram for the next digit.
 __global__ __launch_bounds__(kPickThreads) void pickKernel(TopkState* st, RadixSelect* sel, Digit d, Gate gate) {
@@ -186,7 +174,7 @@ __global__ __launch_bounds__(kPickThreads) void pickKernel(TopkState* st, RadixS
     sel->hist[b1] = 0;
   }
   uint64_t total;
-  const uint64_t above = blockExclusiveScan(c0 + c1, total);
+  const uint64_t above = blockExclusiveScan<kPickThreads>(c0 + c1, total);
   int bin = -1;
   uint64_t newAbove = 0;
   if (above < rank && rank <= above + c0) {
@@ -216,7 +204,9 @@ __global__ void sampleKernel(const void* x, DataType xType, const float* residua
                              uint64_t seed, uint64_t stream, uint32_t* keys) {
   const uint64_t j = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (j >= m) return;
-  const uint64_t i = compress::stratifiedIndex(seed, stream ^ kSampleSalt, j, m, n);
+  // Stratified: one position in each of m equal strata (m <= n < 2^32, so no product overflows).
+  const uint64_t lo = j * n / m, hi = (j + 1) * n / m;
+  const uint64_t i = lo + compress::uniformBelow(compress::counterBits(seed, stream ^ kSampleSalt, j), hi - lo);
   const float xv = loadAny(x, xType, i);
   keys[j] = magnitudeKey(residual ? __fadd_rn(xv, residual[i]) : xv);
 }
@@ -290,12 +280,17 @@ __device__ __forceinline__ void compactTile(const float (&y)[kRounds], uint64_t 
   __syncthreads();  // counts and segBase are reused by the next tile
 }
 
+// What the prepare pass leaves in the residual: y, read back by the selection (which resets
+// the residual of kept and of non-finite entries at the end); y and the candidates (fast path);
+// or the final residual of an encode that sends nothing (k = 0).
+enum PrepareMode { kStoreY, kStoreYAndCompact, kStoreUnsent };
+
 // One CTA per tile of 4096 elements: thread t holds elements r * 256 + t of round r in
-// registers (coalesced loads, 16 in flight per input), stores y into the residual and, with
-// kCompact, compacts the candidates for the fast path.
-template <typename XT, bool kCompact>
+// registers (coalesced loads, 16 in flight per input).
+template <typename XT, int kMode>
 __global__ __launch_bounds__(kThreads) void prepareKernel(const typename XT::Raw* __restrict__ x,
                                                           float* __restrict__ residual, PrepareParams p) {
+  constexpr bool kCompact = kMode == kStoreYAndCompact;
   writeHeader(p.payload, p.header);
   uint32_t threshold = 0;
   if constexpr (kCompact) threshold = p.st->sample.prefix;
@@ -311,7 +306,7 @@ __global__ __launch_bounds__(kThreads) void prepareKernel(const typename XT::Raw
 #pragma unroll
       for (int r = 0; r < kRounds; ++r) {
         const uint64_t i = base + r * kThreads + threadIdx.x;
-        if (i < p.n) residual[i] = y[r];
+        if (i < p.n) residual[i] = kMode == kStoreUnsent ? residualAfter(y[r], 0.f) : y[r];
       }
     }
     if constexpr (kCompact) compactTile(y, tile, threshold, p);
@@ -365,7 +360,7 @@ __global__ __launch_bounds__(kPickThreads) void scanTilesKernel(const TopkState*
       eqSum += e[q];
     }
     uint64_t eqTotal, selTotal;
-    uint64_t eqBefore = carryEq + blockExclusiveScan(eqSum, eqTotal);
+    uint64_t eqBefore = carryEq + blockExclusiveScan<kPickThreads>(eqSum, eqTotal);
     uint64_t sel[kPer], selSum = 0;
     uint64_t eb[kPer];
 #pragma unroll
@@ -376,7 +371,7 @@ __global__ __launch_bounds__(kPickThreads) void scanTilesKernel(const TopkState*
       selSum += sel[q];
       eqBefore += e[q];
     }
-    uint64_t out = carrySel + blockExclusiveScan(selSum, selTotal);
+    uint64_t out = carrySel + blockExclusiveScan<kPickThreads>(selSum, selTotal);
 #pragma unroll
     for (int q = 0; q < kPer; ++q) {
       if (first + q < numTiles) {
@@ -391,7 +386,8 @@ __global__ __launch_bounds__(kPickThreads) void scanTilesKernel(const TopkState*
 }
 
 // Per tile (one warp each): writes the kept entries in index order at the tile's offset and
-// clears their residual (y - y = 0; a non-finite y is reset to 0 by the same store).
+// sets their residual to y - y = 0 (0 for a non-finite y as well); the residual of an
+// unsent non-finite y is reset to 0 too.
 template <typename Src>
 __global__ __launch_bounds__(kThreads) void tileWriteKernel(Src src, const TopkState* st, Gate gate, uint64_t numTiles,
                                                             const uint32_t* offsets, const uint32_t* tiesBefore,
@@ -421,6 +417,8 @@ __global__ __launch_bounds__(kThreads) void tileWriteKernel(Src src, const TopkS
         outIdx[at] = uint32_t(i);
         outVal[at] = v;
         if (residual) residual[i] = 0.f;
+      } else if (in && !sel && residual && !isFiniteF(v)) {
+        residual[src.index(start + off)] = 0.f;
       }
       eqSeen += __popc(eqMask);
       pos += __popc(selMask);
@@ -470,22 +468,24 @@ T* at(void* base, size_t off) {
   return reinterpret_cast<T*>(static_cast<uint8_t*>(base) + off);
 }
 
-// residual = y (when there is a residual) and the header, for paths that need nothing else
-// from the full vector.
-template <typename XT>
-void storeYTyped(const EncodeArgs& a) {
-  PrepareParams p{a.numel, (a.numel + kTile - 1) / kTile, nullptr, nullptr, nullptr, nullptr, nullptr, 0,
-                  a.payload, a.header};
-  launch(prepareKernel<XT, false>, gridFor(p.numTiles, 1), kThreads, a.cudaStream,
-         static_cast<const typename XT::Raw*>(a.x), a.residual, p);
-}
-
+// The header, and with a residual a pass that stores y (kStoreY) or the residual of an
+// encode that sends nothing (kStoreUnsent).
+template <int kMode>
 void storeYAndHeader(const EncodeArgs& a) {
   if (!a.residual || a.numel == 0) return launch(writeHeaderKernel, 1, 32, a.cudaStream, a.payload, a.header);
+  const PrepareParams p{a.numel, (a.numel + kTile - 1) / kTile, nullptr, nullptr, nullptr, nullptr, nullptr, 0,
+                        a.payload, a.header};
+  const uint64_t grid = gridFor(p.numTiles, 1);
   switch (a.xType) {
-    case DataType::Float16: return storeYTyped<F16>(a);
-    case DataType::BFloat16: return storeYTyped<BF16>(a);
-    default: return storeYTyped<F32>(a);
+    case DataType::Float16:
+      return launch(prepareKernel<F16, kMode>, grid, kThreads, a.cudaStream, static_cast<const uint16_t*>(a.x),
+                    a.residual, p);
+    case DataType::BFloat16:
+      return launch(prepareKernel<BF16, kMode>, grid, kThreads, a.cudaStream, static_cast<const uint16_t*>(a.x),
+                    a.residual, p);
+    default:
+      return launch(prepareKernel<F32, kMode>, grid, kThreads, a.cudaStream, static_cast<const float*>(a.x),
+                    a.residual, p);
   }
 }
 
@@ -509,9 +509,9 @@ void encodeTopKTyped(const EncodeArgs& a) {
     launch(sampleKernel, gridFor(w.sampleSize, kThreads), kThreads, s, a.x, a.xType,
            static_cast<const float*>(a.residual), n, w.sampleSize, a.config.seed, a.stream, keys);
     radixSelect(KeySource{keys, w.sampleSize}, st, &st->sample, gridFor(w.sampleSize, kTile), Gate{k, 0, -1}, s);
-    launch(prepareKernel<XT, true>, gridFor(w.numTiles, 1), kThreads, s, x, a.residual, p);
+    launch(prepareKernel<XT, kStoreYAndCompact>, gridFor(w.numTiles, 1), kThreads, s, x, a.residual, p);
   } else {
-    storeYAndHeader(a);
+    storeYAndHeader<kStoreY>(a);
   }
 
   // Selection of the k-th largest key T: over the candidates (fast path) or over all elements.
@@ -536,23 +536,7 @@ void encodeTopKTyped(const EncodeArgs& a) {
          a.residual);
 }
 
-// ---- random-k ----------------------------------------------------------------------------
-__global__ __launch_bounds__(kThreads) void randomKKernel(const void* x, DataType xType, float* residual, uint64_t n,
-                                                          uint64_t k, uint64_t seed, uint64_t stream,
-                                                          uint32_t* outIdx, float* outVal) {
-  const uint64_t stride = uint64_t(gridDim.x) * blockDim.x;
-  for (uint64_t j = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x; j < k; j += stride) {
-    const uint64_t i = compress::stratifiedIndex(seed, stream, j, k, n);
-    outIdx[j] = uint32_t(i);
-    if (residual) {  // the prepare pass stored y there
-      outVal[j] = residual[i];
-      residual[i] = 0.f;
-    } else {
-      outVal[j] = loadAny(x, xType, i);
-    }
-  }
-}
-
+// ---- sparse decode ------------------------------------------------------------------------
 template <typename OutT, bool kAcc>
 __global__ __launch_bounds__(kThreads) void scatterKernel(const uint32_t* __restrict__ idx,
                                                           const float* __restrict__ val, uint64_t k, uint64_t numel,
@@ -585,19 +569,12 @@ size_t topkWorkspaceBytes(bool approximate, uint64_t numel, uint64_t k) {
 }
 
 void encodeTopK(const EncodeArgs& a) {
-  if (a.k == 0) return storeYAndHeader(a);  // nothing is sent: residual = y
+  if (a.k == 0) return storeYAndHeader<kStoreUnsent>(a);  // nothing is sent
   switch (a.xType) {
     case DataType::Float16: return encodeTopKTyped<F16>(a);
     case DataType::BFloat16: return encodeTopKTyped<BF16>(a);
     default: return encodeTopKTyped<F32>(a);
   }
-}
-
-void encodeRandomK(const EncodeArgs& a) {
-  storeYAndHeader(a);  // residual = y everywhere; the kept entries are cleared by randomKKernel
-  launch(randomKKernel, gridFor(a.k, kThreads * 4), kThreads, a.cudaStream, a.x, a.xType, a.residual, a.numel, a.k,
-         a.config.seed, a.stream, reinterpret_cast<uint32_t*>(a.payload + a.layout.dataOffset),
-         reinterpret_cast<float*>(a.payload + a.layout.valuesOffset));
 }
 
 void decodeSparse(const DecodeArgs& a) {

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 #include <numeric>
+#include <set>
 #include <stdexcept>
 
 #include "common/half.h"
@@ -39,13 +40,14 @@ float fromBits(uint32_t u) {
   return v;
 }
 
-// |v| bits, NaN as one key above +inf.
-uint32_t key(float v) {
-  const uint32_t k = bits(v) & 0x7fffffffu;
-  return k > 0x7f800000u ? 0x7f800001u : k;
-}
+// |v| bits: orders like the magnitude, NaN above +inf.
+uint32_t key(float v) { return bits(v) & 0x7fffffffu; }
 
-float residualAfter(float y, float decoded) { return finite(decoded) ? y - decoded : 0.f; }
+// r = y - decoded, or 0 where that is not finite.
+float residualAfter(float y, float decoded) {
+  const float r = y - decoded;
+  return finite(r) ? r : 0.f;
+}
 
 template <typename T>
 void put(std::vector<uint8_t>& out, size_t offset, T v) {
@@ -105,33 +107,24 @@ Layout layout(Format f, bool two, uint32_t blockSize, uint64_t numel, uint64_t k
 
 void ternaryBlock(const float* y, uint32_t count, float clip, uint64_t seed, uint64_t stream, uint64_t first,
                   float& scale, uint8_t* codes /* one per element */, float* residualOut) {
-  float c = NAN;
-  if (clip > 0.f) {
-    LaneSum s1;
-    for (uint32_t e = 0; e < count; ++e) s1.add(e, y[e]);
-    const float mean = s1.total() / float(count);
-    LaneSum s2;
-    for (uint32_t e = 0; e < count; ++e) {
-      const float d = y[e] - mean;
-      s2.add(e, d * d);
-    }
-    c = clip * std::sqrt(s2.total() / float(count));
-  }
-  auto clipped = [&](float v) { return std::fabs(v) > c ? std::copysign(c, v) : v; };
   uint32_t m = 0;
-  for (uint32_t e = 0; e < count; ++e) m = std::max(m, bits(std::fabs(clipped(y[e]))));
-  const float s = fromBits(m);
+  for (uint32_t e = 0; e < count; ++e) m = std::max(m, key(y[e]));
+  float s = fromBits(m);
+  if (clip > 0.f) {
+    LaneSum s1, s2;
+    for (uint32_t e = 0; e < count; ++e) {
+      s1.add(e, y[e]);
+      s2.add(e, y[e] * y[e]);
+    }
+    const float mean = s1.total() / float(count);
+    const float var = s2.total() / float(count) - mean * mean;
+    const float bound = clip * std::sqrt(var < 0.f ? 0.f : var);
+    if (bound < s) s = bound;
+  }
   scale = s;
   for (uint32_t e = 0; e < count; ++e) {
-    uint8_t code;
-    if (!finite(s)) {
-      code = y[e] < 0.f ? 2 : 1;
-    } else {
-      const float yc = clipped(y[e]);
-      const float p = std::fabs(yc) / s;
-      const float u = compress::counterUniform(seed, stream, first + e);
-      code = u < p ? (yc > 0.f ? 1 : 2) : 0;
-    }
+    const bool send = !finite(s) || compress::counterUniform(seed, stream, first + e) * s < std::fabs(y[e]);
+    const uint8_t code = send ? (y[e] >= 0.f ? 1 : 2) : 0;
     codes[e] = code;
     const float d = code == 1 ? s : (code == 2 ? -s : 0.f);
     if (residualOut) residualOut[e] = residualAfter(y[e], d);
@@ -157,10 +150,10 @@ void storeFromFloat(DataType type, void* data, size_t i, float v) {
 }
 
 uint64_t keptEntries(const compress::Config& config, size_t numel) {
+  if (numel == 0 || (config.format != Format::TopK && config.format != Format::RandomK)) return 0;
   if (config.k > 0) return std::min<uint64_t>(config.k, numel);
-  const double want = std::ceil(config.ratio * double(numel));
-  if (!(want > 0.0)) return numel > 0 ? 1 : 0;
-  return want < double(numel) ? uint64_t(want) : numel;
+  const double k = std::round(config.ratio * double(numel));
+  return k < 1.0 ? 1 : std::min<uint64_t>(uint64_t(k), numel);
 }
 
 void onebitBlock(const float* y, uint32_t count, bool two, float* scales, std::vector<uint8_t>& signBits,
@@ -197,7 +190,7 @@ void onebitBlock(const float* y, uint32_t count, bool two, float* scales, std::v
 }
 
 std::vector<uint8_t> encode(const compress::Config& c, DataType xType, const void* x, float* residual, size_t n,
-                            uint64_t stream) {
+                            uint64_t stream, bool scaled) {
   std::vector<float> y(n);
   for (size_t i = 0; i < n; ++i) {
     const float xv = loadAsFloat(xType, x, i);
@@ -252,17 +245,26 @@ std::vector<uint8_t> encode(const compress::Config& c, DataType xType, const voi
         std::iota(order.begin(), order.end(), 0);
         std::stable_sort(order.begin(), order.end(), [&](uint64_t a, uint64_t b) { return key(y[a]) > key(y[b]); });
         chosen.assign(order.begin(), order.begin() + k);
-        std::sort(chosen.begin(), chosen.end());
-      } else {
-        for (uint64_t j = 0; j < k; ++j) chosen.push_back(compress::stratifiedIndex(c.seed, stream, j, k, n));
+      } else {  // Floyd's algorithm, step by step
+        std::set<uint64_t> taken;
+        for (uint64_t j = n - k; j < n; ++j) {
+          uint64_t t = compress::uniformBelow(compress::counterBits(c.seed, stream, j), j + 1);
+          if (taken.count(t)) t = j;
+          taken.insert(t);
+        }
+        chosen.assign(taken.begin(), taken.end());
+      }
+      std::sort(chosen.begin(), chosen.end());
+      const float scale = scaled && k > 0 ? float(double(n) / double(k)) : 1.f;
+      std::vector<float> sent(n, 0.f);
+      for (uint64_t j = 0; j < k; ++j) {
+        const float v = y[chosen[j]] * scale;
+        put<uint32_t>(out, l.data + 4 * j, uint32_t(chosen[j]));
+        put<float>(out, l.values + 4 * j, v);
+        sent[chosen[j]] = v;
       }
       if (residual)
-        for (size_t i = 0; i < n; ++i) residual[i] = y[i];
-      for (uint64_t j = 0; j < k; ++j) {
-        put<uint32_t>(out, l.data + 4 * j, uint32_t(chosen[j]));
-        put<float>(out, l.values + 4 * j, y[chosen[j]]);
-        if (residual) residual[chosen[j]] = 0.f;  // y - y, or the non-finite reset
-      }
+        for (size_t i = 0; i < n; ++i) residual[i] = residualAfter(y[i], sent[i]);
       break;
     }
     case Format::Float16:

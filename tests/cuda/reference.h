@@ -18,9 +18,10 @@ void storeFromFloat(DataType type, void* data, size_t i, float v);
 
 uint64_t keptEntries(const compress::Config& config, size_t numel);
 
-// Encodes x (+ residual, updated in place when non-null) into a complete payload.
+// Encodes x (+ residual, updated in place when non-null) into a complete payload. scaled:
+// random-k values times float(double(numel) / k) (Config::scaled on the CPU branch).
 std::vector<uint8_t> encode(const compress::Config& config, DataType xType, const void* x, float* residual,
-                            size_t numel, uint64_t stream);
+                            size_t numel, uint64_t stream, bool scaled = false);
 
 // One 1-bit block: y[count] -> scales (1 or 2), sign bits (bit e of the result = element e),
 // and the residual values. Used by the large-size test to check selected blocks only.

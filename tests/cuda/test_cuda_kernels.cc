@@ -249,7 +249,19 @@ std::vector<uint8_t> toType(const std::vector<float>& v, DataType t) {
 struct Case {
   std::string name;
   Config cfg;
+  bool scaled = false;  // random-k values times numel / k (Config::scaled, when it exists)
 };
+
+// Config::scaled comes with the CPU branch's compress.h; set it when it is there.
+template <typename C>
+auto setScaled(C& c, int) -> decltype(c.scaled = true, true) {
+  c.scaled = true;
+  return true;
+}
+template <typename C>
+bool setScaled(C&, long) {
+  return false;
+}
 
 std::vector<Case> compressionCases() {
   std::vector<Case> cases;
@@ -291,10 +303,17 @@ std::vector<Case> compressionCases() {
   c = Config{};
   c.format = Format::RandomK;
   c.seed = 99;
-  c.ratio = 0.05;
-  add("randomk ratio=0.05", c);
+  for (double ratio : {0.05, 0.5}) {
+    c.ratio = ratio;
+    add(str("randomk ratio=", ratio), c);
+  }
   c.k = 3;
   add("randomk k=3", c);
+  c.k = uint64_t(1) << 40;
+  add("randomk k=all", c);
+  c.k = 0;
+  c.ratio = 0.05;
+  if (setScaled(c, 0)) cases.push_back({"randomk-scaled ratio=0.05", c, true});
   c = Config{};
   c.format = Format::Float16;
   add("fp16", c);
@@ -347,7 +366,8 @@ void testEncodeOnce(const Case& cs, size_t n, const Variant& v, uint64_t stream,
 
   // Scalar contract model.
   std::vector<float> refResidual = residual0;
-  const std::vector<uint8_t> refPayload = ref::encode(cfg, v.xType, x.data(), v.ef ? refResidual.data() : nullptr, n, stream);
+  const std::vector<uint8_t> refPayload =
+      ref::encode(cfg, v.xType, x.data(), v.ef ? refResidual.data() : nullptr, n, stream, cs.scaled);
   check(ref::keptEntries(cfg, n) == gpu::keptEntriesCuda(cfg, n), name + ": keptEntries");
   const std::string diff = comparePayloads(payload, refPayload);
   check(diff.empty(), name + ": payload vs model", diff);
@@ -582,7 +602,7 @@ void testErrors(cudaStream_t s) {
   c = Config{};
   compress::PayloadInfo info{Format::OneBit, 0, 256, n, 0};
   const size_t bytes = gpu::encodedBytesCuda(c, n);
-  expectError("decode: numel mismatch", ErrorKind::Mismatch,
+  expectError("decode: numel mismatch", ErrorKind::InvalidArgument,
               [&] { gpu::decodeCuda(info, pay.as(), bytes, DataType::Float32, x.ptr, n - 1, s); });
   expectError("decode: size mismatch", ErrorKind::Protocol,
               [&] { gpu::decodeCuda(info, pay.as(), bytes + 1, DataType::Float32, x.ptr, n, s); });

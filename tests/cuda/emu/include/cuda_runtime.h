@@ -130,6 +130,22 @@ inline unsigned long long atomicAdd(unsigned long long* p, unsigned long long v)
   *p = old + v;
   return old;
 }
+inline unsigned atomicMin(unsigned* p, unsigned v) {
+  const unsigned old = *p;
+  if (v < old) *p = v;
+  return old;
+}
+inline unsigned atomicOr(unsigned* p, unsigned v) {
+  const unsigned old = *p;
+  *p = old | v;
+  return old;
+}
+inline unsigned atomicCAS(unsigned* p, unsigned compare, unsigned v) {
+  const unsigned old = *p;
+  if (old == compare) *p = v;
+  return old;
+}
+inline uint64_t __umul64hi(uint64_t a, uint64_t b) { return uint64_t((unsigned __int128)a * b >> 64); }
 inline int __popc(unsigned v) { return __builtin_popcount(v); }
 
 inline unsigned __float_as_uint(float f) { return emu::toBits(f) & 0xffffffffu; }
