@@ -3,7 +3,12 @@
 #include "cuda/common.cuh"
 #include "cuda/launchers.h"
 
-namespace ddlcomm::gpu::detail {
+namespace ddlcomm::gpu {
+
+// Declared in common.cuh: the header alone, for encodes of 0 elements.
+__global__ void writeHeaderKernel(uint8_t* payload, HeaderWords h) { writeHeader(payload, h); }
+
+namespace detail {
 namespace {
 
 constexpr int kThreads = 256;
@@ -39,12 +44,25 @@ template <typename PT, typename OutT, bool kAcc>
 __global__ __launch_bounds__(kThreads) void castDecodeKernel(const uint16_t* __restrict__ values, uint64_t numel,
                                                              typename OutT::Raw* __restrict__ out) {
   const uint64_t stride = uint64_t(gridDim.x) * blockDim.x;
-  for (uint64_t i = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < numel; i += stride) {
-    const float d = PT::toFloat(values[i]);
-    if (kAcc) {
-      out[i] = __fadd_rn(out[i], d);
-    } else {
-      out[i] = OutT::fromFloat(d);
+  for (uint64_t start = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x; start < numel; start += stride * kUnroll) {
+    uint16_t v[kUnroll];
+    float prev[kUnroll];
+#pragma unroll
+    for (int j = 0; j < kUnroll; ++j) {
+      const uint64_t i = start + j * stride;
+      v[j] = i < numel ? values[i] : 0;
+      prev[j] = kAcc && i < numel ? out[i] : 0.f;
+    }
+#pragma unroll
+    for (int j = 0; j < kUnroll; ++j) {
+      const uint64_t i = start + j * stride;
+      if (i >= numel) break;
+      const float d = PT::toFloat(v[j]);
+      if (kAcc) {
+        out[i] = __fadd_rn(prev[j], d);
+      } else {
+        out[i] = OutT::fromFloat(d);
+      }
     }
   }
 }
@@ -72,7 +90,7 @@ void encodeFormat(const EncodeArgs& a) {
 
 template <typename PT, typename OutT, bool kAcc>
 void decodeTyped(const DecodeArgs& a) {
-  launch(castDecodeKernel<PT, OutT, kAcc>, gridFor(a.numel, kThreads * 4), kThreads, a.cudaStream,
+  launch(castDecodeKernel<PT, OutT, kAcc>, gridFor(a.numel, uint64_t(kThreads) * kUnroll), kThreads, a.cudaStream,
          reinterpret_cast<const uint16_t*>(a.payload + a.layout.dataOffset), a.numel,
          static_cast<typename OutT::Raw*>(a.out));
 }
@@ -105,4 +123,5 @@ void decodeCast(const DecodeArgs& a) {
   }
 }
 
-}  // namespace ddlcomm::gpu::detail
+}  // namespace detail
+}  // namespace ddlcomm::gpu

@@ -156,7 +156,7 @@ __device__ __forceinline__ void writeHeader(uint8_t* payload, const HeaderWords&
   reinterpret_cast<uint32_t*>(payload)[threadIdx.x] = v;
 }
 
-__global__ void writeHeaderKernel(uint8_t* payload, HeaderWords h);
+__global__ void writeHeaderKernel(uint8_t* payload, HeaderWords h);  // in cast.cu
 
 // ---- launching -----------------------------------------------------------------------------
 // Blocks for `work` items at `perBlock` items each, capped (kernels loop grid-stride), so

@@ -1,4 +1,4 @@
-// Per-format launchers behind encodeCuda / decodeCuda (dispatch.cu validates the arguments
+// Per-format launchers behind encodeCuda / decodeCuda (dispatch.cc validates the arguments
 // and computes the layout first). Internal to csrc/cuda.
 #pragma once
 

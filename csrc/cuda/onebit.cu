@@ -12,6 +12,7 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kWarpsPerCta = kThreads / kWarpSize;
 constexpr uint32_t kCachedRounds = 8;  // 8 rounds of 32 elements: the default 256-element block
+constexpr uint32_t kDecodeBatch = 8;
 
 struct OneBitParams {
   uint64_t numel;
@@ -183,19 +184,31 @@ __global__ __launch_bounds__(kThreads) void onebitDecodeKernel(const float* __re
                                                                const uint8_t* __restrict__ signs, uint64_t numel,
                                                                uint64_t nblocks, uint32_t blockSize,
                                                                typename OutT::Raw* __restrict__ out) {
-  const int lane = threadIdx.x % kWarpSize;
+  const uint32_t lane = threadIdx.x % kWarpSize;
   const uint64_t warpStride = uint64_t(gridDim.x) * kWarpsPerCta;
   for (uint64_t b = uint64_t(blockIdx.x) * kWarpsPerCta + threadIdx.x / kWarpSize; b < nblocks; b += warpStride) {
     const uint64_t base = b * blockSize;
     const uint32_t count = uint32_t(minOf<uint64_t>(blockSize, numel - base));
     const Scales s = kTwo ? Scales{scales[2 * b], scales[2 * b + 1]} : Scales{scales[b], scales[b]};
-    for (uint32_t off = lane; off < count; off += kWarpSize) {
-      const uint64_t i = base + off;
-      const float d = decodeBit((signs[i >> 3] >> (i & 7)) & 1u, s);
-      if (kAcc) {
-        out[i] = __fadd_rn(out[i], d);
-      } else {
-        out[i] = OutT::fromFloat(d);
+    // 8 rounds at a time, the accumulator loads first, so that they are in flight together.
+    for (uint32_t off0 = 0; off0 < count; off0 += kDecodeBatch * kWarpSize) {
+      float prev[kDecodeBatch];
+#pragma unroll
+      for (uint32_t q = 0; q < kDecodeBatch; ++q) {
+        const uint32_t off = off0 + q * kWarpSize + lane;
+        prev[q] = kAcc && off < count ? out[base + off] : 0.f;
+      }
+#pragma unroll
+      for (uint32_t q = 0; q < kDecodeBatch; ++q) {
+        const uint32_t off = off0 + q * kWarpSize + lane;
+        if (off >= count) break;
+        const uint64_t i = base + off;
+        const float d = decodeBit((signs[i >> 3] >> (i & 7)) & 1u, s);
+        if (kAcc) {
+          out[i] = __fadd_rn(prev[q], d);
+        } else {
+          out[i] = OutT::fromFloat(d);
+        }
       }
     }
   }

@@ -14,6 +14,7 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kWarpsPerCta = kThreads / kWarpSize;
 constexpr uint32_t kCachedRounds = 8;
+constexpr uint32_t kDecodeBatch = 8;
 
 struct TernaryParams {
   uint64_t numel;
@@ -153,13 +154,25 @@ __global__ __launch_bounds__(kThreads) void ternaryDecodeKernel(const float* __r
     const uint64_t base = b * blockSize;
     const uint32_t count = uint32_t(minOf<uint64_t>(blockSize, numel - base));
     const float s = scales[b];
-    for (uint32_t off = lane; off < count; off += kWarpSize) {
-      const uint64_t i = base + off;
-      const float d = decodeCode((codes[i >> 2] >> (2 * (i & 3))) & 3u, s);
-      if (kAcc) {
-        out[i] = __fadd_rn(out[i], d);
-      } else {
-        out[i] = OutT::fromFloat(d);
+    // 8 rounds at a time, the accumulator loads first, so that they are in flight together.
+    for (uint32_t off0 = 0; off0 < count; off0 += kDecodeBatch * kWarpSize) {
+      float prev[kDecodeBatch];
+#pragma unroll
+      for (uint32_t q = 0; q < kDecodeBatch; ++q) {
+        const uint32_t off = off0 + q * kWarpSize + lane;
+        prev[q] = kAcc && off < count ? out[base + off] : 0.f;
+      }
+#pragma unroll
+      for (uint32_t q = 0; q < kDecodeBatch; ++q) {
+        const uint32_t off = off0 + q * kWarpSize + lane;
+        if (off >= count) break;
+        const uint64_t i = base + off;
+        const float d = decodeCode((codes[i >> 2] >> (2 * (i & 3))) & 3u, s);
+        if (kAcc) {
+          out[i] = __fadd_rn(prev[q], d);
+        } else {
+          out[i] = OutT::fromFloat(d);
+        }
       }
     }
   }

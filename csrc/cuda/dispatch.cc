@@ -1,16 +1,13 @@
 // Host entry points of cuda_kernels.h: argument checks, payload layout and header, dispatch to
-// the per-format launchers. Everything here runs on the host and only enqueues work.
+// the per-format launchers. Plain C++ (no device code): it only enqueues work.
 #include <cmath>
 #include <cstdint>
 
-#include "cuda/common.cuh"
+#include "common/error.h"
 #include "cuda/cuda_kernels.h"
 #include "cuda/launchers.h"
 
 namespace ddlcomm::gpu {
-
-__global__ void writeHeaderKernel(uint8_t* payload, HeaderWords h) { writeHeader(payload, h); }
-
 namespace {
 
 constexpr uint64_t kMaxSparseNumel = 0xffffffffull;  // payload indices are uint32
