@@ -15,8 +15,9 @@
 //                 sent (code 1 for y >= 0, else 2) iff counterUniform(seed, stream, i) * s < |y_i|,
 //                 or s is not finite.
 //      casts:     round to nearest even, overflow to +-inf; NaN stays NaN.
-//  - Randomness is counter-based: counterBits / counterUniform(seed, stream, index), so
-//    results do not depend on threading or device. Random-k takes Floyd's k distinct
+//  - Randomness is counter-based: counterBits / counterUniform(seed, stream, index) in
+//    compress/counter_random.h (shared with device code), so results do not depend on
+//    threading or device. Random-k takes Floyd's k distinct
 //    indices: for j = numel-k .. numel-1, t = (counterBits(seed, stream, j) * (j+1)) >> 64
 //    (128-bit product); take t, or j when t is already taken.
 //  - Residual: r = y - decoded where that is finite, else 0. A non-finite input makes its
@@ -30,6 +31,7 @@
 #include <cstdint>
 
 #include "common/dtype.h"
+#include "compress/counter_random.h"
 #include "compress/wire_format.h"
 
 namespace ddlcomm::compress {
@@ -77,20 +79,5 @@ PayloadInfo inspect(const uint8_t* payload, size_t bytes);
 void decode(const uint8_t* payload, size_t bytes, DataType outType, void* out, size_t numel);
 // out[numel] (float32) += decode(payload).
 void decodeAccumulate(const uint8_t* payload, size_t bytes, float* out, size_t numel);
-
-// Counter-based random bits: splitmix64 of the three inputs.
-inline uint64_t counterBits(uint64_t seed, uint64_t stream, uint64_t index) {
-  uint64_t z = seed ^ (stream * 0x9e3779b97f4a7c15ull) ^ (index * 0xbf58476d1ce4e5b9ull);
-  z += 0x9e3779b97f4a7c15ull;
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  return z ^ (z >> 31);
-}
-
-// Counter-based uniform in [0, 1): the top 24 bits of counterBits.
-inline float counterUniform(uint64_t seed, uint64_t stream, uint64_t index) {
-  // Through int32 (exact below 2^24): converting from a signed 32-bit integer vectorizes everywhere.
-  return float(int32_t(counterBits(seed, stream, index) >> 40)) * (1.0f / 16777216.0f);
-}
 
 }  // namespace ddlcomm::compress

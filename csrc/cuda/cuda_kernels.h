@@ -1,0 +1,58 @@
+// CUDA twins of the CPU kernels (csrc/compress, csrc/reduce): raw device pointers, one
+// cudaStream_t, no torch. Every launcher is asynchronous and stream-ordered: it never
+// synchronizes, never allocates (scratch comes from a caller-provided workspace) and throws
+// ddlcomm::Error (System) when a launch fails, InvalidArgument/UnsupportedType for bad input.
+//
+// Payload bytes follow compress/wire_format.h and the cross-device contract in
+// compress/compress.h; where that contract leaves a choice, the GPU's choice is documented
+// in docs/cuda.md ("Contract details") and checked by tests/cuda/test_cuda_kernels.cc.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "common/dtype.h"
+#include "compress/compress.h"
+
+namespace ddlcomm::gpu {
+
+// Entries kept by top-k / random-k: min(k, numel) when k is set, else round(ratio * numel)
+// (half away from zero) clamped to [1, numel]; 0 for numel 0. Equals compress::keptEntries.
+uint64_t keptEntriesCuda(const compress::Config& config, size_t numel);
+
+// Exact payload size for every format (approximate top-k on the GPU keeps exactly k entries).
+size_t encodedBytesCuda(const compress::Config& config, size_t numel);
+
+// Device scratch that encodeCuda needs (0 but for top-k and random-k). Alignment: 256 bytes.
+size_t encodeWorkspaceBytes(const compress::Config& config, DataType xType, size_t numel);
+
+// y = x + residual; payload = encode(y); residual = y - decode(payload), in one stream-ordered
+// sequence of kernels. x: numel elements of xType (float32, float16, bfloat16) in device
+// memory; residual: float32[numel] in device memory, or null (no error feedback); payload:
+// device memory, 4-byte aligned, capacity >= encodedBytesCuda(config, numel); the header is
+// written by the device. Returns the payload size (known on the host, no synchronization).
+size_t encodeCuda(const compress::Config& config, DataType xType, const void* x, float* residual, size_t numel,
+                  uint64_t stream, uint8_t* payload, size_t capacity, void* workspace, size_t workspaceBytes,
+                  cudaStream_t cudaStream);
+
+// out[numel] (float32, float16, bfloat16) = decode(payload). `info` comes from
+// compress::inspect run on the host over a copy of the same bytes (the device trusts it, but
+// still never reads or writes outside payload[bytes] / out[numel]).
+void decodeCuda(const compress::PayloadInfo& info, const uint8_t* payload, size_t bytes, DataType outType, void* out,
+                size_t numel, cudaStream_t cudaStream);
+
+// out[numel] (float32) += decode(payload), element by element with one float32 add.
+// Sparse formats (top-k, random-k) touch only the entries they carry.
+void decodeAccumulateCuda(const compress::PayloadInfo& info, const uint8_t* payload, size_t bytes, float* out,
+                          size_t numel, cudaStream_t cudaStream);
+
+// dst[i] = op(dst[i], src[i]) for i < count; same semantics as ddlcomm::reduceInto (AVG
+// combines like SUM; float16/bfloat16 computed in float32 and rounded to nearest even).
+void reduceCuda(ReduceOp op, DataType type, void* dst, const void* src, size_t count, cudaStream_t cudaStream);
+
+// data[i] /= divisor (floating types), the AVG epilogue; same semantics as ddlcomm::divideBy.
+void divideCuda(DataType type, void* data, size_t count, double divisor, cudaStream_t cudaStream);
+
+}  // namespace ddlcomm::gpu

@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# One command for a GPU machine (python3 with a CUDA torch, nvcc, cmake; ninja optional):
+# builds csrc/cuda standalone, runs the GPU test (all sizes, plus >2^31 elements), runs it
+# again under compute-sanitizer memcheck on a reduced size set, then the CUDA benchmark and
+# the plain-torch comparison. Logs and CSVs go to $1 (default ./gpu-results); summary.txt
+# lists every step with its exit status. Expected on an H100: about 5 minutes; every step
+# has a time limit so the whole script stays under about 9 minutes even when one hangs.
+#
+#   scripts/gpu_check.sh [results-dir]        CUDA_ARCH=90 (default) picks the architecture
+set -u -o pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+RESULTS=${1:-./gpu-results}
+mkdir -p "$RESULTS"
+RESULTS=$(cd "$RESULTS" && pwd)
+BUILD=${DDLCOMM_CUDA_BUILD_DIR:-$ROOT/build/cuda-gpu}
+ARCH=${CUDA_ARCH:-90}
+SUMMARY=$RESULTS/summary.txt
+: >"$SUMMARY"
+FAILED=0
+
+note() { echo "[gpu_check $(date +%H:%M:%S)] $*" | tee -a "$SUMMARY"; }
+
+# step NAME LIMIT_SECONDS LOG COMMAND...: runs COMMAND with a time limit, output to LOG.
+step() {
+  local name=$1 limit=$2 log=$3
+  shift 3
+  local start=$SECONDS
+  note "$name: $*"
+  timeout --kill-after=10 "$limit" "$@" >"$RESULTS/$log" 2>&1
+  local rc=$?
+  local tail_line
+  tail_line=$(grep -E "passed, [0-9]+ failed|SKIP" "$RESULTS/$log" | tail -1)
+  note "$name: exit $rc after $((SECONDS - start)) s${tail_line:+ — $tail_line} (log: $log)"
+  if [ $rc -ne 0 ]; then FAILED=1; fi
+  return $rc
+}
+
+{
+  date
+  uname -a
+  nvidia-smi || true
+  nvcc --version || true
+  cmake --version || true
+  python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.is_available())" || true
+  git -C "$ROOT" log -1 --oneline || true
+} >"$RESULTS/env.txt" 2>&1
+
+GENERATOR="Unix Makefiles"
+if command -v ninja >/dev/null 2>&1; then GENERATOR=Ninja; fi
+step configure 120 configure.log cmake -S "$ROOT/csrc/cuda" -B "$BUILD" -G "$GENERATOR" \
+  -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES="$ARCH" || { note "configure failed"; exit 1; }
+step build 240 build.log cmake --build "$BUILD" -j "$(nproc)" || { note "build failed"; exit 1; }
+
+# The test exits 0 (all passed), 1 (a failure) or 77 (no GPU).
+step test 240 test.log "$BUILD/test_cuda_kernels" --large
+step memcheck 200 memcheck.log compute-sanitizer --tool memcheck --error-exitcode 99 --print-limit 20 \
+  "$BUILD/test_cuda_kernels" --quick
+step bench 150 bench.log "$BUILD/bench_cuda_kernels" --csv="$RESULTS/bench.csv"
+step torch 150 torch.log env PYTHONUNBUFFERED=1 python3 "$ROOT/bench/cuda/bench_torch_ops.py" \
+  --bench "$BUILD/bench_cuda_kernels" --sizes-mib 1,16,64,256 --csv "$RESULTS/torch.csv"
+
+note "done: $([ $FAILED -eq 0 ] && echo 'all steps passed' || echo 'SOME STEPS FAILED') (results in $RESULTS)"
+echo
+echo "== benchmark =="
+cat "$RESULTS/bench.log" 2>/dev/null | tail -70
+echo "== torch comparison =="
+tail -45 "$RESULTS/torch.log" 2>/dev/null
+exit $FAILED

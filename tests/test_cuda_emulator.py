@@ -1,0 +1,30 @@
+"""The CUDA kernels' test program (tests/cuda) on the CPU emulator (tests/cuda/emu).
+
+Checks the kernels' logic (indexing, bit packing, scans, warp collectives, barriers, bounds
+under AddressSanitizer) against the payload contract on machines without a GPU, CI included.
+It cannot see races or measure anything: scripts/gpu_check.sh does that on a GPU machine.
+"""
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_cuda_kernels_on_cpu_emulator():
+    if shutil.which("cmake") is None or (shutil.which("c++") is None and shutil.which("g++") is None):
+        pytest.skip("needs cmake and a C++ compiler")
+    build = ROOT / "build" / "cuda-emu"
+    generator = ["-G", "Ninja"] if shutil.which("ninja") else []
+    for cmd in (["cmake", "-S", str(ROOT / "tests" / "cuda" / "emu"), "-B", str(build), *generator],
+                ["cmake", "--build", str(build), "-j", str(os.cpu_count() or 2)]):
+        step = subprocess.run(cmd, capture_output=True, text=True)
+        assert step.returncode == 0, step.stdout[-6000:] + step.stderr[-6000:]
+    run = subprocess.run([str(build / "test_cuda_kernels_emu"), "--quick", "--seed=1"], capture_output=True,
+                         text=True, timeout=900)
+    assert run.returncode == 0 and " 0 failed" in run.stdout, run.stdout[-6000:] + run.stderr[-3000:]
