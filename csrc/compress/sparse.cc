@@ -33,11 +33,6 @@ struct Entry {
   float value;
 };
 
-// Uniform integer in [0, bound) from 64 random bits (128-bit product, no modulo bias worth noting).
-inline uint64_t uniformBelow(uint64_t bits, uint64_t bound) {
-  return uint64_t((unsigned __int128)bits * bound >> 64);
-}
-
 // ---- y = x + residual, tile by tile --------------------------------------------------------
 
 // Elements per tile: small enough for L1, so a pass that forms y also consumes it from cache.
