@@ -4,11 +4,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+export PATH="$PWD/.venv/bin:$PATH"  # cmake and ninja from the venv
 # The CUDA kernels compile wherever nvcc exists, GPU or not (they run on a GPU machine).
 if command -v nvcc >/dev/null 2>&1 && [ -f csrc/cuda/CMakeLists.txt ]; then
   echo "== compiling the CUDA kernels (standalone, no GPU needed)"
-  .venv/bin/cmake -S csrc/cuda -B build/cuda -G Ninja -DCMAKE_MAKE_PROGRAM="$PWD/.venv/bin/ninja" >/dev/null
-  .venv/bin/ninja -C build/cuda
+  cmake -S csrc/cuda -B build/cuda -G Ninja >/dev/null
+  ninja -C build/cuda
 fi
 echo "== pytest"
 exec .venv/bin/pytest -q "$@"
