@@ -2,9 +2,10 @@
 # One command for a GPU machine (python3 with a CUDA torch, nvcc, cmake; ninja optional):
 # builds csrc/cuda standalone, runs the GPU test (all sizes, plus >2^31 elements), runs it
 # again under compute-sanitizer memcheck on a reduced size set, then the CUDA benchmark and
-# the plain-torch comparison. Logs and CSVs go to $1 (default ./gpu-results); summary.txt
-# lists every step with its exit status. Expected on an H100: about 5 minutes; every step
-# has a time limit so the whole script stays under about 9 minutes even when one hangs.
+# the plain-torch comparison. Logs go to $1 (default ./gpu-results), 8 files: summary.txt
+# (every step with its exit status), env.txt, build.log, test.log, memcheck.log, bench.log,
+# bench.csv, torch.log. Expected on an H100: about 5 minutes; every step has a time limit, so
+# the whole script stays under about 9 minutes even when one hangs.
 #
 #   scripts/gpu_check.sh [results-dir]        CUDA_ARCH=90 (default) picks the architecture
 set -u -o pipefail
@@ -16,6 +17,11 @@ RESULTS=$(cd "$RESULTS" && pwd)
 BUILD=${DDLCOMM_CUDA_BUILD_DIR:-$ROOT/build/cuda-gpu}
 ARCH=${CUDA_ARCH:-90}
 SUMMARY=$RESULTS/summary.txt
+# nvcc and compute-sanitizer live in the toolkit's bin folder, which is not always on PATH.
+for dir in /usr/local/cuda/bin /usr/local/cuda-13.0/bin; do
+  if [ -d "$dir" ]; then PATH=$PATH:$dir; fi
+done
+export PATH
 : >"$SUMMARY"
 FAILED=0
 
@@ -48,17 +54,23 @@ step() {
 
 GENERATOR="Unix Makefiles"
 if command -v ninja >/dev/null 2>&1; then GENERATOR=Ninja; fi
-step configure 120 configure.log cmake -S "$ROOT/csrc/cuda" -B "$BUILD" -G "$GENERATOR" \
-  -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES="$ARCH" || { note "configure failed"; exit 1; }
-step build 240 build.log cmake --build "$BUILD" -j "$(nproc)" || { note "build failed"; exit 1; }
+step build 300 build.log bash -c "cmake -S '$ROOT/csrc/cuda' -B '$BUILD' -G '$GENERATOR' -DCMAKE_BUILD_TYPE=Release \
+  -DCMAKE_CUDA_ARCHITECTURES='$ARCH' && cmake --build '$BUILD' -j $(nproc)" || { note "build failed"; exit 1; }
 
 # The test exits 0 (all passed), 1 (a failure) or 77 (no GPU).
 step test 240 test.log "$BUILD/test_cuda_kernels" --large
-step memcheck 200 memcheck.log compute-sanitizer --tool memcheck --error-exitcode 99 --print-limit 20 \
-  "$BUILD/test_cuda_kernels" --quick
+SANITIZER=$(command -v compute-sanitizer || ls /usr/local/cuda*/compute-sanitizer/compute-sanitizer \
+  /opt/nvidia/*/compute-sanitizer/compute-sanitizer 2>/dev/null | head -1)
+if [ -n "$SANITIZER" ]; then
+  step memcheck 200 memcheck.log "$SANITIZER" --tool memcheck --error-exitcode 99 --print-limit 20 \
+    "$BUILD/test_cuda_kernels" --quick
+else
+  note "memcheck: compute-sanitizer not found, not run"
+  FAILED=1
+fi
 step bench 150 bench.log "$BUILD/bench_cuda_kernels" --csv="$RESULTS/bench.csv"
 step torch 150 torch.log env PYTHONUNBUFFERED=1 python3 "$ROOT/bench/cuda/bench_torch_ops.py" \
-  --bench "$BUILD/bench_cuda_kernels" --sizes-mib 1,16,64,256 --csv "$RESULTS/torch.csv"
+  --bench "$BUILD/bench_cuda_kernels" --sizes-mib 1,16,64,256
 
 note "done: $([ $FAILED -eq 0 ] && echo 'all steps passed' || echo 'SOME STEPS FAILED') (results in $RESULTS)"
 echo

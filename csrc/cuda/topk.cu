@@ -12,9 +12,9 @@
 // the candidates key >= threshold; the exact selection then runs over the candidates only.
 // If the candidates cannot contain the top k (fewer than k of them, more than the workspace
 // holds, or a NaN threshold that would leave an infinite y out) the kernels of the exact path
-// run instead, decided on the device (each
-// kernel checks the state and returns early), so the host never waits. Either way the
-// payload is the exact top-k: `approximate` only changes the speed.
+// run instead, decided on the device (every kernel of both paths is launched and checks the
+// state first), so the host never waits. Either way the payload is the exact top-k:
+// `approximate` only changes the speed.
 #include "cuda/common.cuh"
 #include "cuda/launchers.h"
 
