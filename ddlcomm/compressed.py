@@ -87,15 +87,27 @@ def compressed_all_reduce(
         stream: randomness stream of this call (e.g. the training step), so ternary and
             random-k draw fresh, reproducible randomness each call.
     """
+    # Random-k sends a random sample, which can miss a non-finite entry; a non-finite gradient
+    # anywhere must still make the result non-finite everywhere (GradScaler skips the step).
+    poisoned = None
+    if compressor.format == "random_k":
+        poisoned = torch.tensor([0 if bool(torch.isfinite(tensor).all()) else 1], dtype=torch.uint8)
+        dist.all_reduce(poisoned, op=dist.ReduceOp.MAX, group=group)
+
+    def finish(result: torch.Tensor) -> torch.Tensor:
+        if poisoned is not None and poisoned.item():
+            result.fill_(float("nan"))
+        return result
+
     backend = native_backend(group)
     if backend is not None:
         work = backend.compressed_allreduce(
             tensor, compressor._config, worker_residual, server_residual, average, int(stream)
         )
-        return work.get_future().then(lambda fut: fut.value()[0])
+        return work.get_future().then(lambda fut: finish(fut.value()[0]))
     _fallback(tensor, compressor, worker_residual, server_residual, group, average, int(stream))
     done: torch.futures.Future = torch.futures.Future()
-    done.set_result(tensor)
+    done.set_result(finish(tensor))
     return done
 
 

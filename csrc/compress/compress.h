@@ -23,6 +23,8 @@
 //  - Residual: r = y - decoded where that is finite, else 0. A non-finite input makes its
 //    block's scale (or its top-k / cast value) non-finite, so the decoded result is
 //    non-finite too, and the residual there is reset to 0 so later steps are not poisoned.
+//    Random-k carries only its sample, which can miss a non-finite entry; the compressed
+//    all-reduce (ddlcomm/compressed.py) checks for that separately.
 //  - Top-k keeps the k largest |y| (NaN largest), ties to the lower index; approximate top-k
 //    selects exactly the same entries (it only finds them faster, see sparse.cc).
 #pragma once

@@ -12,7 +12,6 @@
 // formed. The sample only decides how fast that is, never what is sent.
 #include <algorithm>
 #include <cmath>
-#include <limits>
 #include <vector>
 
 #include "common/error.h"
@@ -273,19 +272,6 @@ template <class E, bool EF>
   }
 }
 
-// y * 0 is NaN exactly when y is not finite, so one vectorizable sum tells whether any is.
-DDLCOMM_MULTIVERSION bool anyNonFinite(const Input& in) {
-  float probe = 0.f;
-  withElement(in.type, [&](auto e) __attribute__((always_inline)) {
-    using E = decltype(e);
-    const auto* x = static_cast<const typename E::Raw*>(in.x);
-    withFlag(in.residual != nullptr, [&](auto ef) __attribute__((always_inline)) {
-      for (size_t i = 0; i < in.numel; ++i) probe += loadY<E, decltype(ef)::value>(x, in.residual, i) * 0.f;
-    });
-  });
-  return probe != probe;
-}
-
 DDLCOMM_MULTIVERSION void randomKPart(const Input& in, const uint64_t* taken, float scale, size_t w0, size_t w1,
                                       size_t kept, uint8_t* indices, uint8_t* values) {
   withElement(in.type, [&](auto e) __attribute__((always_inline)) {
@@ -331,9 +317,6 @@ void encodeTopK(const Config& config, const Input& in, uint64_t stream, size_t k
 void encodeRandomK(const Config& config, const Input& in, uint64_t stream, size_t k, uint8_t* indices,
                    uint8_t* values) {
   const float scale = config.scaled && k > 0 ? float(double(in.numel) / double(k)) : 1.f;
-  // A random sample can miss a non-finite entry, but the result must carry it (GradScaler
-  // skips the step on it): then every kept value is NaN.
-  const bool poisoned = anyNonFinite(in);
   const std::vector<uint64_t> taken = floydSample(in.numel, k, config.seed, stream);
   const size_t words = taken.size();
   const size_t parts = threadsFor(in.numel);
@@ -345,9 +328,6 @@ void encodeRandomK(const Config& config, const Input& in, uint64_t stream, size_
   runParts(parts, words, 1, [&](size_t part, size_t w0, size_t w1) {
     randomKPart(in, taken.data(), scale, w0, w1, kept[part], indices, values);
   });
-  if (poisoned) {
-    for (size_t e = 0; e < kept[parts]; ++e) storeLE(values + 4 * e, std::numeric_limits<float>::quiet_NaN());
-  }
 }
 
 void decodeSparse(size_t numel, size_t k, const uint8_t* indices, const uint8_t* values, const Output& out) {
