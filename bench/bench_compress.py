@@ -7,9 +7,10 @@
 GB/s are of float32 input (4 bytes per element) for every column. "/thread" divides by the
 threads ddlcomm used (DDLCOMM_NUM_THREADS or the core count, at most one per 1 Mi elements);
 memcpy is torch's dst.copy_(src) on one thread (torch.set_num_threads(1)), so "%memcpy" compares
-per-thread bandwidths. ddlcomm encodes into a reused payload buffer (encode(..., out=)); the
-torch-ops references run on as many threads as ddlcomm uses. Each number is the best of --reps
-timed calls: on a shared machine the best is the least disturbed.
+per-thread bandwidths; it is timed in the same rounds as the ddlcomm calls it is compared with.
+ddlcomm encodes into a reused payload buffer (encode(..., out=)); the torch-ops references run on
+as many threads as ddlcomm uses. Each number is the best of --reps rounds: on a shared machine
+the best is the least disturbed.
 """
 
 from __future__ import annotations
@@ -36,14 +37,17 @@ BLOCK = 256
 RATIO = 0.01
 
 
-def timed(fn: Callable[[], object], reps: int) -> float:
-    """Best seconds of `reps` calls after one warm-up."""
-    fn()
-    best = float("inf")
-    for _ in range(reps):
-        start = time.perf_counter()
+def timed(*fns: Callable[[], object], reps: int) -> list[float]:
+    """Best seconds of each function over `reps` rounds that call them in turn (after a warm-up),
+    so that numbers compared with each other were taken under the same machine load."""
+    best = [float("inf")] * len(fns)
+    for fn in fns:
         fn()
-        best = min(best, time.perf_counter() - start)
+    for _ in range(reps):
+        for i, fn in enumerate(fns):
+            start = time.perf_counter()
+            fn()
+            best[i] = min(best[i], time.perf_counter() - start)
     return best
 
 
@@ -148,49 +152,45 @@ def torch_threads(threads: int) -> Iterator[None]:
         torch.set_num_threads(saved)
 
 
-def memcpy_gbps(src: torch.Tensor, reps: int) -> float:
-    dst = torch.empty_like(src)
-    with torch_threads(1):
-        return src.nbytes / timed(lambda: dst.copy_(src), reps) / 1e9
-
-
 def bench_size(size_mib: int, reps: int, only: set[str] | None) -> None:
     numel = size_mib * MiB // 4
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(numel, generator=gen)
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(0))
+    copy_dst = torch.empty_like(x)
     threads = ddlcomm_threads(numel)
-    memcpy = memcpy_gbps(x, reps)
     gb = x.nbytes / 1e9
-    print(f"\n{size_mib} MiB float32 ({numel} elements): ddlcomm and torch threads {threads}, "
-          f"memcpy 1 thread {memcpy:.2f} GB/s")
-    print(f"{'compressor':<16} | {'encode+EF':>9} {'torch':>7} {'x torch':>7} {'/thread':>7} {'%memcpy':>7} | "
-          f"{'dec-acc':>8} {'torch':>7} {'x torch':>7} {'/thread':>7} {'%memcpy':>7}")
+    print(f"\n{size_mib} MiB float32 ({numel} elements): ddlcomm and torch threads {threads}")
+    print(f"{'compressor':<16} | {'encode+EF':>9} {'torch':>6} {'x torch':>7} {'/thread':>7} {'memcpy':>6} "
+          f"{'%memcpy':>7} | {'dec-acc':>7} {'torch':>6} {'x torch':>7} {'/thread':>7} {'%memcpy':>7}")
     for name, make, torch_encode, torch_decode_acc in CASES:
         if only and name not in only:
             continue
         compressor = make()
-        residual = torch.zeros(numel)
+        residual, out = torch.zeros(numel), torch.zeros(numel)
         stream = iter(range(1 << 62))
         payload = torch.empty(compressor.compressed_nbytes(numel), dtype=torch.uint8)  # reused, as a DDP hook would
-        encode_s = timed(lambda: compressor.encode(x, residual, stream=next(stream), out=payload), reps)
-        out = torch.zeros(numel)
-        decode_s = timed(lambda: compressor.decode_accumulate(payload, out), reps)
+        with torch_threads(1):  # the memcpy baseline; ddlcomm's threads do not depend on torch's
+            encode_s, decode_s, memcpy_s = timed(
+                lambda: compressor.encode(x, residual, stream=next(stream), out=payload),
+                lambda: compressor.decode_accumulate(payload, out),
+                lambda: copy_dst.copy_(x),
+                reps=reps)
         torch_residual = torch.zeros(numel)
         with torch_threads(threads):
-            torch_encode_s = timed(lambda: torch_encode(x, torch_residual), reps)
             torch_payload = torch_encode(x, torch_residual)
-            torch_decode_s = timed(lambda: torch_decode_acc(torch_payload, out), reps)
-        enc, dec = gb / encode_s, gb / decode_s
-        print(f"{name:<16} | {enc:9.2f} {gb / torch_encode_s:7.2f} {torch_encode_s / encode_s:7.1f} "
-              f"{enc / threads:7.2f} {100 * enc / threads / memcpy:6.0f}% | {dec:8.2f} {gb / torch_decode_s:7.2f} "
-              f"{torch_decode_s / decode_s:7.1f} {dec / threads:7.2f} {100 * dec / threads / memcpy:6.0f}%")
+            torch_encode_s, torch_decode_s = timed(lambda: torch_encode(x, torch_residual),
+                                                   lambda: torch_decode_acc(torch_payload, out), reps=reps)
+        enc, dec, memcpy = gb / encode_s, gb / decode_s, gb / memcpy_s
+        print(f"{name:<16} | {enc:9.2f} {gb / torch_encode_s:6.2f} {torch_encode_s / encode_s:7.1f} "
+              f"{enc / threads:7.2f} {memcpy:6.2f} {100 * enc / threads / memcpy:6.0f}% | {dec:7.2f} "
+              f"{gb / torch_decode_s:6.2f} {torch_decode_s / decode_s:7.1f} {dec / threads:7.2f} "
+              f"{100 * dec / threads / memcpy:6.0f}%")
 
 
 def bench_top_k_vs_torch(size_mib: int, reps: int) -> None:
     numel = size_mib * MiB // 4
     x = torch.randn(numel, generator=torch.Generator().manual_seed(1))
     k = TopK(RATIO).kept_entries(numel)
-    print(f"\ntop-k {RATIO:.0%} of {size_mib} MiB (k = {k}), best of {reps} calls, "
+    print(f"\ntop-k {RATIO:.0%} of {size_mib} MiB (k = {k}), best of {reps} rounds, "
           f"ddlcomm and torch threads {ddlcomm_threads(numel)}:")
     residual = torch.zeros(numel)
     rows = [
@@ -200,19 +200,17 @@ def bench_top_k_vs_torch(size_mib: int, reps: int) -> None:
         ("ddlcomm approx + EF", lambda: TopK(RATIO, approximate=True).encode(x, residual)),
         ("ddlcomm approx, no EF", lambda: TopK(RATIO, approximate=True).encode(x)),
     ]
-    base = None
     with torch_threads(ddlcomm_threads(numel)):
-        for name, fn in rows:
-            seconds = timed(fn, reps)
-            base = base or seconds
-            print(f"  {name:<24} {seconds:8.4f} s   {base / seconds:6.1f}x vs torch.topk")
+        seconds = timed(*(fn for _, fn in rows), reps=reps)
+    for (name, _), s in zip(rows, seconds):
+        print(f"  {name:<24} {s:8.4f} s   {seconds[0] / s:6.1f}x vs torch.topk")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--full", action="store_true", help="sizes 1, 4, 16, 64, 256 MiB")
     parser.add_argument("--sizes", type=int, nargs="+", metavar="MIB", help="input sizes in MiB")
-    parser.add_argument("--reps", type=int, default=5, help="timed calls per measurement (the best counts)")
+    parser.add_argument("--reps", type=int, default=5, help="timed rounds per measurement (the best counts)")
     parser.add_argument("--only", nargs="+", help="compressor names to run (as printed)")
     parser.add_argument("--threads", type=int, help="ddlcomm threads (sets DDLCOMM_NUM_THREADS, read on every call)")
     args = parser.parse_args()
