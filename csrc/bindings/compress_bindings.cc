@@ -96,7 +96,8 @@ void bindCompression(py::module_& m) {
       [](uintptr_t payload, size_t bytes, uintptr_t out, size_t numel) {
         compress::decodeAccumulate(at<const uint8_t>(payload), bytes, at<float>(out), numel);
       },
-      py::arg("payload"), py::arg("nbytes"), py::arg("out"), py::arg("numel"), py::call_guard<py::gil_scoped_release>());
+      py::arg("payload"), py::arg("nbytes"), py::arg("out"), py::arg("numel"),
+      py::call_guard<py::gil_scoped_release>());
 
   c.def(
       "inspect",

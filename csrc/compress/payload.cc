@@ -183,7 +183,8 @@ PayloadInfo inspect(const uint8_t* payload, size_t bytes) {
   DDLCOMM_CHECK(isKnownFormat(h.format), ErrorKind::Protocol, "unknown payload format ", int(h.format));
   const auto format = Format(h.format);
   const char* name = formatName(format);
-  DDLCOMM_CHECK(h.reserved0 == 0 && h.reserved1 == 0, ErrorKind::Protocol, name, " payload: reserved header fields are not zero");
+  DDLCOMM_CHECK(h.reserved0 == 0 && h.reserved1 == 0, ErrorKind::Protocol, name,
+                " payload: reserved header fields are not zero");
   const uint8_t allowedFlags = format == Format::OneBit ? kFlagTwoScales : 0;
   DDLCOMM_CHECK((h.flags & ~allowedFlags) == 0, ErrorKind::Protocol, name, " payload: invalid flags ", int(h.flags));
   if (hasBlocks(format)) {
