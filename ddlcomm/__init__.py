@@ -15,7 +15,6 @@ import atexit
 from datetime import timedelta
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from . import _C

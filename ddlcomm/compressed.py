@@ -51,8 +51,8 @@ def server_residual_numel(numel: int, rank: int, world_size: int) -> int:
     return bounds[rank + 1] - bounds[rank]
 
 
-def wire_bytes(compressor: Compressor, numel: int, world_size: int) -> int:
-    """Bytes one rank sends for one compressed all-reduce of `numel` elements."""
+def wire_bytes(compressor: Compressor, numel: int, world_size: int, rank: int = 0) -> int:
+    """Bytes `rank` sends for one compressed all-reduce of `numel` elements."""
     n = world_size
     if n == 1:
         return 0
@@ -60,8 +60,8 @@ def wire_bytes(compressor: Compressor, numel: int, world_size: int) -> int:
         return (n - 1) * compressor.compressed_nbytes(numel)
     bounds = _chunk_bounds(numel, n)
     chunk_bytes = [compressor.compressed_nbytes(bounds[i + 1] - bounds[i]) for i in range(n)]
-    # all-to-all of the worker payloads, then the own server payload to every peer
-    return sum(chunk_bytes) - chunk_bytes[0] + (n - 1) * chunk_bytes[0]
+    # all-to-all of the worker payloads (all but its own chunk), then its server payload to every peer
+    return sum(chunk_bytes) - chunk_bytes[rank] + (n - 1) * chunk_bytes[rank]
 
 
 def compressed_all_reduce(
@@ -133,7 +133,7 @@ def _fallback(
         everyone = torch.empty(n * payload.numel(), dtype=torch.uint8)
         dist.all_gather_into_tensor(everyone, payload, group=group)
         acc = torch.zeros(numel, dtype=torch.float32)
-        for j, part in enumerate(everyone.view(n, -1)):
+        for part in everyone.view(n, -1):
             compressor.decode_accumulate(part, acc)
         if average:
             acc.mul_(scale)

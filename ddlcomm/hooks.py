@@ -212,7 +212,7 @@ def compressed_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.f
         buffer.copy_(momentum)
 
     ring = 2 * (world - 1) * nbytes // max(world, 1)
-    sent = wire_bytes(state.compressor, numel, world)
+    sent = wire_bytes(state.compressor, numel, world, rank)
     state.stats.compressed_buckets += 1
     state.stats.bytes_sent += sent
     state.stats.bytes_uncompressed += ring

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import socket
 import statistics
-import threading
 import time
 from typing import Callable
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import sys
 
 import torch
 import torch.distributed as dist
@@ -84,7 +83,7 @@ def synthetic(rank: int, samples: int = 2048, features: int = 64, classes: int =
 
 
 def train(hook_name: str, steps: int, error_feedback: bool = True, lr: float = 0.05) -> float:
-    rank, n = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
     ddp = DistributedDataParallel(model, bucket_cap_mb=1)
