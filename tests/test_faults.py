@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import signal
+
 import pytest
 
 from harness import assert_all_ok, launch
@@ -21,12 +23,23 @@ def test_op_mismatch() -> None:
     assert_all_ok(launch("faults", "op_mismatch", 2, timeout=60))
 
 
-@pytest.mark.parametrize("when", ["before", "during"])
-def test_peer_exit_names_the_failed_rank(when: str) -> None:
-    results = launch("faults", "peer_exit", 4, timeout=90, args=(when,))
-    assert results[1].returncode == 3, results[1].output
+@pytest.mark.parametrize(
+    "when, trial", [("before", 0), ("during", 0), ("during", 1), ("during", 2), ("after", 0)]
+)
+def test_killed_peer_is_named_by_every_survivor(when: str, trial: int) -> None:
+    results = launch("faults", "peer_killed", 4, timeout=90, args=(when,))
+    assert results[1].returncode == -signal.SIGKILL, results[1].output
     assert_all_ok([r for r in results if r.rank != 1])
 
 
+@pytest.mark.parametrize("trial", range(3))
+def test_connection_reset_is_named_by_every_rank(trial: int) -> None:
+    assert_all_ok(launch("faults", "connection_reset", 4, timeout=90))
+
+
 def test_straggler_beyond_timeout() -> None:
-    assert_all_ok(launch("faults", "straggler", 2, timeout=60))
+    assert_all_ok(launch("faults", "straggler", 4, timeout=60))
+
+
+def test_init_destroy_cycles_release_everything() -> None:
+    assert_all_ok(launch("faults", "init_destroy_cycles", 4, timeout=300, args=("100",)))

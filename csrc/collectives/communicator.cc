@@ -1,11 +1,14 @@
 #include "collectives/communicator.h"
 
+#include <algorithm>
 #include <cstdlib>
+#include <thread>
 
 namespace ddlcomm {
 namespace {
 
 const char* kFailureKey = "ddlcomm/first_failure";
+const std::string kTimedOutKey = "ddlcomm/timed_out/";
 
 size_t envSize(const char* name, size_t fallback) {
   const char* v = std::getenv(name);
@@ -72,8 +75,35 @@ Communicator::Communicator(std::unique_ptr<Transport> transport, std::shared_ptr
 
 Communicator::~Communicator() { transport_->setFailureHook(nullptr); }
 
+std::string Communicator::ranksNotTimedOut() {
+  store_->set(kTimedOutKey + std::to_string(rank()), "1");
+  // Ranks waiting in the same collective time out within about the time they entered it
+  // apart; a rank still silent after that grace period was never there.
+  const auto grace = std::clamp(options_.timeout / 10, std::chrono::milliseconds(1000), std::chrono::milliseconds(5000));
+  const Deadline deadline = Clock::now() + grace;
+  std::string silent;
+  while (true) {
+    silent.clear();
+    for (int r = 0; r < size(); ++r) {
+      if (r != rank() && !store_->check(kTimedOutKey + std::to_string(r))) silent += ", rank " + std::to_string(r);
+    }
+    if (silent.empty() || Clock::now() >= deadline) return silent.empty() ? silent : silent.substr(2);
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+}
+
 std::string Communicator::recordFailure(ErrorKind kind, const std::string& local) {
   std::string message = local;
+  if (kind == ErrorKind::Timeout && store_) {
+    try {
+      const std::string silent = ranksNotTimedOut();
+      if (!silent.empty()) {
+        message += "; not waiting in any collective when this one timed out (the likely cause): " + silent;
+      }
+    } catch (...) {
+      // The store may be gone; the local message still stands.
+    }
+  }
   const bool remoteSymptom = kind == ErrorKind::PeerFailure || kind == ErrorKind::Timeout;
   try {
     if (store_ && store_->check(kFailureKey)) {

@@ -94,6 +94,10 @@ class Communicator {
   CollectiveOptions options_;
   uint64_t nextSeq_ = 0;
   std::vector<std::vector<char>> scratch_;
+
+  // After a timeout: which ranks did not time out too (so were not waiting in a
+  // collective), as "rank 1, rank 3"; waits a short grace period for the others' reports.
+  std::string ranksNotTimedOut();
 };
 
 }  // namespace ddlcomm

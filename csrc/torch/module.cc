@@ -30,4 +30,5 @@ PYBIND11_MODULE(_C, m) {
       .def_static("encode_stream", &ddlcomm::encodeStream, py::arg("call_stream"), py::arg("rank"), py::arg("phase"),
                   py::arg("chunk"), py::arg("size"));
   ddlcomm::bindings::bindCompression(m);
+  ddlcomm::bindings::bindTransport(m);
 }

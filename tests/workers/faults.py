@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import gc
 import os
+import signal
+import socket
+import struct
 import threading
 import time
 
@@ -73,30 +77,87 @@ def op_mismatch() -> None:
     print(f"rank {rank}: {text.splitlines()[0][:300]}")
 
 
-def peer_exit(when: str) -> None:
-    """Rank 1 dies before or during a stream of large all-reduces."""
+def _sigkill_self() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _expect_peer_failure(timeout: float, fn, culprit: int = 1) -> None:
+    """Runs `fn` on a survivor: it must raise DistBackendError naming `culprit` within the timeout."""
+    start = time.monotonic()
+    text = expect(dist.DistBackendError, fn, f"rank {culprit}")
+    elapsed = time.monotonic() - start
+    assert elapsed < timeout + 5, f"took {elapsed:.1f} s, timeout is {timeout}"
+    print(f"rank {dist.get_rank()} raised after {elapsed:.2f} s: {text.splitlines()[0][:400]}", flush=True)
+
+
+def _big_all_reduces() -> None:
+    big = torch.ones(4_000_000)
+    for _ in range(1000):
+        dist.all_reduce(big)
+
+
+def peer_killed(when: str) -> None:
+    """Rank 1 is SIGKILLed before, during or after a large (16 MB) all-reduce."""
     timeout = 20.0
     rank, n = init(timeout_s=timeout)
     big = torch.ones(4_000_000)
     dist.all_reduce(big)  # everyone is connected and warm
+    if when == "after":
+        # The failure happens while every rank is idle; the next collective must notice it.
+        if rank == 1:
+            _sigkill_self()
+        time.sleep(0.5)
+        _expect_peer_failure(timeout, lambda: dist.all_reduce(torch.ones(10)))
+        return
     if rank == 1:
         if when == "before":
-            os._exit(3)
-        threading.Timer(0.2, lambda: os._exit(3)).start()
-    start = time.monotonic()
+            _sigkill_self()
+        threading.Timer(0.2, _sigkill_self).start()
+    _expect_peer_failure(timeout, _big_all_reduces)
 
-    def loop() -> None:
-        for _ in range(1000):
-            dist.all_reduce(big)
 
-    text = expect(dist.DistBackendError, loop, "rank 1")
-    elapsed = time.monotonic() - start
-    assert elapsed < timeout + 5, f"took {elapsed:.1f} s, timeout is {timeout}"
-    print(f"rank {rank} raised after {elapsed:.2f} s: {text.splitlines()[0][:400]}")
+def _reset_peer_connections() -> None:
+    """Aborts every ddlcomm connection of this process with a TCP reset (SO_LINGER 0), as a
+    crashed NIC or a middlebox would. dup2 swaps each descriptor for a dead socket in one
+    step, so the transport never sees its descriptor number reused."""
+    store_port = int(os.environ["MASTER_PORT"])
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        try:
+            s = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            continue  # not a socket
+        try:
+            peer_port = s.getpeername()[1] if s.type == socket.SOCK_STREAM else None
+        except OSError:
+            peer_port = None  # unconnected or a listener
+        if peer_port is None or peer_port == store_port:
+            s.detach()
+            continue
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        placeholder = socket.socket()
+        os.dup2(placeholder.fileno(), fd)
+        placeholder.close()
+        s.close()  # the last reference: the kernel sends RST
+
+
+def connection_reset() -> None:
+    """Rank 1's connections are reset in the middle of a stream of large all-reduces. Rank 1
+    stays alive and must fail too, instead of hanging."""
+    timeout = 20.0
+    rank, n = init(timeout_s=timeout)
+    dist.all_reduce(torch.ones(4_000_000))
+    if rank == 1:
+        threading.Timer(0.2, _reset_peer_connections).start()
+        start = time.monotonic()
+        text = expect(dist.DistBackendError, _big_all_reduces)
+        print(f"rank 1 (reset) raised after {time.monotonic() - start:.2f} s: {text.splitlines()[0][:400]}")
+        return
+    _expect_peer_failure(timeout, _big_all_reduces)
 
 
 def straggler() -> None:
-    """Rank 1 shows up long after the timeout: the others raise once it expires."""
+    """Rank 1 stops calling collectives: the others raise once the timeout expires."""
     timeout = 3.0
     rank, n = init(timeout_s=timeout)
     dist.all_reduce(torch.ones(10))
@@ -114,8 +175,51 @@ def straggler() -> None:
     text = expect(dist.DistBackendError, lambda: dist.all_reduce(torch.ones(10)))
     elapsed = time.monotonic() - start
     assert timeout - 0.5 < elapsed < timeout + 3, f"raised after {elapsed:.2f} s with timeout {timeout}"
-    assert "timed out" in text and "rank 1" in text, text
+    # Whoever a rank waited for, every rank names the one that never joined.
+    assert "timed out" in text and "(the likely cause): rank 1" in text, text
     print(f"rank {rank} raised after {elapsed:.2f} s: {text.splitlines()[0][:400]}")
+
+
+def _process_usage() -> tuple[int, int, int]:
+    """Open descriptors, threads and resident bytes of this process."""
+    fds = len(os.listdir("/proc/self/fd"))
+    threads = len(os.listdir("/proc/self/task"))
+    with open("/proc/self/statm") as f:
+        rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    return fds, threads, rss
+
+
+def init_destroy_cycles(cycles: str) -> None:
+    """Connects and tears down the group many times, alternating destroy_process_group and
+    abort, with a subgroup and some traffic each time: nothing may accumulate."""
+    rank, n = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
+    warmup, total = 10, int(cycles)
+    baseline = None
+    for cycle in range(total):
+        if cycle == warmup:
+            gc.collect()
+            baseline = _process_usage()
+        dist.init_process_group("ddlcomm", store=dist.PrefixStore(f"cycle{cycle}", store), rank=rank, world_size=n)
+        t = torch.ones(1 << 18)
+        dist.all_reduce(t)
+        assert torch.all(t == n)
+        sub = dist.new_group([0, 1])
+        if rank in (0, 1):
+            dist.broadcast(t, 0, group=sub)
+        dist.barrier()
+        if cycle % 2:
+            dist.distributed_c10d._abort_process_group()
+        else:
+            dist.destroy_process_group()
+    gc.collect()
+    (fds0, threads0, rss0), (fds1, threads1, rss1) = baseline, _process_usage()
+    print(f"rank {rank}: after {warmup} and {total} cycles: fds {fds0} -> {fds1}, threads {threads0} -> {threads1}, "
+          f"RSS {rss0 / 2**20:.1f} -> {rss1 / 2**20:.1f} MiB", flush=True)
+    assert fds1 == fds0, f"{fds1 - fds0} descriptors leaked over {total - warmup} cycles"
+    assert threads1 == threads0, f"{threads1 - threads0} threads leaked over {total - warmup} cycles"
+    # One cycle's buffers are about 1 MiB; a leak of them would show as 90 MiB or more.
+    assert rss1 - rss0 < 16 * 2**20, f"RSS grew by {(rss1 - rss0) / 2**20:.1f} MiB over {total - warmup} cycles"
 
 
 if __name__ == "__main__":
@@ -125,6 +229,8 @@ if __name__ == "__main__":
         "small_size_mismatch": small_size_mismatch,
         "dtype_mismatch": dtype_mismatch,
         "op_mismatch": op_mismatch,
-        "peer_exit": peer_exit,
+        "peer_killed": peer_killed,
+        "connection_reset": connection_reset,
+        "init_destroy_cycles": init_destroy_cycles,
         "straggler": straggler,
     })

@@ -10,21 +10,12 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "transport/tcp/handshake.h"
+
 namespace ddlcomm::tcp {
 namespace {
 
 constexpr uint64_t kWakeToken = ~uint64_t(0);
-constexpr uint32_t kHelloMagic = 0x4f4c4548;  // "HELO"
-
-// First bytes on every connection, both ways: who is calling and for which slot.
-struct Hello {
-  uint32_t magic;
-  uint32_t version;
-  int32_t rank;
-  int32_t size;
-  int32_t index;
-  int32_t connectionsPerPeer;
-};
 
 long envLong(const char* name, long fallback) {
   const char* v = std::getenv(name);
@@ -46,6 +37,8 @@ TcpOptions TcpOptions::fromEnvironment() {
   o.connectionsPerPeer = int(std::clamp(envLong("DDLCOMM_SOCKETS_PER_PEER", o.connectionsPerPeer), 1L, 16L));
   o.stripeMinBytes = size_t(envLong("DDLCOMM_STRIPE_MIN_BYTES", long(o.stripeMinBytes)));
   o.socketBufferBytes = int(envLong("DDLCOMM_SOCKET_BUFFER_BYTES", o.socketBufferBytes));
+  o.handshakeTimeout =
+      std::chrono::milliseconds(envLong("DDLCOMM_HANDSHAKE_TIMEOUT_MS", long(o.handshakeTimeout.count())));
   return o;
 }
 
@@ -84,15 +77,15 @@ void TcpTransport::establish(KeyValueStore& store) {
 
   const int k = options_.connectionsPerPeer;
   const Deadline deadline = Clock::now() + options_.connectTimeout;
+  const std::string key = groupKey(store, rank_);
   Address bound;
   Fd listener = listenOn(options_.host.empty() ? chooseLocalHost() : options_.host, &bound);
   localAddress_ = bound.toString();
   store.set("ddlcomm/addr/" + std::to_string(rank_), localAddress_);
 
-  const Hello mine{kHelloMagic, kFrameVersion, rank_, size_, 0, k};
+  const Hello mine = makeHello(rank_, size_, k);
+  // Only authenticated peers get here, so a disagreement is a misconfigured job: fatal.
   auto checkHello = [&](const Hello& h, const std::string& from) {
-    DDLCOMM_CHECK(h.magic == kHelloMagic && h.version == kFrameVersion, ErrorKind::Protocol,
-                  "unexpected handshake from ", from, " (not a ddlcomm peer of this version)");
     DDLCOMM_CHECK(h.size == size_ && h.connectionsPerPeer == k && h.rank >= 0 && h.rank < size_ &&
                       h.index >= 0 && h.index < k,
                   ErrorKind::Mismatch, "peer ", from, " has world size ", h.size, " and ", h.connectionsPerPeer,
@@ -102,39 +95,41 @@ void TcpTransport::establish(KeyValueStore& store) {
   // Lower ranks accept, higher ranks connect: rank 0 only accepts, so no cycle can form.
   for (int peer = 0; peer < rank_; ++peer) {
     Address address = Address::fromString(store.get("ddlcomm/addr/" + std::to_string(peer)));
+    const std::string name = "rank " + std::to_string(peer) + " at " + address.toString();
     for (int i = 0; i < k; ++i) {
-      Fd fd = connectTo(address, deadline);
-      Hello hello = mine;
+      Hello hello = mine, reply{};
       hello.index = i;
-      writeAll(fd.get(), &hello, sizeof hello, deadline);
-      Hello reply{};
-      readAll(fd.get(), &reply, sizeof reply, deadline);
-      checkHello(reply, "rank " + std::to_string(peer) + " at " + address.toString());
+      Fd fd = connectAuthenticated(address, name, key, hello, deadline, &reply);
+      checkHello(reply, name);
       DDLCOMM_CHECK(reply.rank == peer, ErrorKind::Mismatch, "address ", address.toString(), " of rank ", peer,
                     " answered as rank ", reply.rank, " (stale address in the store?)");
       connection(peer, i).fd = std::move(fd);
     }
   }
+  Acceptor acceptor(std::move(listener), key, mine, options_.handshakeTimeout);
   int expected = (size_ - 1 - rank_) * k;
   while (expected > 0) {
-    Address from;
-    Fd fd = acceptFrom(listener.get(), deadline, &from);
     Hello hello{};
+    Fd fd;
     try {
-      // A stray client gets a short deadline so it cannot stall the whole job.
-      readAll(fd.get(), &hello, sizeof hello, std::min(deadline, Clock::now() + std::chrono::seconds(10)));
-      checkHello(hello, from.toString());
-      DDLCOMM_CHECK(hello.rank > rank_ && !connection(hello.rank, hello.index).fd.valid(), ErrorKind::Protocol,
-                    "duplicate or out-of-order connection claiming rank ", hello.rank);
+      fd = acceptor.next(deadline, &hello);
     } catch (const Error& e) {
-      if (e.kind() == ErrorKind::Mismatch) throw;
-      continue;  // not one of ours: drop it and keep waiting for the real peers
+      if (e.kind() != ErrorKind::Timeout) throw;
+      std::string missing;
+      for (int peer = rank_ + 1; peer < size_; ++peer) {
+        bool complete = true;
+        for (int i = 0; i < k; ++i) complete = complete && connection(peer, i).fd.valid();
+        if (!complete) missing += (missing.empty() ? "" : ", ") + std::to_string(peer);
+      }
+      fail(ErrorKind::Timeout, e.what(), " (still missing rank ", missing, ")");
     }
-    Hello reply = mine;
-    reply.index = hello.index;
-    writeAll(fd.get(), &reply, sizeof reply, deadline);
-    connection(hello.rank, hello.index).fd = std::move(fd);
-    --expected;
+    const std::string name = "rank " + std::to_string(hello.rank);
+    checkHello(hello, name);
+    DDLCOMM_CHECK(hello.rank > rank_, ErrorKind::Mismatch, name, " connected to rank ", rank_,
+                  " but only higher ranks connect (do two processes have the same RANK?)");
+    Connection& c = connection(hello.rank, hello.index);
+    if (!c.fd.valid()) --expected;  // else a retry after a lost reply replaces the earlier socket
+    c.fd = std::move(fd);
   }
 
   for (size_t slot = 0; slot < connections_.size(); ++slot) {

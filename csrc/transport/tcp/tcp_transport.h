@@ -25,6 +25,9 @@ struct TcpOptions {
   int socketBufferBytes = 0;        // DDLCOMM_SOCKET_BUFFER_BYTES; 0 keeps kernel autotuning
   size_t maxUnexpectedBytes = size_t(1) << 32;  // cap on one unmatched point-to-point message
   std::chrono::milliseconds connectTimeout{std::chrono::minutes(5)};
+  // DDLCOMM_HANDSHAKE_TIMEOUT_MS: how long a connection may take to prove the group key
+  // before it is dropped (a real peer needs one round trip).
+  std::chrono::milliseconds handshakeTimeout{std::chrono::seconds(10)};
 
   static TcpOptions fromEnvironment();
 };
