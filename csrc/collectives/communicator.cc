@@ -108,7 +108,8 @@ std::string Communicator::recordFailure(ErrorKind kind, const std::string& local
   try {
     if (store_ && store_->check(kFailureKey)) {
       std::string first = store_->get(kFailureKey);
-      if (remoteSymptom && first != local) message += "; the first failure reported in this group was: " + first;
+      // Lead with the root cause: this rank's own symptom may just be a peer aborting.
+      if (remoteSymptom && first != local) message = "the group failed first at " + first + "; then here: " + message;
     } else if (store_) {
       store_->set(kFailureKey, "rank " + std::to_string(rank()) + ": " + local);
     }
