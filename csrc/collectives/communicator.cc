@@ -8,7 +8,7 @@ namespace ddlcomm {
 namespace {
 
 const char* kFailureKey = "ddlcomm/first_failure";
-const std::string kTimedOutKey = "ddlcomm/timed_out/";
+const std::string kWaitingKey = "ddlcomm/failed_while_waiting/";
 
 size_t envSize(const char* name, size_t fallback) {
   const char* v = std::getenv(name);
@@ -71,12 +71,24 @@ Communicator::Communicator(std::unique_ptr<Transport> transport, std::shared_ptr
                            CollectiveOptions options)
     : transport_(std::move(transport)), store_(std::move(store)), options_(options) {
   transport_->setFailureHook([this](ErrorKind kind, const std::string& message) { return recordFailure(kind, message); });
+  transport_->setFailureProbe([this] { return recordedFailure(); });
 }
 
-Communicator::~Communicator() { transport_->setFailureHook(nullptr); }
+Communicator::~Communicator() {
+  transport_->setFailureHook(nullptr);
+  transport_->setFailureProbe(nullptr);
+}
 
-std::string Communicator::ranksNotTimedOut() {
-  store_->set(kTimedOutKey + std::to_string(rank()), "1");
+std::string Communicator::recordedFailure() {
+  try {
+    if (store_ && store_->check(kFailureKey)) return store_->get(kFailureKey);
+  } catch (...) {
+    // An unreachable store says nothing about the peers.
+  }
+  return "";
+}
+
+std::string Communicator::ranksNotWaiting() {
   // Ranks waiting in the same collective time out within about the time they entered it
   // apart; a rank still silent after that grace period was never there.
   const auto grace = std::clamp(options_.timeout / 10, std::chrono::milliseconds(1000), std::chrono::milliseconds(5000));
@@ -85,7 +97,7 @@ std::string Communicator::ranksNotTimedOut() {
   while (true) {
     silent.clear();
     for (int r = 0; r < size(); ++r) {
-      if (r != rank() && !store_->check(kTimedOutKey + std::to_string(r))) silent += ", rank " + std::to_string(r);
+      if (r != rank() && !store_->check(kWaitingKey + std::to_string(r))) silent += ", rank " + std::to_string(r);
     }
     if (silent.empty() || Clock::now() >= deadline) return silent.empty() ? silent : silent.substr(2);
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
@@ -94,9 +106,12 @@ std::string Communicator::ranksNotTimedOut() {
 
 std::string Communicator::recordFailure(ErrorKind kind, const std::string& local) {
   std::string message = local;
-  if (kind == ErrorKind::Timeout && store_) {
+  const bool remoteSymptom = kind == ErrorKind::PeerFailure || kind == ErrorKind::Timeout;
+  if (remoteSymptom && store_) {
     try {
-      const std::string silent = ranksNotTimedOut();
+      // Either way this rank was waiting in a collective when the group failed.
+      store_->set(kWaitingKey + std::to_string(rank()), "1");
+      const std::string silent = kind == ErrorKind::Timeout ? ranksNotWaiting() : "";
       if (!silent.empty()) {
         message += "; not waiting in any collective when this one timed out (the likely cause): " + silent;
       }
@@ -104,7 +119,6 @@ std::string Communicator::recordFailure(ErrorKind kind, const std::string& local
       // The store may be gone; the local message still stands.
     }
   }
-  const bool remoteSymptom = kind == ErrorKind::PeerFailure || kind == ErrorKind::Timeout;
   try {
     if (store_ && store_->check(kFailureKey)) {
       std::string first = store_->get(kFailureKey);

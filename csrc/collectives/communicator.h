@@ -82,6 +82,8 @@ class Communicator {
   // The failure hook: publish this rank's failure in the store, or, if a peer published
   // first, add its message to ours so every rank names the rank that really failed.
   std::string recordFailure(ErrorKind kind, const std::string& message);
+  // The failure another rank published, or "".
+  std::string recordedFailure();
   void throwIfAborted() const;
   uint64_t nextSequenceNumber() { return nextSeq_++; }
 
@@ -95,9 +97,9 @@ class Communicator {
   uint64_t nextSeq_ = 0;
   std::vector<std::vector<char>> scratch_;
 
-  // After a timeout: which ranks did not time out too (so were not waiting in a
-  // collective), as "rank 1, rank 3"; waits a short grace period for the others' reports.
-  std::string ranksNotTimedOut();
+  // After a timeout: the ranks that have not reported failing while waiting in a
+  // collective too, as "rank 1, rank 3"; waits a short grace period for their reports.
+  std::string ranksNotWaiting();
 };
 
 }  // namespace ddlcomm

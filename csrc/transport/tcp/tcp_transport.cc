@@ -445,7 +445,14 @@ void TcpTransport::wait(Request& r, Deadline deadline) {
     if (r.done()) break;
     auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
     if (left <= 0) timedOut(r);
-    waitForEvents(int(std::min<long long>(left + 1, 1000)));
+    if (!waitForEvents(int(std::min<long long>(left + 1, 1000))) && failureProbe_) {
+      std::string remote = failureProbe_();
+      if (!remote.empty()) {
+        abort(ErrorKind::PeerFailure, detail::concat("rank ", rank_, " gave up waiting in ", r.signature.describe(),
+                                                     " for rank ", r.peer, ": another rank failed"));
+        throwIfBroken();
+      }
+    }
   }
   if (r.failed) throwIfBroken();
 }
