@@ -21,6 +21,11 @@ def test_op_mismatch() -> None:
     assert_all_ok(launch("faults", "op_mismatch", 2, timeout=60))
 
 
+@pytest.mark.parametrize("kind", ["cast", "block_size"])
+def test_compressor_mismatch_is_refused(kind: str) -> None:
+    assert_all_ok(launch("faults", "compressor_mismatch", 2, timeout=60, args=(kind,)))
+
+
 @pytest.mark.parametrize("when", ["before", "during"])
 def test_peer_exit_names_the_failed_rank(when: str) -> None:
     results = launch("faults", "peer_exit", 4, timeout=90, args=(when,))

@@ -73,6 +73,25 @@ def op_mismatch() -> None:
     print(f"rank {rank}: {text.splitlines()[0][:300]}")
 
 
+def compressor_mismatch(kind: str) -> None:
+    """Rank 1 compresses differently, into payloads of the same size: every rank refuses to
+    decode what it did not expect instead of summing it."""
+    from ddlcomm import compress
+    from ddlcomm.compressed import compressed_all_reduce
+
+    rank, n = init(timeout_s=30)
+    # 1000 elements on 2 ranks: chunks of 500, two blocks of 256 or of 250 each.
+    mine, other = {
+        "cast": (compress.FP16(), compress.BF16()),
+        "block_size": (compress.OneBit(block_size=256), compress.OneBit(block_size=250)),
+    }[kind]
+    comp = other if rank == 1 else mine
+    assert comp.compressed_nbytes(500) == mine.compressed_nbytes(500)
+    # RuntimeError: the future's callback wraps the DistBackendError.
+    text = expect(RuntimeError, lambda: compressed_all_reduce(torch.ones(1000), comp).wait(), "same compressor")
+    print(f"rank {rank}: {text.splitlines()[0][:300]}")
+
+
 def peer_exit(when: str) -> None:
     """Rank 1 dies before or during a stream of large all-reduces."""
     timeout = 20.0
@@ -125,6 +144,7 @@ if __name__ == "__main__":
         "small_size_mismatch": small_size_mismatch,
         "dtype_mismatch": dtype_mismatch,
         "op_mismatch": op_mismatch,
+        "compressor_mismatch": compressor_mismatch,
         "peer_exit": peer_exit,
         "straggler": straggler,
     })
