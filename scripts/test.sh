@@ -11,5 +11,7 @@ if command -v nvcc >/dev/null 2>&1 && [ -f csrc/cuda/CMakeLists.txt ]; then
   cmake -S csrc/cuda -B build/cuda -G Ninja >/dev/null
   ninja -C build/cuda
 fi
+# libFuzzer with ASan/UBSan on the frame and payload parsers, ~30 s per target (docs/fuzzing.md).
+bash scripts/fuzz.sh 30
 echo "== pytest"
 exec .venv/bin/pytest -q "$@"

@@ -23,6 +23,11 @@ def test_op_mismatch() -> None:
     assert_all_ok(launch("faults", "op_mismatch", 2, timeout=60))
 
 
+@pytest.mark.parametrize("kind", ["cast", "block_size"])
+def test_compressor_mismatch_is_refused(kind: str) -> None:
+    assert_all_ok(launch("faults", "compressor_mismatch", 2, timeout=60, args=(kind,)))
+
+
 @pytest.mark.parametrize(
     "when, trial", [("before", 0), ("during", 0), ("during", 1), ("during", 2), ("after", 0)]
 )

@@ -60,7 +60,10 @@ void sparseAllreduce(Call& call, const CompressedAllreduceArgs& a) {
   gatherPayloads(call, mine, written, all, offsets, sizes);
   float* acc = reinterpret_cast<float*>(comm.scratch(a.count * sizeof(float), 1));
   std::fill(acc, acc + a.count, 0.f);
-  for (int j = 0; j < n; ++j) compress::decodeAccumulate(all + offsets[size_t(j)], sizes[size_t(j)], acc, a.count);
+  for (int j = 0; j < n; ++j) {
+    compress::checkPayloadConfig(all + offsets[size_t(j)], sizes[size_t(j)], a.config);
+    compress::decodeAccumulate(all + offsets[size_t(j)], sizes[size_t(j)], acc, a.count);
+  }
   if (a.average) scale(acc, a.count, 1.f / float(n));
   writeOut(acc, a.dtype, a.data, a.count);
 }
@@ -109,7 +112,10 @@ void scatterReduceGather(Call& call, const CompressedAllreduceArgs& a) {
   const size_t mineLength = chunks.length(r);
   float* acc = reinterpret_cast<float*>(comm.scratch(mineLength * sizeof(float), 2));
   std::fill(acc, acc + mineLength, 0.f);
-  for (int j = 0; j < n; ++j) compress::decodeAccumulate(incoming + size_t(j) * mineBytes, mineBytes, acc, mineLength);
+  for (int j = 0; j < n; ++j) {
+    compress::checkPayloadConfig(incoming + size_t(j) * mineBytes, mineBytes, a.config);
+    compress::decodeAccumulate(incoming + size_t(j) * mineBytes, mineBytes, acc, mineLength);
+  }
   if (a.average) scale(acc, mineLength, 1.f / float(n));
   uint8_t* gathered = outgoing;  // the worker payloads have been sent; reuse the buffer
   size_t written = compress::encode(a.config, DataType::Float32, acc, a.serverResidual, mineLength,
@@ -120,6 +126,7 @@ void scatterReduceGather(Call& call, const CompressedAllreduceArgs& a) {
   std::vector<size_t> offsets(chunkOffsets.begin(), chunkOffsets.end() - 1);
   gatherPayloads(call, gathered + chunkOffsets[size_t(r)], mineBytes, gathered, offsets, chunkBytes);
   for (int j = 0; j < n; ++j) {
+    compress::checkPayloadConfig(gathered + chunkOffsets[size_t(j)], chunkBytes[size_t(j)], a.config);
     compress::decode(gathered + chunkOffsets[size_t(j)], chunkBytes[size_t(j)], a.dtype, data + chunks.begin(j) * es,
                      chunks.length(j));
   }

@@ -76,6 +76,12 @@ struct PayloadInfo {
 // throws Error(Protocol) describing the first problem.
 PayloadInfo inspect(const uint8_t* payload, size_t bytes);
 
+// Throws Error(Mismatch) unless the payload's header has config's format, block size and
+// two-scales flag (a payload shorter than a header: Error(Protocol)). decode() checks only the
+// caller's element count; a receiver that knows the config to expect checks it here: float16 and
+// bfloat16 payloads, or 1-bit ones with block sizes 250 and 256, can have the same size.
+void checkPayloadConfig(const uint8_t* payload, size_t bytes, const Config& config);
+
 // out[numel] (float32, float16 or bfloat16) = decode(payload), after inspect(). A numel other
 // than the payload's throws Error(InvalidArgument).
 void decode(const uint8_t* payload, size_t bytes, DataType outType, void* out, size_t numel);

@@ -93,6 +93,12 @@ void checkUnusedBits(const uint8_t* section, size_t bytes, uint64_t numel, unsig
                 " payload: unused bits of the last byte are not zero");
 }
 
+// "one_bit (block size 256, flags 0)", for mismatch messages.
+std::string describeHeader(uint8_t format, uint32_t blockSize, uint8_t flags) {
+  return detail::concat(isKnownFormat(format) ? formatName(Format(format)) : "an unknown format", " (block size ",
+                        blockSize, ", flags ", int(flags), ")");
+}
+
 void decodeInto(const uint8_t* payload, size_t bytes, const Output& out, size_t numel) {
   const PayloadInfo info = inspect(payload, bytes);
   DDLCOMM_CHECK(info.numel == numel, ErrorKind::InvalidArgument, "the payload holds ", info.numel,
@@ -217,6 +223,19 @@ PayloadInfo inspect(const uint8_t* payload, size_t bytes) {
     case Format::BFloat16: break;
   }
   return {format, h.flags, h.blockSize, h.numel, h.k};
+}
+
+void checkPayloadConfig(const uint8_t* payload, size_t bytes, const Config& config) {
+  DDLCOMM_CHECK(payload != nullptr && bytes >= kHeaderBytes, ErrorKind::Protocol, "payload of ", bytes,
+                " bytes is shorter than its ", kHeaderBytes, "-byte header");
+  PayloadHeader h;
+  std::memcpy(&h, payload, kHeaderBytes);
+  const uint8_t flags = config.format == Format::OneBit && config.twoScales ? kFlagTwoScales : 0;
+  const uint32_t blockSize = hasBlocks(config.format) ? config.blockSize : 0;
+  DDLCOMM_CHECK(h.format == uint8_t(config.format) && h.flags == flags && h.blockSize == blockSize,
+                ErrorKind::Mismatch, "the payload is ", describeHeader(h.format, h.blockSize, h.flags),
+                ", this rank expects ", describeHeader(uint8_t(config.format), blockSize, flags),
+                ": every rank must use the same compressor");
 }
 
 void decode(const uint8_t* payload, size_t bytes, DataType outType, void* out, size_t numel) {

@@ -54,6 +54,10 @@ Signature parseFrameHeader(const FrameHeader& h, int peer) {
       !isValidDataType(h.dtype)) {
     fail(ErrorKind::Protocol, "corrupt frame from rank ", peer, ": op ", int(h.op), ", dtype ", int(h.dtype));
   }
+  // Always 0 as written by makeFrameHeader: a nonzero value is corruption, not a field to ignore.
+  if (h.reserved != 0) {
+    fail(ErrorKind::Protocol, "corrupt frame from rank ", peer, ": reserved field is 0x", std::hex, h.reserved);
+  }
   Signature sig;
   sig.op = OpCode(h.op);
   sig.dtype = DataType(h.dtype);

@@ -77,6 +77,25 @@ def op_mismatch() -> None:
     print(f"rank {rank}: {text.splitlines()[0][:300]}")
 
 
+def compressor_mismatch(kind: str) -> None:
+    """Rank 1 compresses differently, into payloads of the same size: every rank refuses to
+    decode what it did not expect instead of summing it."""
+    from ddlcomm import compress
+    from ddlcomm.compressed import compressed_all_reduce
+
+    rank, n = init(timeout_s=30)
+    # 1000 elements on 2 ranks: chunks of 500, two blocks of 256 or of 250 each.
+    mine, other = {
+        "cast": (compress.FP16(), compress.BF16()),
+        "block_size": (compress.OneBit(block_size=256), compress.OneBit(block_size=250)),
+    }[kind]
+    comp = other if rank == 1 else mine
+    assert comp.compressed_nbytes(500) == mine.compressed_nbytes(500)
+    # RuntimeError: the future's callback wraps the DistBackendError.
+    text = expect(RuntimeError, lambda: compressed_all_reduce(torch.ones(1000), comp).wait(), "same compressor")
+    print(f"rank {rank}: {text.splitlines()[0][:300]}")
+
+
 def _sigkill_self() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
@@ -237,5 +256,6 @@ if __name__ == "__main__":
         "peer_killed": peer_killed,
         "connection_reset": connection_reset,
         "init_destroy_cycles": init_destroy_cycles,
+        "compressor_mismatch": compressor_mismatch,
         "straggler": straggler,
     })

@@ -144,11 +144,19 @@ std::string Address::toString() const {
 }
 
 Address Address::fromString(const std::string& text) {
+  // Written by a peer through the store: a port of 1 to 5 digits (atoi would overflow on more),
+  // and a v6 host in brackets.
   auto colon = text.rfind(':');
-  DDLCOMM_CHECK(colon != std::string::npos, ErrorKind::Protocol, "malformed address '", text, "'");
+  const std::string port = colon == std::string::npos ? "" : text.substr(colon + 1);
+  const bool digits = !port.empty() && port.size() <= 5 && port.find_first_not_of("0123456789") == std::string::npos;
+  DDLCOMM_CHECK(digits && std::stoi(port) >= 1 && std::stoi(port) <= 65535, ErrorKind::Protocol,
+                "malformed address '", text, "'");
   std::string host = text.substr(0, colon);
-  if (host.size() >= 2 && host.front() == '[') host = host.substr(1, host.size() - 2);
-  return parse(host, std::atoi(text.c_str() + colon + 1));
+  if (!host.empty() && host.front() == '[') {
+    DDLCOMM_CHECK(host.size() >= 2 && host.back() == ']', ErrorKind::Protocol, "malformed address '", text, "'");
+    host = host.substr(1, host.size() - 2);
+  }
+  return parse(host, std::stoi(port));
 }
 
 std::string chooseLocalHost() {

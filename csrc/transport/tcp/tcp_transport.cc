@@ -312,6 +312,11 @@ bool TcpTransport::readSome(Connection& c) {
 bool TcpTransport::matchIncoming(Connection& c) {
   const Signature& got = c.signature;
   if (got.op == OpCode::PointToPoint) {
+    // Senders put point-to-point messages whole on connection 0. One arriving elsewhere could
+    // pair with the receive connection 0 is filling, which the first to finish frees.
+    DDLCOMM_CHECK(c.index == 0 && c.header.piece == 0, ErrorKind::Protocol, "rank ", c.peer,
+                  " sent a point-to-point message as piece ", int(c.header.piece), " on connection ", c.index,
+                  ": they travel whole on connection 0");
     PeerState& state = peers_[size_t(c.peer)];
     bool earlierUnexpected = std::any_of(state.unexpected.begin(), state.unexpected.end(),
                                          [&](const Unexpected& u) { return u.signature.seq == got.seq; });
