@@ -56,6 +56,11 @@ def markdown(args: argparse.Namespace, results: list[RankResult], wall: float) -
             out.append(f"| {s['rank']} | {s['mismatches']} | {s['seconds']:.0f} | {s['buffer_bytes'] / 2**30:.1f} "
                        f"| {s['rss_warm_mib']:.0f} | {s['rss_peak_mib']:.0f} | {s['rss_end_mib']:.0f} "
                        f"| {s['rss_end_mib'] - s['rss_warm_mib']:+.0f} | {s['vm_hwm_mib']:.0f} |")
+        points = len(ranks[0]["rss_trace_mib"])
+        out += ["", "RSS in MiB after each tenth of the operations:", "",
+                "| rank | " + " | ".join(f"{args.ops * (i + 1) // points}" for i in range(points)) + " |",
+                "| --- " * (points + 1) + "|"]
+        out += [f"| {s['rank']} | " + " | ".join(str(v) for v in s["rss_trace_mib"]) + " |" for s in ranks]
     return "\n".join(out)
 
 

@@ -487,6 +487,7 @@ class Soak:
         outstanding = MAX_OUTSTANDING
         start = time.monotonic()
         rss_warm = rss_peak = 0
+        trace: list[int] = []
         for step in range(ops):
             self.step = step
             forced: dict = {}
@@ -517,9 +518,10 @@ class Soak:
                 rss_warm = rss_peak = rss_bytes()
             elif step >= len(warmup):
                 rss_peak = max(rss_peak, rss_bytes())
-            if self.rank == 0 and (step + 1) % max(1, ops // 10) == 0:
-                print(f"soak: {step + 1}/{ops} ops, {time.monotonic() - start:.0f} s, "
-                      f"rss {rss_bytes() / MiB:.0f} MiB", flush=True)
+            if (step + 1) % max(1, ops // 10) == 0:  # a leak shows as a trend over these
+                trace.append(round(rss_bytes() / MiB))
+                if self.rank == 0:
+                    print(f"soak: {step + 1}/{ops} ops, {time.monotonic() - start:.0f} s, rss {trace[-1]} MiB", flush=True)
         self.flush(pending)
         gc.collect()
         rss_end = rss_bytes()
@@ -528,7 +530,7 @@ class Soak:
             kinds=dict(sorted(self.counts.items())), buffer_bytes=self.buffer_bytes,
             seconds=round(time.monotonic() - start, 1), rss_warm_mib=round(rss_warm / MiB, 1),
             rss_peak_mib=round(rss_peak / MiB, 1), rss_end_mib=round(rss_end / MiB, 1),
-            vm_hwm_mib=round(peak_rss_bytes() / MiB, 1),
+            vm_hwm_mib=round(peak_rss_bytes() / MiB, 1), rss_trace_mib=trace,
         )
         print("SOAK " + json.dumps(summary), flush=True)
         return summary
