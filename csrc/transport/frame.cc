@@ -25,6 +25,9 @@ std::string Signature::describe() const {
   if (op == OpCode::PointToPoint) {
     return detail::concat("send/recv with tag ", seq, " (", dataTypeName(dtype), " x ", count, ")");
   }
+  if (op == OpCode::AllToAll) {  // no count: totals differ between ranks (exchange.cc)
+    return detail::concat(opCodeName(op), " #", seq, " (", dataTypeName(dtype), ", message ", step, ")");
+  }
   return detail::concat(opCodeName(op), " #", seq, " (", dataTypeName(dtype), " x ", count, ", message ", step, ")");
 }
 

@@ -33,7 +33,7 @@ struct Signature {
   DataType dtype = DataType::UInt8;
   uint64_t seq = 0;    // collective sequence number in the group, or the p2p tag
   uint32_t step = 0;   // message index within one collective between the same two ranks
-  uint64_t count = 0;  // element count of the whole call, so size mismatches are named
+  uint64_t count = 0;  // element count of the whole call, so size mismatches are named (0 for all_to_all)
 
   bool operator==(const Signature& o) const {
     return op == o.op && dtype == o.dtype && seq == o.seq && step == o.step && count == o.count;

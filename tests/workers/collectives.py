@@ -93,6 +93,13 @@ def collectives() -> None:
     y = torch.empty(sum(recv_splits), 3)
     dist.all_to_all_single(y, x, output_split_sizes=recv_splits, input_split_sizes=send_splits)
     assert_equal(y, torch.cat([torch.full((rank + 1, 3), float(r)) for r in range(n)]), "all_to_all_single uneven")
+    # Ranks that send different totals (rank r sends r + j rows to rank j) are not a mismatch.
+    x = torch.cat([torch.full((rank + j, 2), float(100 * rank + j)) for j in range(n)])
+    y = torch.empty(sum(j + rank for j in range(n)), 2)
+    splits = [rank + j for j in range(n)]
+    dist.all_to_all_single(y, x, output_split_sizes=splits, input_split_sizes=splits)
+    expected = torch.cat([torch.full((j + rank, 2), float(100 * j + rank)) for j in range(n)])
+    assert_equal(y, expected, "all_to_all_single with different totals per rank")
     ins = [torch.full((r + 2,), rank * 10 + r, dtype=torch.int32) for r in range(n)]
     outs = [torch.empty(rank + 2, dtype=torch.int32) for _ in range(n)]
     dist.all_to_all(outs, ins)

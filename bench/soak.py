@@ -1,0 +1,87 @@
+"""Long soak: thousands of random collectives on 4 ranks, sizes up to 64 MiB, every result
+checked against a reference (tests/workers/soak.py; tests/test_soak.py runs a short one in CI).
+
+    .venv/bin/python bench/soak.py                          # the run in docs/results/soak.md
+    .venv/bin/python bench/soak.py --ops 2000 --max-mib 16 --seed 3
+
+Starts the ranks through the test harness (tests/harness.py: env:// rendezvous on loopback)
+and prints a Markdown summary: operations per kind, mismatches, wall time and each rank's
+RSS after the warm-up, at its peak and at the end. Exits non-zero if any rank failed (a
+mismatch, an error, a hang past --timeout or RSS growth past the worker's bound).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from harness import RankResult, launch  # noqa: E402
+
+MiB = 1 << 20
+
+
+def summaries(results: list[RankResult]) -> list[dict]:
+    """Each rank's ``SOAK {json}`` line."""
+    found = []
+    for r in results:
+        lines = [line for line in r.output.splitlines() if line.startswith("SOAK ")]
+        if lines:
+            found.append(json.loads(lines[-1][len("SOAK "):]))
+    return found
+
+
+def markdown(args: argparse.Namespace, results: list[RankResult], wall: float) -> str:
+    ranks = summaries(results)
+    command = f"bench/soak.py --ops {args.ops} --seed {args.seed} --max-mib {args.max_mib} --ranks {args.ranks}"
+    out = [
+        f"`{command}` on {os.cpu_count()} cores, {time.strftime('%Y-%m-%d')}: "
+        f"{'passed' if all(r.returncode == 0 for r in results) else 'FAILED'} in {wall:.0f} s wall "
+        f"(load average {os.getloadavg()[0]:.1f} at the end).",
+        "",
+    ]
+    if ranks:
+        kinds = ranks[0]["kinds"]
+        out += ["| kind | operations |", "| --- | --- |"]
+        out += [f"| {kind} | {count} |" for kind, count in sorted(kinds.items(), key=lambda kv: -kv[1])]
+        out += [f"| **all** | **{sum(kinds.values())}** |", ""]
+        out += ["| rank | mismatches | seconds | buffer GiB | RSS after warm-up MiB | peak MiB | end MiB "
+                "| growth MiB | VmHWM MiB |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for s in ranks:
+            out.append(f"| {s['rank']} | {s['mismatches']} | {s['seconds']:.0f} | {s['buffer_bytes'] / 2**30:.1f} "
+                       f"| {s['rss_warm_mib']:.0f} | {s['rss_peak_mib']:.0f} | {s['rss_end_mib']:.0f} "
+                       f"| {s['rss_end_mib'] - s['rss_warm_mib']:+.0f} | {s['vm_hwm_mib']:.0f} |")
+        points = len(ranks[0]["rss_trace_mib"])
+        out += ["", "RSS in MiB after each tenth of the operations:", "",
+                "| rank | " + " | ".join(f"{args.ops * (i + 1) // points}" for i in range(points)) + " |",
+                "| --- " * (points + 1) + "|"]
+        out += [f"| {s['rank']} | " + " | ".join(str(v) for v in s["rss_trace_mib"]) + " |" for s in ranks]
+    return "\n".join(out)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ops", type=int, default=10_000)
+    parser.add_argument("--seed", type=int, default=2026)
+    parser.add_argument("--max-mib", type=float, default=64, help="largest buffer a rank passes, in MiB")
+    parser.add_argument("--ranks", type=int, default=4)
+    parser.add_argument("--timeout", type=float, default=4 * 3600, help="seconds before the ranks are killed")
+    args = parser.parse_args()
+    start = time.monotonic()
+    results = launch("soak", "soak", args.ranks, timeout=args.timeout,
+                     args=(str(args.ops), str(args.seed), str(int(args.max_mib * MiB))))
+    wall = time.monotonic() - start
+    for r in results:
+        if r.returncode != 0:
+            print(f"--- rank {r.rank} (exit {r.returncode}) ---\n{r.output[-6000:]}", file=sys.stderr)
+    print(markdown(args, results, wall))
+    return 0 if all(r.returncode == 0 for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
