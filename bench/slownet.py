@@ -24,9 +24,29 @@ b crosses two shaped qdiscs: veth<a> (in a's namespace) and port<b> (in the
 switch), so a round trip crosses four: RTT = 4 * delay.
 
 Shaping uses ``netem rate R [delay D] [loss L] limit N``.  Kernels built
-without netem (CONFIG_NET_SCH_NETEM unset) fall back to ``tbf``, which can
-limit the rate but cannot add delay or loss; asking for those there is an
-error rather than being silently ignored.
+without netem (CONFIG_NET_SCH_NETEM unset) fall back to ``tbf``, which limits
+the rate only; delay and loss then come from netfilter, in the INPUT chain of
+each rank's namespace for packets arriving on its veth (chain SLOWNET), with
+what netem would do at the path's two shaped links done at its end:
+
+* loss: ``-m statistic --mode random --probability L -j DROP``, twice (one
+  independent draw per link crossed);
+* delay: ``-j NFQUEUE`` to bench/nfq_delay.py, a process in that namespace
+  that accepts each packet 2*D after it arrived, in arrival order.  The rule
+  has no ``--queue-bypass``: if the delayer is gone, packets are dropped, so a
+  broken fixture shows up as a dead network, never as a fast one.
+
+Not on the sender's OUTPUT chain: a DROP there is returned to the sending
+socket as an error, so TCP resends at once and never sees a loss, and packets
+queued there still count against the socket's TCP small-queues budget, which
+throttles throughput far below rate/RTT (netem orphans its packets; NFQUEUE
+cannot).  Like netem on a veth, loss is per packet as the stack built it: a
+TSO/GSO packet of up to 64 KB is dropped whole.
+
+The rules live in the rank namespaces, so they vanish with them; the delayers
+are killed and reaped on close.  ``--shaper tbf`` forces this fixture where
+netem exists too.  Without netem or a working iptables, asking for delay or
+loss is an error rather than being silently ignored.
 
 Command line (one process per rank, env:// rendezvous variables set)::
 
@@ -37,7 +57,8 @@ Library::
     with SlowNet(ranks=4, rate="1gbit", delay="0.1ms") as net:
         procs = [net.popen(r, argv, net.env(r, 29500)) for r in range(4)]
 
-Needs root and iproute2 (``ip``, ``tc``); the standard library only.
+Needs root and iproute2 (``ip``, ``tc``), plus iptables for delay/loss
+without netem; the standard library only.
 """
 
 from __future__ import annotations
@@ -49,6 +70,7 @@ import itertools
 import math
 import os
 import re
+import select
 import shlex
 import shutil
 import signal
@@ -57,11 +79,14 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import IO, Any, Sequence
 
 PREFIX = "ddl"
 BRIDGE = "br0"
 DEFAULT_SUBNET = "10.77.0.0/24"
+CHAIN = "SLOWNET"  # iptables chain of the netem-less delay/loss fixture
+DELAYER = Path(__file__).resolve().with_name("nfq_delay.py")
 # Rank 0's namespace is brand new and private, so any port is free there.
 DEFAULT_MASTER_PORT = 29500
 _instance_ids = itertools.count()
@@ -137,13 +162,14 @@ class Shaping:
     def parse(cls, rate: str, delay: str = "0", loss: str | None = None) -> "Shaping":
         return cls(parse_rate(rate), parse_time(delay), parse_loss(loss))
 
+    @property
+    def impairment(self) -> str:
+        """The delay/loss part, e.g. "delay 5ms loss 1%" ("" for neither)."""
+        parts = [f"delay {self.delay_s * 1e3:g}ms"] if self.delay_s else []
+        return " ".join(parts + ([f"loss {self.loss_pct:g}%"] if self.loss_pct else []))
+
     def __str__(self) -> str:
-        s = f"rate {self.rate_bps / 1e6:g}mbit"
-        if self.delay_s:
-            s += f" delay {self.delay_s * 1e3:g}ms"
-        if self.loss_pct:
-            s += f" loss {self.loss_pct:g}%"
-        return s
+        return f"rate {self.rate_bps / 1e6:g}mbit {self.impairment}".rstrip()
 
 
 @dataclass(frozen=True)
@@ -154,6 +180,7 @@ class Probe:
     reason: str
     netem: bool = False
     tbf: bool = False
+    iptables: str | None = None  # command that can add the fixture's rules in a namespace
 
 
 # ---------------------------------------------------------------- helpers
@@ -197,6 +224,22 @@ def cleanup_stale() -> list[str]:
             sh("ip", "netns", "del", ns)
             removed.append(ns)
     return removed
+
+
+def _probe_iptables(ns: str) -> str | None:
+    """The first of iptables-legacy, iptables that can add the fixture's rules in ``ns``."""
+    rules = (["-m", "statistic", "--mode", "random", "--probability", "0.5", "-j", "DROP"],
+             ["-j", "NFQUEUE", "--queue-num", "0"])
+    for tool in ("iptables-legacy", "iptables"):
+        if shutil.which(tool) is None:
+            continue
+        try:
+            for rule in rules:
+                sh("ip", "netns", "exec", ns, tool, "-w", "10", "-A", "OUTPUT", *rule)
+        except SlowNetError:
+            continue
+        return tool
+    return None
 
 
 def _missing_prerequisite() -> str | None:
@@ -243,6 +286,8 @@ class SlowNet:
         self.prefix = f"{PREFIX}-{os.getpid()}-{next(_instance_ids)}"
         self.namespaces: list[str] = []  # created so far, switch first
         self._procs: list[subprocess.Popen] = []
+        self._delayers: dict[str, subprocess.Popen] = {}  # namespace -> nfq_delay.py
+        self._chains: set[str] = set()  # namespaces holding the fixture's chain
         self._old_handlers: dict[int, Any] = {}
         self._closed = False
         self.active_shaper: str | None = None  # resolved on entry
@@ -308,6 +353,7 @@ class SlowNet:
                     sh("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", *qdisc.split())
                 except SlowNetError as e:
                     errors[qdisc.split()[0]] = str(e)
+            iptables = _probe_iptables(ns)
         except SlowNetError as e:
             return Probe(False, f"cannot create a veth pair: {e}")
         finally:
@@ -317,11 +363,16 @@ class SlowNet:
                 pass
         netem, tbf = "netem" not in errors, "tbf" not in errors
         if netem:
-            return Probe(True, "ok: root, iproute2, netns and netem available", netem, tbf)
+            return Probe(True, "ok: root, iproute2, netns and netem available", netem, tbf, iptables)
+        if tbf and iptables:
+            return Probe(True, "no netem qdisc in this kernel (CONFIG_NET_SCH_NETEM): rates by "
+                               f"tbf, delay/loss by {iptables} statistic + NFQUEUE delayer",
+                         netem, tbf, iptables)
         if tbf:
             return Probe(True, "rate shaping only (tbf): the netem qdisc is not supported by "
-                               "this kernel (CONFIG_NET_SCH_NETEM), so delay/loss are unavailable",
-                         netem, tbf)
+                               "this kernel (CONFIG_NET_SCH_NETEM) and no working iptables "
+                               "(statistic match, NFQUEUE target) was found, so delay/loss are "
+                               "unavailable", netem, tbf)
         return Probe(False, f"neither netem nor tbf qdisc works: {errors['tbf']}")
 
     @classmethod
@@ -331,7 +382,8 @@ class SlowNet:
         return p.ok, p.reason
 
     def _resolve_shaper(self, shaping: Shaping) -> str:
-        """The qdisc to use for ``shaping``; raise SlowNetUnavailable if none fits."""
+        """The qdisc to use for ``shaping``; raise SlowNetUnavailable if none fits
+        (with tbf, delay/loss need the iptables fixture)."""
         p = self.probe()
         if not p.ok:
             raise SlowNetUnavailable(p.reason)
@@ -339,10 +391,11 @@ class SlowNet:
         if shaper == "netem" and not p.netem:
             raise SlowNetUnavailable("the netem qdisc is not supported by this kernel "
                                      "(CONFIG_NET_SCH_NETEM is not set)")
-        if shaper == "tbf" and (shaping.delay_s or shaping.loss_pct):
+        if shaper == "tbf" and (shaping.delay_s or shaping.loss_pct) and not p.iptables:
             why = ("this kernel lacks the netem qdisc (CONFIG_NET_SCH_NETEM)" if not p.netem
                    else "the tbf shaper was chosen")
-            raise SlowNetUnavailable(f"delay/loss need netem but {why}; "
+            raise SlowNetUnavailable(f"delay/loss need netem or iptables but {why} and no "
+                                     "working iptables was found (install the iptables package); "
                                      "only rate limiting works: use --delay 0 and no --loss")
         if shaper == "tbf" and not p.tbf:
             raise SlowNetUnavailable("the tbf qdisc is not supported by this kernel")
@@ -408,6 +461,8 @@ class SlowNet:
             sh("ip", "-n", ns, "link", "set", "dev", dev, "up")
             for link_ns, link_dev in ((ns, dev), (sw, port)):
                 sh("tc", "-n", link_ns, "qdisc", "add", "dev", link_dev, "root", *qdisc)
+        if self.active_shaper == "tbf":
+            self._set_fixture(self.shaping)
 
     def _add_namespace(self, ns: str) -> None:
         try:
@@ -430,10 +485,15 @@ class SlowNet:
             if self.namespaces:
                 print(f"[slownet] keeping namespaces {' '.join(self.namespaces)}; remove with "
                       f"`ip netns del NAME` or `slownet.py --cleanup-stale`", file=sys.stderr)
+            if self._delayers:
+                print("[slownet] the packet delayers exit with this process; their queues "
+                      "then drop all traffic", file=sys.stderr)
             return
         blocked = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
         old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, blocked)  # don't abort half-way
         try:
+            for ns in list(self._delayers):
+                self._stop_delayer(ns)
             for p in self._procs:
                 if p.poll() is None:
                     _kill_tree(p)
@@ -451,6 +511,65 @@ class SlowNet:
             self.namespaces.clear()
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+
+    # -- delay/loss without netem -----------------------------------------
+
+    def _iptables(self, ns: str, *args: str) -> None:
+        tool = self.probe().iptables
+        assert tool, "_resolve_shaper allows the fixture only with iptables"
+        # -w: the xtables lock file is shared by all namespaces.
+        sh("ip", "netns", "exec", ns, tool, "-w", "10", *args)
+
+    def _set_fixture(self, s: Shaping) -> None:
+        """Make every path drop and delay as its two netem links would under ``s``.
+
+        INPUT -i veth jumps to chain SLOWNET, which drops at random once per
+        link crossed, then queues to the namespace's delayer (2 * delay).
+        """
+        for r in range(self.ranks):
+            ns, dev = self.namespace(r), self.ifname(r)
+            if ns in self._chains:
+                self._iptables(ns, "-F", CHAIN)
+            elif s.delay_s or s.loss_pct:
+                self._iptables(ns, "-N", CHAIN)
+                self._iptables(ns, "-A", "INPUT", "-i", dev, "-j", CHAIN)
+                self._chains.add(ns)
+            self._stop_delayer(ns)
+            for _link in range(2 if s.loss_pct else 0):
+                self._iptables(ns, "-A", CHAIN, "-m", "statistic", "--mode", "random",
+                               "--probability", f"{s.loss_pct / 100:.6f}", "-j", "DROP")
+            if s.delay_s:
+                self._start_delayer(ns, 2 * s.delay_s)
+                # No --queue-bypass: without the delayer, packets drop (fail closed).
+                self._iptables(ns, "-A", CHAIN, "-j", "NFQUEUE", "--queue-num", "0")
+
+    def _start_delayer(self, ns: str, delay_s: float) -> None:
+        """Start nfq_delay.py in ``ns``; return once it has bound queue 0."""
+        proc = subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, str(DELAYER),
+                                 "--queue", "0", "--delay", repr(delay_s)],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self._delayers[ns] = proc  # its stdin is its lifeline: it exits when we die
+        assert proc.stdout is not None
+        ready, _, _ = select.select([proc.stdout], [], [], 10.0)
+        line = proc.stdout.readline().strip() if ready else "no answer within 10 s"
+        if line != "ready":
+            self._stop_delayer(ns)
+            raise SlowNetError(f"packet delayer in {ns} failed: "
+                               f"{line or f'exited with {proc.returncode}'}")
+
+    def _stop_delayer(self, ns: str) -> None:
+        """Kill and reap ``ns``'s delayer, if any (its queue then drops packets)."""
+        proc = self._delayers.pop(ns, None)
+        if proc is None:
+            return
+        proc.kill()
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            print(f"[slownet] cleanup: delayer {proc.pid} in {ns} did not die", file=sys.stderr)
+        assert proc.stdin and proc.stdout
+        proc.stdin.close()
+        proc.stdout.close()
 
     # -- using the network -------------------------------------------------
 
@@ -480,10 +599,13 @@ class SlowNet:
         self._procs.append(proc)
         return proc
 
-    def set_link(self, rank: int, up: bool) -> None:
-        """Take ``rank``'s link down (unplugged cable) or bring it back up."""
-        sh("ip", "-n", self.namespace(rank), "link", "set", "dev", self.ifname(rank),
-           "up" if up else "down")
+    def set_link(self, rank: int, up: bool, at_switch: bool = False) -> None:
+        """Take ``rank``'s link down (unplugged cable) or bring it back up: its
+        own interface, or with ``at_switch`` its switch port (the host then
+        only sees the carrier go)."""
+        ns, dev = ((self.switch_namespace, f"port{self._check_rank(rank)}") if at_switch
+                   else (self.namespace(rank), self.ifname(rank)))
+        sh("ip", "-n", ns, "link", "set", "dev", dev, "up" if up else "down")
 
     def set_rate(self, rate: str, delay: str = "0", loss: str | None = None) -> None:
         """Replace the shaping of every link in place (``tc qdisc change``)."""
@@ -492,11 +614,39 @@ class SlowNet:
         qdisc = self._qdisc_args(shaper, shaping)
         for ns, dev in self._shaped_links():
             sh("tc", "-n", ns, "qdisc", "change", "dev", dev, "root", *qdisc)
+        if shaper == "tbf":
+            self._set_fixture(shaping)
         self.shaping = shaping
 
+    def dropped_packets(self) -> int:
+        """Packets dropped so far by every link's qdisc (netem loss, full queues) and by the
+        fixture (loss rules, full or unbound delay queues)."""
+        total = 0
+        for ns, dev in self._shaped_links():
+            stats = sh("tc", "-s", "-n", ns, "qdisc", "show", "dev", dev)
+            total += sum(int(n) for n in re.findall(r"dropped (\d+)", stats))
+        tool = str(self.probe().iptables)
+        for ns in self._chains:
+            rules = sh("ip", "netns", "exec", ns, tool, "-w", "10", "-L", CHAIN, "-v", "-x", "-n")
+            total += sum(int(line.split()[0]) for line in rules.splitlines()[2:]
+                         if line.split()[2] == "DROP")
+            if ns not in self._delayers:
+                continue
+            # Per queue: ..., queue_dropped, user_dropped, id_sequence, 1 (nfnetlink_queue.c).
+            queues = sh("ip", "netns", "exec", ns, "cat", "/proc/net/netfilter/nfnetlink_queue")
+            total += sum(int(f[5]) + int(f[6]) for f in map(str.split, queues.splitlines()))
+        return total
+
     def describe(self) -> str:
-        return (f"{self.ranks} ranks on {self.subnet}, star via {self.switch_namespace}, "
-                f"{self.active_shaper or self.shaper} {self.shaping} per link direction")
+        """One line: topology, and how rate, delay and loss are emulated."""
+        text = f"{self.ranks} ranks on {self.subnet}, star via {self.switch_namespace}, "
+        shaper, s = self.active_shaper or self.shaper, self.shaping
+        if shaper != "tbf" or not s.impairment:
+            return text + f"{shaper} {s} per link direction"
+        why = "the tbf shaper was chosen" if self.probe().netem else "this kernel has no netem"
+        return text + (f"tbf rate {s.rate_bps / 1e6:g}mbit per link direction; {s.impairment} "
+                       f"per link direction emulated at each receiver by {self.probe().iptables} "
+                       f"(statistic match, NFQUEUE to {DELAYER.name}) because {why}")
 
 
 def _kill_tree(proc: subprocess.Popen) -> None:
@@ -598,12 +748,14 @@ def build_parser() -> argparse.ArgumentParser:
                     help="per-link, per-direction rate, tc syntax (default 1gbit)")
     ap.add_argument("--delay", type=_arg(parse_time), default="0",
                     help="per-link, per-direction delay, e.g. 0.1ms; RTT = 4x (default 0)")
-    ap.add_argument("--loss", type=_arg(parse_loss), default=None, help="per-link loss, e.g. 0.1%%")
+    ap.add_argument("--loss", type=_arg(parse_loss), default=None,
+                    help="per-link, per-direction loss, e.g. 0.1%%; a path crosses 2 links")
     ap.add_argument("--subnet", default=DEFAULT_SUBNET, help=f"default {DEFAULT_SUBNET}")
     ap.add_argument("--master-port", type=int, default=DEFAULT_MASTER_PORT,
                     help=f"MASTER_PORT (default {DEFAULT_MASTER_PORT}: free in the fresh namespace)")
     ap.add_argument("--shaper", choices=("auto", "netem", "tbf"), default="auto",
-                    help="qdisc: netem (rate+delay+loss) or tbf (rate only); auto prefers netem")
+                    help="qdisc: netem (rate+delay+loss) or tbf (rate; delay/loss then by "
+                         "iptables + an NFQUEUE delayer); auto prefers netem")
     ap.add_argument("--grace", type=float, default=10.0,
                     help="seconds the other ranks get after one fails (default 10)")
     ap.add_argument("--timeout", type=float, default=600.0,
