@@ -1,0 +1,82 @@
+"""Collectives over an emulated lossy, slow or broken network, run on every rank (each in its
+own network namespace) by tests/test_slownet.py."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import torch
+import torch.distributed as dist
+
+from common import assert_equal, init, make_input, reference, run
+from ddlcomm import ProcessGroupDdlcomm, compress
+from ddlcomm.compressed import compressed_all_reduce
+
+
+def compressed_reference(inputs: list[torch.Tensor], comp: compress.Compressor, stream: int) -> torch.Tensor:
+    """A quantizing compressed all-reduce (average, no residuals) computed locally from every
+    rank's input: chunk j is the sum, in rank order, of every rank's encoded chunk j, averaged,
+    encoded again by rank j (see ddlcomm.compressed) and decoded."""
+    n, numel = len(inputs), inputs[0].numel()
+    bounds = [numel * i // n for i in range(n + 1)]
+    out = torch.empty(numel)
+    for j in range(n):
+        acc = torch.zeros(bounds[j + 1] - bounds[j])
+        for r in range(n):
+            stream_rj = ProcessGroupDdlcomm.encode_stream(stream, r, 0, j, n)
+            comp.decode_accumulate(comp.encode(inputs[r][bounds[j] : bounds[j + 1]], None, stream=stream_rj), acc)
+        acc.mul_(1.0 / n)
+        reduced = comp.encode(acc, None, stream=ProcessGroupDdlcomm.encode_stream(stream, j, 1, j, n))
+        comp.decode(reduced, out=out[bounds[j] : bounds[j + 1]])
+    return out
+
+
+def mixed() -> None:
+    """All-reduces of several sizes up to 4 MiB, broadcasts, an all-gather and a compressed
+    all-reduce: every result equals the one computed locally from every rank's input."""
+    rank, n = init(timeout_s=60)
+    start = time.monotonic()
+    for numel in (1, 1000, 16_385, 300_007, 1 << 20):  # 1 << 20 float32: 4 MiB
+        inputs = [make_input(r, numel, torch.float32) for r in range(n)]
+        t = inputs[rank].clone()
+        dist.all_reduce(t)
+        assert_equal(t, reference(inputs, "SUM"), f"all_reduce x{numel}")
+    for root, numel in ((0, 1001), (n - 1, 500_000)):  # tree and chain broadcast
+        expected = make_input(root, numel, torch.float32, salt=1)
+        t = expected.clone() if rank == root else torch.zeros(numel)
+        dist.broadcast(t, root)
+        assert_equal(t, expected, f"broadcast root {root} x{numel}")
+    inputs = [make_input(r, 100_000, torch.int64, salt=2) for r in range(n)]
+    gathered = [torch.empty_like(inputs[rank]) for _ in range(n)]
+    dist.all_gather(gathered, inputs[rank])
+    for r in range(n):
+        assert_equal(gathered[r], inputs[r], f"all_gather part of rank {r}")
+    comp = compress.Ternary(block_size=64, seed=3)
+    inputs = [torch.randn(300_000, generator=torch.Generator().manual_seed(r)) for r in range(n)]
+    out = compressed_all_reduce(inputs[rank].clone(), comp, stream=7).wait()
+    assert_equal(out, compressed_reference(inputs, comp, stream=7), "compressed all-reduce (ternary)")
+    print(f"rank {rank}: all collectives exact in {time.monotonic() - start:.2f} s", flush=True)
+
+
+def link_down(timeout: str) -> None:
+    """All-reduce until the test cuts a link; report when (CLOCK_MONOTONIC) and how this rank failed."""
+    rank, n = init(timeout_s=float(timeout))
+    t = torch.ones(1000)
+    dist.all_reduce(t)
+    assert torch.all(t == n)
+    print("READY", flush=True)
+    calls = 0
+    try:
+        while True:
+            began = time.monotonic()
+            dist.all_reduce(torch.ones(1000))
+            calls += 1
+    except dist.DistBackendError as e:
+        failed = time.monotonic()
+        report = {"rank": rank, "failed_at": failed, "in_call": failed - began, "calls": calls, "error": str(e)}
+        print("FAILED " + json.dumps(report), flush=True)
+
+
+if __name__ == "__main__":
+    run({"mixed": mixed, "link_down": link_down})
