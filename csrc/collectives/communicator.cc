@@ -9,6 +9,8 @@ namespace {
 
 const char* kFailureKey = "ddlcomm/first_failure";
 const std::string kWaitingKey = "ddlcomm/failed_while_waiting/";
+// A healthy store answers in milliseconds; one that takes this long is treated as gone.
+constexpr std::chrono::milliseconds kStoreCallBound{2000};
 
 size_t envSize(const char* name, size_t fallback) {
   const char* v = std::getenv(name);
@@ -69,7 +71,7 @@ void Call::wait(Request& r) { comm_.transport().wait(r, deadline_); }
 
 Communicator::Communicator(std::unique_ptr<Transport> transport, std::shared_ptr<KeyValueStore> store,
                            CollectiveOptions options)
-    : transport_(std::move(transport)), store_(std::move(store)), options_(options) {
+    : transport_(std::move(transport)), store_(std::move(store)), options_(options), courier_(store_) {
   transport_->setFailureHook([this](ErrorKind kind, const std::string& message) { return recordFailure(kind, message); });
   transport_->setFailureProbe([this] { return recordedFailure(); });
 }
@@ -80,12 +82,9 @@ Communicator::~Communicator() {
 }
 
 std::string Communicator::recordedFailure() {
-  try {
-    if (store_ && store_->check(kFailureKey)) return store_->get(kFailureKey);
-  } catch (...) {
-    // An unreachable store says nothing about the peers.
-  }
-  return "";
+  auto first = courier_.call(
+      [](KeyValueStore& s) { return s.check(kFailureKey) ? s.get(kFailureKey) : std::string(); }, kStoreCallBound);
+  return first.value_or("");
 }
 
 std::string Communicator::ranksNotWaiting() {
@@ -93,42 +92,48 @@ std::string Communicator::ranksNotWaiting() {
   // apart; a rank still silent after that grace period was never there.
   const auto grace = std::clamp(options_.timeout / 10, std::chrono::milliseconds(1000), std::chrono::milliseconds(5000));
   const Deadline deadline = Clock::now() + grace;
-  std::string silent;
+  const int me = rank(), n = size();
   while (true) {
-    silent.clear();
-    for (int r = 0; r < size(); ++r) {
-      if (r != rank() && !store_->check(kWaitingKey + std::to_string(r))) silent += ", rank " + std::to_string(r);
-    }
-    if (silent.empty() || Clock::now() >= deadline) return silent.empty() ? silent : silent.substr(2);
+    auto silent = courier_.call(
+        [me, n](KeyValueStore& s) {
+          std::string list;
+          for (int r = 0; r < n; ++r) {
+            if (r != me && !s.check(kWaitingKey + std::to_string(r))) list += ", rank " + std::to_string(r);
+          }
+          return list.empty() ? list : list.substr(2);
+        },
+        kStoreCallBound);
+    if (!silent) return "";  // the store is unreachable: no way to tell
+    if (silent->empty() || Clock::now() >= deadline) return *silent;
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
 }
 
 std::string Communicator::recordFailure(ErrorKind kind, const std::string& local) {
+  if (!store_) return local;
   std::string message = local;
   const bool remoteSymptom = kind == ErrorKind::PeerFailure || kind == ErrorKind::Timeout;
-  if (remoteSymptom && store_) {
-    try {
-      // Either way this rank was waiting in a collective when the group failed.
-      store_->set(kWaitingKey + std::to_string(rank()), "1");
-      const std::string silent = kind == ErrorKind::Timeout ? ranksNotWaiting() : "";
-      if (!silent.empty()) {
-        message += "; not waiting in any collective when this one timed out (the likely cause): " + silent;
-      }
-    } catch (...) {
-      // The store may be gone; the local message still stands.
-    }
+  const std::string me = std::to_string(rank());
+  if (remoteSymptom) {
+    // Either way this rank was waiting in a collective when the group failed.
+    courier_.call([me](KeyValueStore& s) { s.set(kWaitingKey + me, "1"); return std::string(); }, kStoreCallBound);
+    const std::string silent = kind == ErrorKind::Timeout ? ranksNotWaiting() : "";
+    if (!silent.empty()) message += "; not waiting in any collective when this one timed out (the likely cause): " + silent;
   }
-  try {
-    if (store_ && store_->check(kFailureKey)) {
-      std::string first = store_->get(kFailureKey);
-      // Lead with the root cause: this rank's own symptom may just be a peer aborting.
-      if (remoteSymptom && first != local) message = "the group failed first at " + first + "; then here: " + message;
-    } else if (store_) {
-      store_->set(kFailureKey, "rank " + std::to_string(rank()) + ": " + local);
-    }
-  } catch (...) {
-    // The store may have died with the failed rank; the local message still stands.
+  // Publish this failure unless a peer's came first; either way learn the first one.
+  const std::string mine = "rank " + me + ": " + local;
+  auto first = courier_.call(
+      [mine](KeyValueStore& s) {
+        if (s.check(kFailureKey)) return s.get(kFailureKey);
+        s.set(kFailureKey, mine);
+        return mine;
+      },
+      kStoreCallBound);
+  if (!first) {
+    message += " (the store did not answer, so other ranks' reports are unknown)";
+  } else if (remoteSymptom && *first != mine) {
+    // Lead with the root cause: this rank's own symptom may just be a peer aborting.
+    message = "the group failed first at " + *first + "; then here: " + message;
   }
   return message;
 }

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "collectives/store_courier.h"
 #include "common/dtype.h"
 #include "transport/store.h"
 #include "transport/transport.h"
@@ -94,6 +95,7 @@ class Communicator {
   std::unique_ptr<Transport> transport_;
   std::shared_ptr<KeyValueStore> store_;
   CollectiveOptions options_;
+  StoreCourier courier_;  // every store call on the failure path goes through it
   uint64_t nextSeq_ = 0;
   std::vector<std::vector<char>> scratch_;
 
