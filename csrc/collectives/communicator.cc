@@ -118,10 +118,14 @@ std::string Communicator::recordFailure(ErrorKind kind, const std::string& local
     // Either way this rank was waiting in a collective when the group failed.
     courier_.call([me](KeyValueStore& s) { s.set(kWaitingKey + me, "1"); return std::string(); }, kStoreCallBound);
     const std::string silent = kind == ErrorKind::Timeout ? ranksNotWaiting() : "";
-    if (!silent.empty()) message += "; not waiting in any collective when this one timed out (the likely cause): " + silent;
+    // Lead with the cause: whoever this rank waited for may itself have been waiting.
+    if (!silent.empty()) {
+      message = "likely cause: " + silent + (silent.find(',') == std::string::npos ? " was" : " were") +
+                " not waiting in any collective when this one timed out; " + message;
+    }
   }
   // Publish this failure unless a peer's came first; either way learn the first one.
-  const std::string mine = "rank " + me + ": " + local;
+  const std::string mine = "rank " + me + ": " + message;
   auto first = courier_.call(
       [mine](KeyValueStore& s) {
         if (s.check(kFailureKey)) return s.get(kFailureKey);
