@@ -150,17 +150,22 @@ def start_server(net: SlowNet, rank: int, mode: str) -> subprocess.Popen:
                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
+def communicate_or_kill(p: subprocess.Popen, timeout: float) -> tuple[str, str]:
+    """The process's output, or kill it (and re-raise) when it runs past ``timeout``."""
+    try:
+        return p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.communicate()
+        raise
+
+
 def client(net: SlowNet, rank: int, mode: str, target: int, arg: float,
            timeout: float = 20) -> list[str]:
     """Run the client in ``rank``'s namespace against ``target``; return its output words."""
     p = net.popen(rank, [sys.executable, "-c", CLIENT, mode, net.address(target), str(PORT), str(arg)],
                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        out, err = p.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        p.kill()
-        p.communicate()
-        raise
+    out, err = communicate_or_kill(p, timeout)
     assert p.returncode == 0, err
     return out.split()
 
@@ -493,12 +498,7 @@ def cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     """Run the CLI; also check it left none of its namespaces behind."""
     proc = subprocess.Popen([sys.executable, str(SCRIPT), *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.communicate()
-        raise
+    out, err = communicate_or_kill(proc, timeout)
     assert not [ns for ns in slownet.list_namespaces() if ns.startswith(f"ddl-{proc.pid}-")]
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 

@@ -2,6 +2,7 @@
 
 #include <ATen/Functions.h>
 #include <c10/util/Exception.h>
+#include <pybind11/pybind11.h>
 
 #include <numeric>
 
@@ -156,7 +157,16 @@ ProcessGroupDdlcomm::ProcessGroupDdlcomm(const c10::intrusive_ptr<c10d::Store>& 
   }
 }
 
-ProcessGroupDdlcomm::~ProcessGroupDdlcomm() { executor_->shutdown(); }
+ProcessGroupDdlcomm::~ProcessGroupDdlcomm() {
+  // Python may drop the last reference with the GIL held, while the progress thread needs
+  // the GIL to free the Python object of a tensor it still holds: join without the GIL.
+  if (Py_IsInitialized() && PyGILState_Check()) {
+    pybind11::gil_scoped_release noGil;
+    executor_->shutdown();
+  } else {
+    executor_->shutdown();
+  }
+}
 
 void ProcessGroupDdlcomm::abort() { executor_->abort("abort() was called"); executor_->shutdown(); }
 void ProcessGroupDdlcomm::shutdown() { executor_->shutdown(); }
