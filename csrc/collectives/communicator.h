@@ -81,7 +81,7 @@ class Communicator {
   // Same failure policy for work that is not a collective call (point-to-point).
   [[noreturn]] void failed(const Error& error);
   // The failure hook: publish this rank's failure in the store, or, if a peer published
-  // first, add its message to ours so every rank names the rank that really failed.
+  // first, lead with its message so every rank names the rank that really failed.
   std::string recordFailure(ErrorKind kind, const std::string& message);
   // The failure another rank published, or "".
   std::string recordedFailure();

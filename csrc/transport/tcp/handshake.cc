@@ -253,6 +253,7 @@ bool Acceptor::advance(Pending& p, Hello* hello) {
   p.got += size_t(n);
   if (p.got < p.proof.size()) return false;
 
+  static_assert(sizeof(ConnectorProof) == kProofBytes, "the acceptor reads exactly one proof");
   ConnectorProof proof;
   std::memcpy(&proof, p.proof.data(), sizeof proof);
   if (!digestEqual(proof.mac, connectorMac(key_, p.nonce, proof.nonce, proof.hello))) {

@@ -213,20 +213,6 @@ Fd connectTo(const Address& address, Deadline deadline) {
        systemErrorText("connect", lastErr ? lastErr : ETIMEDOUT));
 }
 
-Fd acceptFrom(int listenFd, Deadline deadline, Address* peer) {
-  while (true) {
-    if (!waitFor(listenFd, POLLIN, deadline)) {
-      fail(ErrorKind::Timeout, "timed out waiting for peers to connect");
-    }
-    peer->length = sizeof peer->storage;
-    int fd = ::accept4(listenFd, reinterpret_cast<sockaddr*>(&peer->storage), &peer->length, SOCK_CLOEXEC);
-    if (fd >= 0) return Fd(fd);
-    if (errno != EINTR && errno != EAGAIN && errno != ECONNABORTED) {
-      fail(ErrorKind::System, systemErrorText("accept", errno));
-    }
-  }
-}
-
 void writeAll(int fd, const void* data, size_t bytes, Deadline deadline) {
   auto* p = static_cast<const char*>(data);
   while (bytes > 0) {

@@ -49,7 +49,6 @@ std::string chooseLocalHost();
 Fd listenOn(const std::string& host, Address* bound);
 // Connects (retrying refused connections until `deadline`), returns a blocking socket.
 Fd connectTo(const Address& address, Deadline deadline);
-Fd acceptFrom(int listenFd, Deadline deadline, Address* peer);
 
 // Blocking exact I/O with a deadline, for the handshake before the event loop starts.
 void writeAll(int fd, const void* data, size_t bytes, Deadline deadline);
