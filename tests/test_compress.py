@@ -379,6 +379,22 @@ def test_encode_is_deterministic_across_calls_and_thread_counts(name: str, monke
         assert torch.equal(decoded, results[0][2])
 
 
+@pytest.mark.parametrize("offset", [0, 1], ids=["aligned", "unaligned"])
+@pytest.mark.parametrize("name", COMPRESSORS)
+def test_large_float32_decode_matches_accumulate(name: str, offset: int) -> None:
+    """Float32 outputs of 4 MiB and more are written with non-temporal stores (elements.h,
+    Output::streaming) where they are 16-byte aligned: the values must not change."""
+    compressor = COMPRESSORS[name]()
+    numel = (1 << 20) + 333
+    x, residual = make_input(numel, torch.float32, seed=3)
+    payload = compressor.encode(x, residual)
+    storage = torch.full((numel + 1,), float("nan"))
+    out = storage[offset:offset + numel]
+    compressor.decode(payload, out=out, numel=numel)
+    assert torch.equal(out, compressor.decode_accumulate(payload, torch.zeros(numel)))
+    assert torch.equal(out[: numel // 2], compressor.decode(payload)[: numel // 2])
+
+
 # ---- corrupt payloads -----------------------------------------------------------------------------
 
 

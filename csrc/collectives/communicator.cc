@@ -69,6 +69,26 @@ void Call::recv(Request& r, int peer, void* data, size_t bytes) {
 
 void Call::wait(Request& r) { comm_.transport().wait(r, deadline_); }
 
+PeerExchange& Call::exchange() { return exchanges_.emplace_back(*this); }
+
+PeerExchange::PeerExchange(Call& call)
+    : call_(call), sends_(size_t(call.comm().size())), recvs_(size_t(call.comm().size())) {}
+
+void PeerExchange::send(int to, const void* data, size_t bytes) { call_.send(sends_.at(size_t(to)), to, data, bytes); }
+
+void PeerExchange::recv(int from, void* data, size_t bytes) { call_.recv(recvs_.at(size_t(from)), from, data, bytes); }
+
+void PeerExchange::waitRecv(int from) {
+  Request& r = recvs_.at(size_t(from));
+  if (r.peer >= 0) call_.wait(r);
+}
+
+void PeerExchange::waitSends() {
+  for (Request& r : sends_) {
+    if (r.peer >= 0) call_.wait(r);
+  }
+}
+
 Communicator::Communicator(std::unique_ptr<Transport> transport, std::shared_ptr<KeyValueStore> store,
                            CollectiveOptions options)
     : transport_(std::move(transport)), store_(std::move(store)), options_(options), courier_(store_) {

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <chrono>
+#include <deque>
 #include <memory>
 #include <string>
 #include <vector>
@@ -29,6 +30,25 @@ struct CollectiveOptions {
 };
 
 class Communicator;
+class Call;
+
+// One send and one receive per peer, posted together and awaited per peer, so that each
+// message is used as soon as it arrives while the others are still on the wire. Owned by
+// its Call: a step may throw with messages in flight, and the failure path aborts the
+// transport (which fails every posted request) while the requests still exist.
+class PeerExchange {
+ public:
+  explicit PeerExchange(Call& call);
+  void send(int to, const void* data, size_t bytes);
+  void recv(int from, void* data, size_t bytes);
+  // Returns once the receive from `from` is complete (at once for none posted).
+  void waitRecv(int from);
+  void waitSends();
+
+ private:
+  Call& call_;
+  std::vector<Request> sends_, recvs_;
+};
 
 // One collective invocation: its identity on the wire, its deadline, and per-peer message
 // counters so both sides number their messages the same way without the algorithm's help.
@@ -42,6 +62,8 @@ class Call {
   void send(Request& request, int peer, const void* data, size_t bytes);
   void recv(Request& request, int peer, void* data, size_t bytes);
   void wait(Request& request);
+  // A fresh exchange that lives as long as this call.
+  PeerExchange& exchange();
 
  private:
   Communicator& comm_;
@@ -49,6 +71,7 @@ class Call {
   Deadline deadline_;
   std::vector<uint32_t> sent_;
   std::vector<uint32_t> received_;
+  std::deque<PeerExchange> exchanges_;  // a deque: references stay valid as it grows
 };
 
 class Communicator {

@@ -1,73 +1,54 @@
 #include "collectives/compressed_allreduce.h"
 
-#include <algorithm>
 #include <cstring>
 #include <vector>
 
 #include "collectives/collectives.h"
-#include "common/half.h"
 
 namespace ddlcomm {
 namespace {
 
 bool isSparse(compress::Format f) { return f == compress::Format::TopK || f == compress::Format::RandomK; }
 
-// Every rank sends `mine` to every other rank and receives theirs at their offsets.
-void gatherPayloads(Call& call, const uint8_t* mine, size_t mineBytes, uint8_t* all,
-                    const std::vector<size_t>& offsets, const std::vector<size_t>& sizes) {
-  const int n = call.comm().size(), r = call.comm().rank();
-  std::vector<Request> sends(static_cast<size_t>(n)), recvs(static_cast<size_t>(n));
-  for (int s = 1; s < n; ++s) {
-    int from = (r - s + n) % n, to = (r + s) % n;
-    call.recv(recvs[size_t(from)], from, all + offsets[size_t(from)], sizes[size_t(from)]);
-    call.send(sends[size_t(to)], to, mine, mineBytes);
-  }
-  if (all + offsets[size_t(r)] != mine) std::memcpy(all + offsets[size_t(r)], mine, mineBytes);
-  for (int s = 1; s < n; ++s) {
-    call.wait(recvs[size_t((r - s + n) % n)]);
-    call.wait(sends[size_t((r + s) % n)]);
-  }
-}
-
-void writeOut(const float* acc, DataType dtype, void* out, size_t count) {
-  switch (dtype) {
-    case DataType::Float32: std::memcpy(out, acc, count * sizeof(float)); return;
-    case DataType::Float16:
-      for (size_t i = 0; i < count; ++i) static_cast<uint16_t*>(out)[i] = floatToFp16(acc[i]);
-      return;
-    case DataType::BFloat16:
-      for (size_t i = 0; i < count; ++i) static_cast<uint16_t*>(out)[i] = floatToBf16(acc[i]);
-      return;
-    default: fail(ErrorKind::UnsupportedType, "compressed all-reduce needs float32, float16 or bfloat16");
-  }
-}
-
-void scale(float* acc, size_t count, float factor) {
-  for (size_t i = 0; i < count; ++i) acc[i] *= factor;
+// Checks that a peer's payload was made with this rank's compressor, then decodes it.
+void checkedDecode(const CompressedAllreduceArgs& a, const uint8_t* payload, size_t bytes, DataType outType,
+                   void* out, size_t count) {
+  compress::checkPayloadConfig(payload, bytes, a.config);
+  compress::decode(payload, bytes, outType, out, count);
 }
 
 void sparseAllreduce(Call& call, const CompressedAllreduceArgs& a) {
   const int n = call.comm().size(), r = call.comm().rank();
   Communicator& comm = call.comm();
   const size_t capacity = compress::encodedBytes(a.config, a.count);
-  std::vector<size_t> sizes(static_cast<size_t>(n), capacity), offsets(static_cast<size_t>(n));
-  for (int i = 0; i < n; ++i) offsets[size_t(i)] = size_t(i) * capacity;
   uint8_t* all = reinterpret_cast<uint8_t*>(comm.scratch(size_t(n) * capacity, 0));
-  uint8_t* mine = all + offsets[size_t(r)];
-  size_t written = compress::encode(a.config, a.dtype, a.data, a.workerResidual, a.count,
-                                    encodeStream(a.stream, r, 0, 0, n), mine, capacity);
+  uint8_t* mine = all + size_t(r) * capacity;
+  const size_t written = compress::encode(a.config, a.dtype, a.data, a.workerResidual, a.count,
+                                          encodeStream(a.stream, r, 0, 0, n), mine, capacity);
   DDLCOMM_CHECK(written == capacity, ErrorKind::Protocol, "sparse payload of ", written, " bytes, expected ", capacity);
-  gatherPayloads(call, mine, written, all, offsets, sizes);
-  float* acc = reinterpret_cast<float*>(comm.scratch(a.count * sizeof(float), 1));
-  std::fill(acc, acc + a.count, 0.f);
-  for (int j = 0; j < n; ++j) {
-    compress::checkPayloadConfig(all + offsets[size_t(j)], sizes[size_t(j)], a.config);
-    compress::decodeAccumulate(all + offsets[size_t(j)], sizes[size_t(j)], acc, a.count);
+
+  // All-gather of the payloads; the output is zeroed while they travel, then the entries
+  // they carry are summed (in rank order) into it.
+  PeerExchange& gather = call.exchange();
+  for (int s = 1; s < n; ++s) {
+    const int from = (r - s + n) % n, to = (r + s) % n;
+    gather.recv(from, all + size_t(from) * capacity, capacity);
+    gather.send(to, mine, capacity);
   }
-  if (a.average) scale(acc, a.count, 1.f / float(n));
-  writeOut(acc, a.dtype, a.data, a.count);
+  std::memset(a.data, 0, a.count * elementSize(a.dtype));  // +0 in float32, float16 and bfloat16
+  std::vector<const uint8_t*> payloads(static_cast<size_t>(n));
+  for (int j = 0; j < n; ++j) {
+    gather.waitRecv(j);
+    payloads[size_t(j)] = all + size_t(j) * capacity;
+  }
+  gather.waitSends();
+  compress::sumSparse(a.config, payloads.data(), payloads.size(), capacity, a.count, a.average ? 1.f / float(n) : 1.f,
+                      a.dtype, a.data);
 }
 
+// Transfers overlap computation: a worker payload leaves as soon as it is encoded (while the
+// next one is encoded), and the reduced payloads are decoded as they arrive, this rank's own
+// first. The sum and its re-encoding are one pass over the chunk (compress::reduceEncode).
 void scatterReduceGather(Call& call, const CompressedAllreduceArgs& a) {
   const int n = call.comm().size(), r = call.comm().rank();
   Communicator& comm = call.comm();
@@ -78,58 +59,60 @@ void scatterReduceGather(Call& call, const CompressedAllreduceArgs& a) {
     chunkBytes[size_t(i)] = compress::encodedBytes(a.config, chunks.length(i));
     chunkOffsets[size_t(i) + 1] = chunkOffsets[size_t(i)] + chunkBytes[size_t(i)];
   }
-  const size_t mineBytes = chunkBytes[size_t(r)];
-
-  // 1. Encode every chunk with the worker residual.
-  uint8_t* outgoing = reinterpret_cast<uint8_t*>(comm.scratch(chunkOffsets[size_t(n)], 0));
+  const size_t mineBytes = chunkBytes[size_t(r)], mineLength = chunks.length(r);
   char* data = static_cast<char*>(a.data);
-  for (int i = 0; i < n; ++i) {
-    size_t written = compress::encode(a.config, a.dtype, data + chunks.begin(i) * es,
-                                      a.workerResidual ? a.workerResidual + chunks.begin(i) : nullptr,
-                                      chunks.length(i), encodeStream(a.stream, r, 0, i, n),
-                                      outgoing + chunkOffsets[size_t(i)], chunkBytes[size_t(i)]);
+  auto encodeWorkerChunk = [&](int i, uint8_t* payload) {
+    const size_t written = compress::encode(
+        a.config, a.dtype, data + chunks.begin(i) * es, a.workerResidual ? a.workerResidual + chunks.begin(i) : nullptr,
+        chunks.length(i), encodeStream(a.stream, r, 0, i, n), payload, chunkBytes[size_t(i)]);
     DDLCOMM_CHECK(written == chunkBytes[size_t(i)], ErrorKind::Protocol, "payload of ", written, " bytes, expected ",
                   chunkBytes[size_t(i)]);
-  }
+  };
 
-  // 2. All-to-all: chunk r of every rank comes here.
+  // 1. All-to-all of the worker payloads: chunk i goes to rank i; this rank's own goes last.
+  uint8_t* outgoing = reinterpret_cast<uint8_t*>(comm.scratch(chunkOffsets[size_t(n)], 0));
   uint8_t* incoming = reinterpret_cast<uint8_t*>(comm.scratch(size_t(n) * mineBytes, 1));
-  {
-    std::vector<Request> sends(static_cast<size_t>(n)), recvs(static_cast<size_t>(n));
-    for (int s = 1; s < n; ++s) {
-      int from = (r - s + n) % n, to = (r + s) % n;
-      call.recv(recvs[size_t(from)], from, incoming + size_t(from) * mineBytes, mineBytes);
-      call.send(sends[size_t(to)], to, outgoing + chunkOffsets[size_t(to)], chunkBytes[size_t(to)]);
-    }
-    std::memcpy(incoming + size_t(r) * mineBytes, outgoing + chunkOffsets[size_t(r)], mineBytes);
-    for (int s = 1; s < n; ++s) {
-      call.wait(recvs[size_t((r - s + n) % n)]);
-      call.wait(sends[size_t((r + s) % n)]);
-    }
+  PeerExchange& scatter = call.exchange();
+  for (int s = 1; s < n; ++s) {
+    const int from = (r - s + n) % n;
+    scatter.recv(from, incoming + size_t(from) * mineBytes, mineBytes);
   }
+  for (int s = 1; s < n; ++s) {
+    const int to = (r + s) % n;
+    encodeWorkerChunk(to, outgoing + chunkOffsets[size_t(to)]);
+    scatter.send(to, outgoing + chunkOffsets[size_t(to)], chunkBytes[size_t(to)]);
+  }
+  encodeWorkerChunk(r, incoming + size_t(r) * mineBytes);
 
-  // 3. Sum in rank order, in float32; 4. re-encode with the server residual.
-  const size_t mineLength = chunks.length(r);
-  float* acc = reinterpret_cast<float*>(comm.scratch(mineLength * sizeof(float), 2));
-  std::fill(acc, acc + mineLength, 0.f);
+  // 2. Sum chunk r of every rank in rank order, in float32, and re-encode the sum with the
+  //    server residual, into the all-gather buffer (once the worker payloads there have left).
+  std::vector<const uint8_t*> payloads(static_cast<size_t>(n));
   for (int j = 0; j < n; ++j) {
-    compress::checkPayloadConfig(incoming + size_t(j) * mineBytes, mineBytes, a.config);
-    compress::decodeAccumulate(incoming + size_t(j) * mineBytes, mineBytes, acc, mineLength);
+    scatter.waitRecv(j);
+    payloads[size_t(j)] = incoming + size_t(j) * mineBytes;
   }
-  if (a.average) scale(acc, mineLength, 1.f / float(n));
-  uint8_t* gathered = outgoing;  // the worker payloads have been sent; reuse the buffer
-  size_t written = compress::encode(a.config, DataType::Float32, acc, a.serverResidual, mineLength,
-                                    encodeStream(a.stream, r, 1, r, n), gathered + chunkOffsets[size_t(r)], mineBytes);
-  DDLCOMM_CHECK(written == mineBytes, ErrorKind::Protocol, "server payload of ", written, " bytes, expected ", mineBytes);
+  scatter.waitSends();
+  uint8_t* gathered = outgoing;
+  const size_t written = compress::reduceEncode(
+      a.config, payloads.data(), payloads.size(), mineBytes, mineLength, a.average ? 1.f / float(n) : 1.f,
+      a.serverResidual, encodeStream(a.stream, r, 1, r, n), gathered + chunkOffsets[size_t(r)], mineBytes);
+  DDLCOMM_CHECK(written == mineBytes, ErrorKind::Protocol, "server payload of ", written, " bytes, expected ",
+                mineBytes);
 
-  // 5. All-gather the reduced chunks; 6. every rank decodes the same bytes.
-  std::vector<size_t> offsets(chunkOffsets.begin(), chunkOffsets.end() - 1);
-  gatherPayloads(call, gathered + chunkOffsets[size_t(r)], mineBytes, gathered, offsets, chunkBytes);
-  for (int j = 0; j < n; ++j) {
-    compress::checkPayloadConfig(gathered + chunkOffsets[size_t(j)], chunkBytes[size_t(j)], a.config);
-    compress::decode(gathered + chunkOffsets[size_t(j)], chunkBytes[size_t(j)], a.dtype, data + chunks.begin(j) * es,
-                     chunks.length(j));
+  // 3. All-gather the reduced payloads; every rank decodes the same bytes.
+  PeerExchange& gather = call.exchange();
+  for (int s = 1; s < n; ++s) {
+    const int from = (r - s + n) % n, to = (r + s) % n;
+    gather.recv(from, gathered + chunkOffsets[size_t(from)], chunkBytes[size_t(from)]);
+    gather.send(to, gathered + chunkOffsets[size_t(r)], mineBytes);
   }
+  for (int s = 0; s < n; ++s) {
+    const int j = (r - s + n) % n;  // the order they arrive in
+    gather.waitRecv(j);
+    checkedDecode(a, gathered + chunkOffsets[size_t(j)], chunkBytes[size_t(j)], a.dtype, data + chunks.begin(j) * es,
+                  chunks.length(j));
+  }
+  gather.waitSends();
 }
 
 }  // namespace

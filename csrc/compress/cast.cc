@@ -56,4 +56,12 @@ void decodeCast(Format format, size_t numel, const uint8_t* values, const Output
   parallelFor(numel, 1, kAlign, [&](size_t begin, size_t end) { decodePart(format, values, out, begin, end); });
 }
 
+void encodeCastRange(Format format, const Input& in, uint8_t* values) {
+  encodePart(format, in, values + 2 * in.first, 0, in.numel);
+}
+
+void decodeCastRange(Format format, size_t first, size_t numel, const uint8_t* values, const Output& out) {
+  decodePart(format, values + 2 * first, out, 0, numel);
+}
+
 }  // namespace ddlcomm::compress

@@ -88,4 +88,20 @@ void decode(const uint8_t* payload, size_t bytes, DataType outType, void* out, s
 // out[numel] (float32) += decode(payload).
 void decodeAccumulate(const uint8_t* payload, size_t bytes, float* out, size_t numel);
 
+// The reduction step of the compressed all-reduce (1-bit, ternary, casts), fused: encodes
+// y = (0 + decode(payloads[0]) + ... + decode(payloads[count-1])) * factor, summed in that
+// order in float32 (no multiply for factor 1), with error feedback into residual[numel].
+// Writes the same bytes as decodeAccumulate into a zeroed buffer, scaling it and encoding it,
+// but tile by tile while the sum is in cache. Every payload (payloadBytes each) is validated
+// first: checkPayloadConfig, inspect, and numel. Returns the payload size written into out.
+size_t reduceEncode(const Config& config, const uint8_t* const* payloads, size_t count, size_t payloadBytes,
+                    size_t numel, float factor, float* residual, uint64_t stream, uint8_t* out, size_t capacity);
+
+// The same for top-k / random-k, decoded instead of re-encoded: out[i] (float32, float16 or
+// bfloat16) = (0 + the payloads' values at i, in order) * factor at every index i that some
+// payload carries. The rest of out[numel] is left alone: zeroed first, out holds the same
+// values as decodeAccumulate of each payload into a zeroed float32 buffer, scaled and cast.
+void sumSparse(const Config& config, const uint8_t* const* payloads, size_t count, size_t payloadBytes, size_t numel,
+               float factor, DataType outType, void* out);
+
 }  // namespace ddlcomm::compress

@@ -4,11 +4,16 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
 #include "compress/compress.h"
 #include "compress/elements.h"
 
 namespace ddlcomm::compress {
+
+// Parallel parts of 1-bit and ternary start at multiples of this many blocks, so each part's
+// bits start on a byte boundary.
+constexpr size_t kBlocksPerUnit = 8;
 
 // 1-bit (onebit.cc): scales float32[nblocks * (twoScales ? 2 : 1)], then sign bits.
 void encodeOneBit(const Config& config, const Input& in, uint8_t* scales, uint8_t* bits);
@@ -27,11 +32,32 @@ void encodeTopK(const Config& config, const Input& in, uint64_t stream, size_t k
 void encodeRandomK(const Config& config, const Input& in, uint64_t stream, size_t k, uint8_t* indices,
                    uint8_t* values);
 void decodeSparse(size_t numel, size_t k, const uint8_t* indices, const uint8_t* values, const Output& out);
+// out[i] (outType) = (0 + the payloads' values at index i, in order) * factor, for each index i
+// that some payload carries; the other elements of out are left alone.
+struct SparseSection {
+  size_t k;
+  const uint8_t* indices;
+  const uint8_t* values;
+};
+void sumSparse(const std::vector<SparseSection>& in, size_t numel, float factor, DataType outType, void* out);
 // Throws Error(Protocol) unless the indices are strictly increasing and < numel.
 void checkSparseIndices(const uint8_t* indices, size_t k, size_t numel);
 
 // Float16 / BFloat16 casts (cast.cc): uint16 values[numel].
 void encodeCast(Format format, const Input& in, uint8_t* values);
 void decodeCast(Format format, size_t numel, const uint8_t* values, const Output& out);
+
+// The same kernels on the calling thread, for part of a vector (the fused passes of
+// reduce_encode.cc): `in` / `out` hold elements [first, first + numel) of the vector, and the
+// section pointers are the whole payload's. For 1-bit and ternary, `first` is a multiple of
+// kBlocksPerUnit blocks.
+void encodeOneBitRange(const Config& config, const Input& in, uint8_t* scales, uint8_t* bits);
+void decodeOneBitRange(size_t first, size_t numel, uint32_t blockSize, bool twoScales, const uint8_t* scales,
+                       const uint8_t* bits, const Output& out);
+void encodeTernaryRange(const Config& config, const Input& in, uint64_t stream, uint8_t* scales, uint8_t* codes);
+void decodeTernaryRange(size_t first, size_t numel, uint32_t blockSize, const uint8_t* scales, const uint8_t* codes,
+                        const Output& out);
+void encodeCastRange(Format format, const Input& in, uint8_t* values);
+void decodeCastRange(Format format, size_t first, size_t numel, const uint8_t* values, const Output& out);
 
 }  // namespace ddlcomm::compress

@@ -12,9 +12,6 @@
 namespace ddlcomm::compress {
 namespace {
 
-// Parts start at multiples of 8 blocks, so each part's sign bits start on a byte boundary.
-constexpr size_t kBlocksPerUnit = 8;
-
 // A block decodes to +pos where the sign bit is set (y >= 0), to -neg elsewhere.
 struct Scales {
   float pos, neg;
@@ -101,7 +98,9 @@ template <bool Two, class Sink>
     const float neg = Two ? loadLE<float>(scales + 8 * b + 4) : pos;
     forEachRow(len, [&](size_t off, auto n) __attribute__((always_inline)) {
       const uint32_t mask = reader.get(n);
-      for (size_t j = 0; j < n; ++j) sink(start + off + j, (mask >> j) & 1 ? pos : -neg);
+      float row[kLanes];
+      for (size_t j = 0; j < n; ++j) row[j] = (mask >> j) & 1 ? pos : -neg;
+      sink.row(start + off, row, n);
     });
   }
 }
@@ -128,6 +127,17 @@ void decodeOneBit(size_t numel, uint32_t blockSize, bool twoScales, const uint8_
   const size_t blocks = (numel + blockSize - 1) / blockSize;
   parallelFor(blocks, blockSize, kBlocksPerUnit,
               [&](size_t b0, size_t b1) { decodePart(numel, blockSize, twoScales, scales, bits, out, b0, b1); });
+}
+
+void encodeOneBitRange(const Config& config, const Input& in, uint8_t* scales, uint8_t* bits) {
+  const size_t bs = config.blockSize, scaleBytes = config.twoScales ? 8 : 4;
+  encodePart(config, in, scales + in.first / bs * scaleBytes, bits + in.first / 8, 0, (in.numel + bs - 1) / bs);
+}
+
+void decodeOneBitRange(size_t first, size_t numel, uint32_t blockSize, bool twoScales, const uint8_t* scales,
+                       const uint8_t* bits, const Output& out) {
+  decodePart(numel, blockSize, twoScales, scales + first / blockSize * (twoScales ? 8 : 4), bits + first / 8, out, 0,
+             (numel + blockSize - 1) / blockSize);
 }
 
 }  // namespace ddlcomm::compress

@@ -3,16 +3,22 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <vector>
 
 #include "common/error.h"
 #include "compress/bits.h"
 #include "compress/compress.h"
 #include "compress/kernels.h"
+#include "compress/parallel.h"
 
 namespace ddlcomm::compress {
 namespace {
 
 constexpr size_t kHeaderBytes = sizeof(PayloadHeader);
+// Elements reduced and re-encoded at a time by reduceEncode: small enough to stay in L1/L2.
+constexpr size_t kReduceTileElements = 8192;
+// Float32 decode outputs from this size on bypass the cache (Output::streaming).
+constexpr size_t kStreamingBytes = size_t(4) << 20;
 
 bool isKnownFormat(uint8_t raw) { return raw >= uint8_t(Format::OneBit) && raw <= uint8_t(Format::BFloat16); }
 bool hasBlocks(Format format) { return format == Format::OneBit || format == Format::Ternary; }
@@ -99,6 +105,18 @@ std::string describeHeader(uint8_t format, uint32_t blockSize, uint8_t flags) {
                         blockSize, ", flags ", int(flags), ")");
 }
 
+void writeHeader(const Config& config, uint64_t numel, uint64_t k, uint8_t* payload) {
+  PayloadHeader header{};
+  header.magic = kPayloadMagic;
+  header.version = kPayloadVersion;
+  header.format = uint8_t(config.format);
+  header.flags = config.format == Format::OneBit && config.twoScales ? kFlagTwoScales : 0;
+  header.blockSize = hasBlocks(config.format) ? config.blockSize : 0;
+  header.numel = numel;
+  header.k = k;
+  std::memcpy(payload, &header, kHeaderBytes);
+}
+
 void decodeInto(const uint8_t* payload, size_t bytes, const Output& out, size_t numel) {
   const PayloadInfo info = inspect(payload, bytes);
   DDLCOMM_CHECK(info.numel == numel, ErrorKind::InvalidArgument, "the payload holds ", info.numel,
@@ -153,15 +171,7 @@ size_t encode(const Config& config, DataType xType, const void* x, float* residu
                   "top-k / random-k index with 32 bits: at most 2^32 elements, got ", numel);
   }
   const uint64_t k = keptEntries(config, numel);
-  PayloadHeader header{};
-  header.magic = kPayloadMagic;
-  header.version = kPayloadVersion;
-  header.format = uint8_t(config.format);
-  header.flags = config.format == Format::OneBit && config.twoScales ? kFlagTwoScales : 0;
-  header.blockSize = hasBlocks(config.format) ? config.blockSize : 0;
-  header.numel = numel;
-  header.k = k;
-  std::memcpy(payload, &header, kHeaderBytes);
+  writeHeader(config, numel, k, payload);
 
   const Input in{xType, x, residual, numel};
   uint8_t* first = payload + kHeaderBytes;
@@ -240,11 +250,88 @@ void checkPayloadConfig(const uint8_t* payload, size_t bytes, const Config& conf
 
 void decode(const uint8_t* payload, size_t bytes, DataType outType, void* out, size_t numel) {
   checkFloatType(outType, "the output");
-  decodeInto(payload, bytes, Output{outType, out, false}, numel);
+  decodeInto(payload, bytes, Output{outType, out, false, numel * sizeof(float) >= kStreamingBytes}, numel);
 }
 
 void decodeAccumulate(const uint8_t* payload, size_t bytes, float* out, size_t numel) {
   decodeInto(payload, bytes, Output{DataType::Float32, out, true}, numel);
+}
+
+namespace {
+
+// A payload from another rank, about to be summed: made with this config, valid, numel long.
+PayloadInfo checkSummand(const Config& config, const uint8_t* payload, size_t bytes, size_t numel) {
+  checkPayloadConfig(payload, bytes, config);
+  const PayloadInfo info = inspect(payload, bytes);
+  DDLCOMM_CHECK(info.numel == numel, ErrorKind::Protocol, "payload of ", info.numel, " elements where ", numel,
+                " were expected");
+  return info;
+}
+
+}  // namespace
+
+size_t reduceEncode(const Config& config, const uint8_t* const* payloads, size_t count, size_t payloadBytes,
+                    size_t numel, float factor, float* residual, uint64_t stream, uint8_t* out, size_t capacity) {
+  const Layout layout = layoutFor(config, numel);
+  DDLCOMM_CHECK(!isSparse(config.format), ErrorKind::InvalidArgument, "reduceEncode: ", formatName(config.format),
+                " payloads are summed sparsely, not re-encoded");
+  DDLCOMM_CHECK(capacity >= layout.total, ErrorKind::InvalidArgument, "payload buffer of ", capacity,
+                " bytes is too small, the payload needs ", layout.total);
+  std::vector<const uint8_t*> firstSections(count);
+  for (size_t j = 0; j < count; ++j) {
+    checkSummand(config, payloads[j], payloadBytes, numel);
+    firstSections[j] = payloads[j] + kHeaderBytes;
+  }
+  writeHeader(config, numel, 0, out);
+  uint8_t* first = out + kHeaderBytes;
+  uint8_t* second = first + layout.first;
+
+  const size_t unit = hasBlocks(config.format) ? kBlocksPerUnit * config.blockSize : 64;
+  const size_t tile = unit * std::max<size_t>(1, kReduceTileElements / unit);
+  parallelFor((numel + tile - 1) / tile, tile, 1, [&](size_t t0, size_t t1) {
+    std::vector<float> sum(std::min(tile, numel));
+    const Output accumulate{DataType::Float32, sum.data(), true};
+    for (size_t t = t0; t < t1; ++t) {
+      const size_t begin = t * tile, len = std::min(tile, numel - begin);
+      std::fill(sum.begin(), sum.begin() + ptrdiff_t(len), 0.f);
+      for (const uint8_t* in : firstSections) {
+        const uint8_t* inSecond = in + layout.first;
+        switch (config.format) {
+          case Format::OneBit:
+            decodeOneBitRange(begin, len, config.blockSize, config.twoScales, in, inSecond, accumulate);
+            break;
+          case Format::Ternary: decodeTernaryRange(begin, len, config.blockSize, in, inSecond, accumulate); break;
+          default: decodeCastRange(config.format, begin, len, in, accumulate); break;
+        }
+      }
+      if (factor != 1.f) {
+        for (size_t i = 0; i < len; ++i) sum[i] *= factor;
+      }
+      const Input y{DataType::Float32, sum.data(), residual ? residual + begin : nullptr, len, begin};
+      switch (config.format) {
+        case Format::OneBit: encodeOneBitRange(config, y, first, second); break;
+        case Format::Ternary: encodeTernaryRange(config, y, stream, first, second); break;
+        default: encodeCastRange(config.format, y, first); break;
+      }
+    }
+  });
+  return layout.total;
+}
+
+void sumSparse(const Config& config, const uint8_t* const* payloads, size_t count, size_t payloadBytes, size_t numel,
+               float factor, DataType outType, void* out) {
+  checkConfig(config);
+  DDLCOMM_CHECK(isSparse(config.format), ErrorKind::InvalidArgument, "sumSparse: ", formatName(config.format),
+                " payloads are not sparse");
+  checkFloatType(outType, "the output");
+  DDLCOMM_CHECK(numel == 0 || out != nullptr, ErrorKind::InvalidArgument, "sumSparse: null output");
+  std::vector<SparseSection> sections;
+  for (size_t j = 0; j < count; ++j) {
+    const PayloadInfo info = checkSummand(config, payloads[j], payloadBytes, numel);
+    const uint8_t* indices = payloads[j] + kHeaderBytes;
+    sections.push_back({size_t(info.k), indices, indices + 4 * info.k});
+  }
+  sumSparse(sections, numel, factor, outType, out);
 }
 
 }  // namespace ddlcomm::compress

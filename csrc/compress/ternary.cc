@@ -15,9 +15,6 @@
 namespace ddlcomm::compress {
 namespace {
 
-// Parts start at multiples of 8 blocks, so each part's codes start on a byte boundary.
-constexpr size_t kBlocksPerUnit = 8;
-
 template <class E, bool EF>
 [[gnu::always_inline]] inline float blockScale(const typename E::Raw* x, const float* r, size_t len, float clip) {
   uint32_t maxBits[kLanes] = {};
@@ -63,7 +60,7 @@ template <class E, bool EF>
       uint32_t sent = 0, positive = 0;
       for (size_t j = 0; j < n; ++j) {
         const float y = loadY<E, EF>(xb, rb, off + j);
-        const bool send = (counterUniform(config.seed, stream, start + off + j) * s < std::fabs(y)) | sendAll;
+        const bool send = (counterUniform(config.seed, stream, in.first + start + off + j) * s < std::fabs(y)) | sendAll;
         const bool isPos = y >= 0.f;
         if constexpr (EF) rb[off + j] = residualOf(y, send ? (isPos ? s : -s) : 0.f);
         sent |= uint32_t(send) << j;
@@ -95,7 +92,9 @@ template <class Sink>
     forEachRow(len, [&](size_t off, auto n) __attribute__((always_inline)) {
       const uint64_t codes = reader.getWide(2 * n);
       const uint32_t plus = gatherEvenBits(codes), minus = gatherEvenBits(codes >> 1);
-      for (size_t j = 0; j < n; ++j) sink(start + off + j, (plus >> j) & 1 ? s : (minus >> j) & 1 ? -s : 0.f);
+      float row[kLanes];
+      for (size_t j = 0; j < n; ++j) row[j] = (plus >> j) & 1 ? s : (minus >> j) & 1 ? -s : 0.f;
+      sink.row(start + off, row, n);
     });
   }
 }
@@ -126,6 +125,17 @@ void decodeTernary(size_t numel, uint32_t blockSize, const uint8_t* scales, cons
   const size_t blocks = (numel + blockSize - 1) / blockSize;
   parallelFor(blocks, blockSize, kBlocksPerUnit,
               [&](size_t b0, size_t b1) { decodePart(numel, blockSize, scales, codes, out, b0, b1); });
+}
+
+void encodeTernaryRange(const Config& config, const Input& in, uint64_t stream, uint8_t* scales, uint8_t* codes) {
+  const size_t bs = config.blockSize;
+  encodePart(config, in, stream, scales + in.first / bs * 4, codes + in.first / 4, 0, (in.numel + bs - 1) / bs);
+}
+
+void decodeTernaryRange(size_t first, size_t numel, uint32_t blockSize, const uint8_t* scales, const uint8_t* codes,
+                        const Output& out) {
+  decodePart(numel, blockSize, scales + first / blockSize * 4, codes + first / 4, out, 0,
+             (numel + blockSize - 1) / blockSize);
 }
 
 void checkTernaryCodes(const uint8_t* codes, size_t numel) {

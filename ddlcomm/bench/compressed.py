@@ -62,11 +62,16 @@ def allreduce_bench(gloo, numel: int, repeats: int) -> None:
         comp = make()
         wres = torch.zeros(numel)
         sres = torch.zeros(server_residual_numel(numel, rank, n))
-        step = [0]
+        # Each call reduces its own copy of the gradient, made and freed outside the clock:
+        # gloo and ddlcomm fp32 above reduce a buffer that already exists, as DDP does its
+        # buckets. (A clone inside the call timed a 100 MB allocation and its page faults,
+        # about half of a 1-bit all-reduce's time on this machine.)
+        copies = [grad.clone() for _ in range(repeats + 1)]
+        step = iter(range(len(copies)))
 
         def call():
-            step[0] += 1
-            compressed_all_reduce(grad.clone(), comp, wres, sres, stream=step[0]).wait()
+            i = next(step)
+            compressed_all_reduce(copies[i], comp, wres, sres, stream=i).wait()
 
         t = timed(call, repeats)
         report(kind="allreduce", method=f"ddlcomm {name}", seconds=t, speedup=base / t,

@@ -37,13 +37,15 @@ def native_matches_fallback() -> None:
     gloo = dist.new_group(backend="gloo")
     assert native_backend(None) is not None and native_backend(gloo) is None
     for name, make in COMPRESSORS.items():
-        for numel in (1, 5, 1000, 70_001):
+        # 70_001: several reduce tiles per chunk; 8_400_003: chunks split across threads
+        for numel in (1, 5, 1000, 70_001, 8_400_003):
             comp = make()
             results = []
             for group in (None, gloo):
                 x = torch.randn(numel, generator=torch.Generator().manual_seed(rank * 7 + numel))
                 wres = torch.randn(numel, generator=torch.Generator().manual_seed(99 + rank)) * 0.1
-                sres = torch.zeros(server_residual_numel(numel, rank, n))
+                sres = torch.randn(server_residual_numel(numel, rank, n),
+                                   generator=torch.Generator().manual_seed(55 + rank)) * 0.1
                 out = compressed_all_reduce(x, comp, wres, sres, group=group, stream=11).wait()
                 results.append((out.clone(), wres.clone(), sres.clone()))
             for a, b, what in zip(results[0], results[1], ("result", "worker residual", "server residual")):
