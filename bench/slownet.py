@@ -252,6 +252,12 @@ def _missing_prerequisite() -> str | None:
     return None
 
 
+def _no_netem(p: Probe) -> str:
+    """Why delay/loss do not come from netem, when the tbf shaper is active."""
+    return ("the tbf shaper was chosen" if p.netem
+            else "this kernel lacks the netem qdisc (CONFIG_NET_SCH_NETEM)")
+
+
 def _raise_exit(signum: int, _frame: Any) -> None:
     raise SystemExit(128 + signum)
 
@@ -392,9 +398,7 @@ class SlowNet:
             raise SlowNetUnavailable("the netem qdisc is not supported by this kernel "
                                      "(CONFIG_NET_SCH_NETEM is not set)")
         if shaper == "tbf" and (shaping.delay_s or shaping.loss_pct) and not p.iptables:
-            why = ("this kernel lacks the netem qdisc (CONFIG_NET_SCH_NETEM)" if not p.netem
-                   else "the tbf shaper was chosen")
-            raise SlowNetUnavailable(f"delay/loss need netem or iptables but {why} and no "
+            raise SlowNetUnavailable(f"delay/loss need netem or iptables but {_no_netem(p)} and no "
                                      "working iptables was found (install the iptables package); "
                                      "only rate limiting works: use --delay 0 and no --loss")
         if shaper == "tbf" and not p.tbf:
@@ -519,11 +523,12 @@ class SlowNet:
 
     # -- delay/loss without netem -----------------------------------------
 
-    def _iptables(self, ns: str, *args: str) -> None:
+    def _iptables(self, ns: str, *args: str) -> str:
+        """Run the probed iptables tool with ``args`` in ``ns``; return its output."""
         tool = self.probe().iptables
         assert tool, "_resolve_shaper allows the fixture only with iptables"
         # -w: the xtables lock file is shared by all namespaces.
-        sh("ip", "netns", "exec", ns, tool, "-w", "10", *args)
+        return sh("ip", "netns", "exec", ns, tool, "-w", "10", *args)
 
     def _set_fixture(self, s: Shaping) -> None:
         """Make every path drop and delay as its two netem links would under ``s``.
@@ -630,9 +635,8 @@ class SlowNet:
         for ns, dev in self._shaped_links():
             stats = sh("tc", "-s", "-n", ns, "qdisc", "show", "dev", dev)
             total += sum(int(n) for n in re.findall(r"dropped (\d+)", stats))
-        tool = str(self.probe().iptables)
         for ns in self._chains:
-            rules = sh("ip", "netns", "exec", ns, tool, "-w", "10", "-L", CHAIN, "-v", "-x", "-n")
+            rules = self._iptables(ns, "-L", CHAIN, "-v", "-x", "-n")
             total += sum(int(line.split()[0]) for line in rules.splitlines()[2:]
                          if line.split()[2] == "DROP")
             if ns not in self._delayers:
@@ -648,10 +652,10 @@ class SlowNet:
         shaper, s = self.active_shaper or self.shaper, self.shaping
         if shaper != "tbf" or not s.impairment:
             return text + f"{shaper} {s} per link direction"
-        why = "the tbf shaper was chosen" if self.probe().netem else "this kernel has no netem"
-        return text + (f"tbf rate {s.rate_bps / 1e6:g}mbit per link direction; {s.impairment} "
-                       f"per link direction emulated at each receiver by {self.probe().iptables} "
-                       f"(statistic match, NFQUEUE to {DELAYER.name}) because {why}")
+        p = self.probe()
+        return text + (f"tbf {Shaping(s.rate_bps)} per link direction; {s.impairment} "
+                       f"per link direction emulated at each receiver by {p.iptables} "
+                       f"(statistic match, NFQUEUE to {DELAYER.name}) because {_no_netem(p)}")
 
 
 def _kill_tree(proc: subprocess.Popen) -> None:

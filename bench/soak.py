@@ -13,7 +13,6 @@ mismatch, an error, a hang past --timeout or RSS growth past the worker's bound)
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -21,27 +20,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from harness import RankResult, launch  # noqa: E402
+from harness import RankResult, launch, soak_summary  # noqa: E402
 
 MiB = 1 << 20
 
 
-def summaries(results: list[RankResult]) -> list[dict]:
-    """Each rank's ``SOAK {json}`` line."""
-    found = []
-    for r in results:
-        lines = [line for line in r.output.splitlines() if line.startswith("SOAK ")]
-        if lines:
-            found.append(json.loads(lines[-1][len("SOAK "):]))
-    return found
-
-
-def markdown(args: argparse.Namespace, results: list[RankResult], wall: float) -> str:
-    ranks = summaries(results)
+def markdown(args: argparse.Namespace, results: list[RankResult], wall: float, passed: bool) -> str:
+    ranks = [s for s in map(soak_summary, results) if s is not None]
     command = f"bench/soak.py --ops {args.ops} --seed {args.seed} --max-mib {args.max_mib} --ranks {args.ranks}"
     out = [
         f"`{command}` on {os.cpu_count()} cores, {time.strftime('%Y-%m-%d')}: "
-        f"{'passed' if all(r.returncode == 0 for r in results) else 'FAILED'} in {wall:.0f} s wall "
+        f"{'passed' if passed else 'FAILED'} in {wall:.0f} s wall "
         f"(load average {os.getloadavg()[0]:.1f} at the end).",
         "",
     ]
@@ -57,8 +46,9 @@ def markdown(args: argparse.Namespace, results: list[RankResult], wall: float) -
                        f"| {s['rss_warm_mib']:.0f} | {s['rss_peak_mib']:.0f} | {s['rss_end_mib']:.0f} "
                        f"| {s['rss_end_mib'] - s['rss_warm_mib']:+.0f} | {s['vm_hwm_mib']:.0f} |")
         points = len(ranks[0]["rss_trace_mib"])
+        every = max(1, args.ops // 10)  # the worker's sampling interval (tests/workers/soak.py Soak.run)
         out += ["", "RSS in MiB after each tenth of the operations:", "",
-                "| rank | " + " | ".join(f"{args.ops * (i + 1) // points}" for i in range(points)) + " |",
+                "| rank | " + " | ".join(f"{every * (i + 1)}" for i in range(points)) + " |",
                 "| --- " * (points + 1) + "|"]
         out += [f"| {s['rank']} | " + " | ".join(str(v) for v in s["rss_trace_mib"]) + " |" for s in ranks]
     return "\n".join(out)
@@ -79,8 +69,9 @@ def main() -> int:
     for r in results:
         if r.returncode != 0:
             print(f"--- rank {r.rank} (exit {r.returncode}) ---\n{r.output[-6000:]}", file=sys.stderr)
-    print(markdown(args, results, wall))
-    return 0 if all(r.returncode == 0 for r in results) else 1
+    passed = all(r.returncode == 0 for r in results)
+    print(markdown(args, results, wall, passed))
+    return 0 if passed else 1
 
 
 if __name__ == "__main__":

@@ -61,13 +61,18 @@ for t in "${TARGETS[@]}"; do
   if UBSAN_OPTIONS=print_stacktrace=1 "$OUT/${t}_fuzz" -max_total_time="$SECONDS_PER_TARGET" -max_len="$max_len" -timeout=10 \
     -rss_limit_mb=1024 -malloc_limit_mb=256 -print_final_stats=1 -artifact_prefix="$OUT/$t-" \
     "$OUT/corpus/$t" "fuzz/corpus/$t" >"$log" 2>&1; then
-    done_line=$(grep -E '^#[0-9]+[[:space:]]+DONE' "$log" | tail -1)
+    done_line=$(grep -E '^#[0-9]+[[:space:]]+DONE' "$log" | tail -1 || true)
+    if [ -z "$done_line" ]; then
+      status=1
+      echo "   FAILED: $t exited 0 but its log has no DONE line; see $log" >&2
+      continue
+    fi
     execs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$log")
     rate=$(sed -n 's/^stat::average_exec_per_sec: *//p' "$log")
     echo "   ok: $execs execs, $rate exec/s, ${done_line#*DONE   }"
   else
     status=1
-    echo "   FINDING in $t: reproducer $(ls "$OUT/$t"-* 2>/dev/null | tail -1)" >&2
+    echo "   FINDING in $t: reproducer $(ls -t "$OUT/$t"-* 2>/dev/null | head -1)" >&2
     tail -n 40 "$log" >&2
   fi
 done

@@ -9,6 +9,7 @@ outlives any rank that dies.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -20,6 +21,12 @@ from pathlib import Path
 import pytest
 
 WORKERS = Path(__file__).parent / "workers"
+# Set for every rank, besides the rendezvous variables.
+RANK_ENV = {
+    "OMP_NUM_THREADS": "1",
+    "PYTHONUNBUFFERED": "1",
+    "TORCHELASTIC_USE_AGENT_STORE": "True",  # ranks are clients of a store outside them
+}
 
 
 @dataclass
@@ -55,9 +62,7 @@ def launch(
                 RANK=str(rank),
                 WORLD_SIZE=str(world_size),
                 LOCAL_RANK=str(rank),
-                OMP_NUM_THREADS="1",
-                PYTHONUNBUFFERED="1",
-                TORCHELASTIC_USE_AGENT_STORE="True",  # ranks are clients of the store above
+                **RANK_ENV,
             )
             rank_environment.update(env or {})
             rank_environment.update((rank_env or {}).get(rank, {}))
@@ -91,3 +96,8 @@ def assert_all_ok(results: list[RankResult]) -> None:
         text = "\n".join(f"--- rank {r.rank} (exit {r.returncode}) ---\n{r.output[-4000:]}" for r in failed)
         pytest.fail(f"{len(failed)} of {len(results)} ranks failed:\n{text}")
 
+
+def soak_summary(result: RankResult) -> dict | None:
+    """The last ``SOAK {json}`` line a tests/workers/soak.py rank printed, or None."""
+    lines = [line for line in result.output.splitlines() if line.startswith("SOAK ")]
+    return json.loads(lines[-1][len("SOAK "):]) if lines else None

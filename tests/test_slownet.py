@@ -2,8 +2,8 @@
 of ddlcomm over it: ranks in separate namespaces, a lossy slow network, a link cut.
 
 They need root and iproute2 and skip (with the reason) where those are missing.
-Delay and loss need netem or, without it, iptables, which is installed here if
-missing (apt-get).  All traffic stays inside namespaces the tests create.
+Delay and loss need netem or, without it, iptables, which the first test that needs
+it installs if missing (apt-get).  All traffic stays inside namespaces the tests create.
 """
 
 from __future__ import annotations
@@ -23,33 +23,56 @@ from typing import Any, Sequence
 
 import pytest
 
+from harness import RANK_ENV, WORKERS
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "bench" / "slownet.py"
-WORKERS = Path(__file__).resolve().parent / "workers"
 sys.path.insert(0, str(SCRIPT.parent))
 
 import slownet  # noqa: E402
 from slownet import Probe, SlowNet, SlowNetUnavailable  # noqa: E402
 
 
-def _install_iptables() -> None:
-    """Without netem, delay/loss need iptables: install it (Debian) where it is missing."""
+def _install_iptables() -> bool:
+    """Without netem, delay/loss need iptables: install it (Debian) where it is missing.
+    Returns whether it tried."""
     if os.geteuid() != 0 or shutil.which("iptables") or shutil.which("apt-get") is None:
-        return
+        return False
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
     install = ["apt-get", "install", "-y", "-q", "--no-install-recommends", "iptables"]
     if subprocess.run(install, env=env, capture_output=True, timeout=600).returncode != 0:
         subprocess.run(["apt-get", "update", "-q"], env=env, capture_output=True, timeout=600)
         subprocess.run(install, env=env, capture_output=True, timeout=600)
+    return True
 
 
-_install_iptables()
 OK, REASON = SlowNet.available()
-IMPAIRABLE = OK and (SlowNet.probe().netem or SlowNet.probe().iptables is not None)
 needs_net = pytest.mark.skipif(not OK, reason=f"SlowNet unavailable: {REASON}")
-needs_impairment = pytest.mark.skipif(not IMPAIRABLE, reason=f"no delay/loss emulation: {REASON}")
-needs_iptables = pytest.mark.skipif(not OK or SlowNet.probe().iptables is None,
-                                    reason=f"no iptables with statistic and NFQUEUE: {REASON}")
+# Tests marked so install iptables where missing, through the fixtures below (not at collection).
+needs_impairment = pytest.mark.usefixtures("impairable")
+needs_iptables = pytest.mark.usefixtures("iptables")
+
+
+@pytest.fixture(scope="session")
+def probe() -> Probe:
+    """SlowNet.probe(), once iptables is installed where it was missing."""
+    if _install_iptables():
+        SlowNet._probe = None  # the cached probe predates the install
+    return SlowNet.probe()
+
+
+@pytest.fixture(scope="session")
+def impairable(probe: Probe) -> None:
+    # A probe that is not ok has neither netem nor iptables.
+    if not (probe.netem or probe.iptables):
+        pytest.skip(f"no delay/loss emulation: {probe.reason}")
+
+
+@pytest.fixture(scope="session")
+def iptables(probe: Probe) -> None:
+    if probe.iptables is None:
+        pytest.skip(f"no iptables with statistic and NFQUEUE: {probe.reason}")
+
 
 PORT = 5201
 
@@ -238,9 +261,9 @@ def test_loss_applies_on_every_link() -> None:
     with SlowNet(ranks=2, rate="1gbit", loss=f"{loss_pct}%") as net:
         sink = net.popen(1, [sys.executable, "-c", UDP_SINK, str(PORT)],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        assert sink.stdout is not None and sink.stdout.readline().strip() == "ready", sink.stderr
+        assert sink.stdout is not None and sink.stdout.readline().strip() == "ready"
         assert int(client(net, 0, "udp", 1, sent)[0]) == sent
-        received = int(sink.communicate(timeout=20)[0])
+        received = int(communicate_or_kill(sink, 20)[0])
     expected = 1 - (1 - loss_pct / 100) ** 2  # a path crosses two lossy links
     lost = (sent - received) / sent
     print(f"loss {loss_pct}% per link direction: {sent - received} of {sent} UDP datagrams "
@@ -294,7 +317,7 @@ from torch.distributed import TCPStore
 store = TCPStore(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), is_master=True,
                  wait_for_workers=False)
 print("ready", flush=True)
-sys.stdin.read()  # serve until the test closes stdin or dies
+sys.stdin.read()  # serve until SlowNet kills it on close (or the test dies: EOF)
 """
 
 
@@ -313,7 +336,7 @@ class Ranks:
         self.procs = []
         for r in range(net.ranks):
             env = net.env(r, port)
-            env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TORCHELASTIC_USE_AGENT_STORE="True")
+            env.update(RANK_ENV)
             proc = net.popen(r, [sys.executable, str(WORKERS / "impaired.py"), scenario, *args],
                              env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                              text=True)
@@ -344,9 +367,13 @@ class Ranks:
         """Wait until every rank printed a line starting with ``prefix``; fail if one exits
         without or ``timeout`` s pass."""
         n = len(self.procs)
+
+        def done() -> bool:
+            printed = self.first(prefix)
+            return len(printed) == n or any(self.exited_at[r] and r not in printed for r in range(n))
+
         with self.changed:
-            self.changed.wait_for(lambda: len(self.first(prefix)) == n or any(
-                self.exited_at[r] and r not in self.first(prefix) for r in range(n)), timeout)
+            self.changed.wait_for(done, timeout)
         missing = sorted(set(range(n)) - set(self.first(prefix)))
         if missing:
             self.fail(f"ranks {missing} did not print {prefix!r} within {timeout:g} s")
@@ -405,12 +432,11 @@ class Cut:
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["host-side", "switch-side"])
-def cut(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Cut:
+def cut(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
+        impairable: None) -> Cut:
     """4 ranks all-reduce in a loop over the lossy, slow network until rank 2's link
     goes down (its own interface or its switch port).  Survivors get timeout + 5 s,
     the cut-off rank 2 * timeout + 5 s (its timeout, then its store's) to exit."""
-    if not IMPAIRABLE:
-        pytest.skip(f"no delay/loss emulation: {REASON}")
     timeout, victim = 5.0, 2  # not rank 0: its namespace holds the store
     at_switch = request.param
     with SlowNet(ranks=4, rate="1gbit", delay=LINK_DELAY, loss=LINK_LOSS) as net:
@@ -448,9 +474,10 @@ def test_cut_link_survivors_raise_within_timeout(cut: Cut) -> None:
 
 
 def test_cut_link_survivors_name_the_cut_rank(cut: Cut) -> None:
-    for r, error in cut.errors.items():
+    for r in cut.exited:
         if r != cut.rank:
-            assert f"rank {cut.rank}" in error, f"rank {r}'s error does not name rank {cut.rank}"
+            assert r in cut.errors, f"rank {r} raised no DistBackendError"
+            assert f"rank {cut.rank}" in cut.errors[r], f"rank {r}'s error does not name rank {cut.rank}"
 
 
 def test_cut_link_cut_rank_raises(cut: Cut) -> None:

@@ -8,7 +8,8 @@ namespace ddlcomm {
 namespace {
 
 const char* kFailureKey = "ddlcomm/first_failure";
-const std::string kWaitingKey = "ddlcomm/failed_while_waiting/";
+// A plain array, not a std::string: tasks on a detached courier thread may use it at exit.
+constexpr char kWaitingKey[] = "ddlcomm/failed_while_waiting/";
 // A healthy store answers in milliseconds; one that takes this long is treated as gone.
 constexpr std::chrono::milliseconds kStoreCallBound{2000};
 
@@ -93,7 +94,7 @@ Communicator::Communicator(std::unique_ptr<Transport> transport, std::shared_ptr
                            CollectiveOptions options)
     : transport_(std::move(transport)), store_(std::move(store)), options_(options), courier_(store_) {
   transport_->setFailureHook([this](ErrorKind kind, const std::string& message) { return recordFailure(kind, message); });
-  transport_->setFailureProbe([this] { return recordedFailure(); });
+  transport_->setFailureProbe([this] { return failureRecorded(); });
 }
 
 Communicator::~Communicator() {
@@ -101,10 +102,10 @@ Communicator::~Communicator() {
   transport_->setFailureProbe(nullptr);
 }
 
-std::string Communicator::recordedFailure() {
-  auto first = courier_.call(
-      [](KeyValueStore& s) { return s.check(kFailureKey) ? s.get(kFailureKey) : std::string(); }, kStoreCallBound);
-  return first.value_or("");
+bool Communicator::failureRecorded() {
+  auto found = courier_.call([](KeyValueStore& s) { return std::string(s.check(kFailureKey) ? "1" : ""); },
+                             kStoreCallBound);
+  return found && !found->empty();
 }
 
 std::string Communicator::ranksNotWaiting() {
@@ -112,21 +113,29 @@ std::string Communicator::ranksNotWaiting() {
   // apart; a rank still silent after that grace period was never there.
   const auto grace = std::clamp(options_.timeout / 10, std::chrono::milliseconds(1000), std::chrono::milliseconds(5000));
   const Deadline deadline = Clock::now() + grace;
-  const int me = rank(), n = size();
-  while (true) {
-    auto silent = courier_.call(
-        [me, n](KeyValueStore& s) {
-          std::string list;
-          for (int r = 0; r < n; ++r) {
-            if (r != me && !s.check(kWaitingKey + std::to_string(r))) list += ", rank " + std::to_string(r);
-          }
-          return list.empty() ? list : list.substr(2);
+  std::vector<int> silent;  // ranks with no report yet; each sweep asks only about these
+  for (int r = 0; r < size(); ++r) {
+    if (r != rank()) silent.push_back(r);
+  }
+  while (!silent.empty() && Clock::now() < deadline) {
+    auto reported = courier_.call(
+        [silent](KeyValueStore& s) {
+          std::string flags;  // '1' for each rank of `silent` that has reported
+          for (int r : silent) flags += s.check(kWaitingKey + std::to_string(r)) ? '1' : '0';
+          return flags;
         },
         kStoreCallBound);
-    if (!silent) return "";  // the store is unreachable: no way to tell
-    if (silent->empty() || Clock::now() >= deadline) return *silent;
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    if (!reported) return "";  // the store is unreachable: no way to tell
+    std::vector<int> still;
+    for (size_t i = 0; i < silent.size(); ++i) {
+      if ((*reported)[i] == '0') still.push_back(silent[i]);
+    }
+    silent.swap(still);
+    if (!silent.empty()) std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
+  std::string list;
+  for (int r : silent) list += (list.empty() ? "rank " : ", rank ") + std::to_string(r);
+  return list;
 }
 
 std::string Communicator::recordFailure(ErrorKind kind, const std::string& local) {

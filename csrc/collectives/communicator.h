@@ -106,8 +106,8 @@ class Communicator {
   // The failure hook: publish this rank's failure in the store, or, if a peer published
   // first, lead with its message so every rank names the rank that really failed.
   std::string recordFailure(ErrorKind kind, const std::string& message);
-  // The failure another rank published, or "".
-  std::string recordedFailure();
+  // Whether a rank has published a failure.
+  bool failureRecorded();
   void throwIfAborted() const;
   uint64_t nextSequenceNumber() { return nextSeq_++; }
 

@@ -29,7 +29,8 @@ class StoreCourier {
 
   // Runs `task` (which must capture by value: it may outlive this call) and returns its
   // result, or nullopt if the store is unreachable, the task threw, or it took longer
-  // than `bound`. Thread-safe; calls run one at a time, the thread starts on first use.
+  // than `bound`. One calling thread (the communicator's: its executor); the courier's
+  // thread starts on first use.
   std::optional<std::string> call(Task task, std::chrono::milliseconds bound);
 
  private:

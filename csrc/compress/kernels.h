@@ -47,8 +47,8 @@ void checkSparseIndices(const uint8_t* indices, size_t k, size_t numel);
 void encodeCast(Format format, const Input& in, uint8_t* values);
 void decodeCast(Format format, size_t numel, const uint8_t* values, const Output& out);
 
-// The same kernels on the calling thread, for part of a vector (the fused passes of
-// reduce_encode.cc): `in` / `out` hold elements [first, first + numel) of the vector, and the
+// The same kernels on the calling thread, for part of a vector (reduceEncode's fused pass in
+// payload.cc): `in` / `out` hold elements [first, first + numel) of the vector, and the
 // section pointers are the whole payload's. For 1-bit and ternary, `first` is a multiple of
 // kBlocksPerUnit blocks.
 void encodeOneBitRange(const Config& config, const Input& in, uint8_t* scales, uint8_t* bits);

@@ -105,13 +105,19 @@ std::string describeHeader(uint8_t format, uint32_t blockSize, uint8_t flags) {
                         blockSize, ", flags ", int(flags), ")");
 }
 
+// The header fields that follow from the config alone.
+uint8_t headerFlags(const Config& config) {
+  return config.format == Format::OneBit && config.twoScales ? kFlagTwoScales : 0;
+}
+uint32_t headerBlockSize(const Config& config) { return hasBlocks(config.format) ? config.blockSize : 0; }
+
 void writeHeader(const Config& config, uint64_t numel, uint64_t k, uint8_t* payload) {
   PayloadHeader header{};
   header.magic = kPayloadMagic;
   header.version = kPayloadVersion;
   header.format = uint8_t(config.format);
-  header.flags = config.format == Format::OneBit && config.twoScales ? kFlagTwoScales : 0;
-  header.blockSize = hasBlocks(config.format) ? config.blockSize : 0;
+  header.flags = headerFlags(config);
+  header.blockSize = headerBlockSize(config);
   header.numel = numel;
   header.k = k;
   std::memcpy(payload, &header, kHeaderBytes);
@@ -240,8 +246,8 @@ void checkPayloadConfig(const uint8_t* payload, size_t bytes, const Config& conf
                 " bytes is shorter than its ", kHeaderBytes, "-byte header");
   PayloadHeader h;
   std::memcpy(&h, payload, kHeaderBytes);
-  const uint8_t flags = config.format == Format::OneBit && config.twoScales ? kFlagTwoScales : 0;
-  const uint32_t blockSize = hasBlocks(config.format) ? config.blockSize : 0;
+  const uint8_t flags = headerFlags(config);
+  const uint32_t blockSize = headerBlockSize(config);
   DDLCOMM_CHECK(h.format == uint8_t(config.format) && h.flags == flags && h.blockSize == blockSize,
                 ErrorKind::Mismatch, "the payload is ", describeHeader(h.format, h.blockSize, h.flags),
                 ", this rank expects ", describeHeader(uint8_t(config.format), blockSize, flags),

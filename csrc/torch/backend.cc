@@ -5,6 +5,7 @@
 #include <pybind11/pybind11.h>
 
 #include <numeric>
+#include <optional>
 
 #include "collectives/collectives.h"
 #include "collectives/compressed_allreduce.h"
@@ -160,12 +161,9 @@ ProcessGroupDdlcomm::ProcessGroupDdlcomm(const c10::intrusive_ptr<c10d::Store>& 
 ProcessGroupDdlcomm::~ProcessGroupDdlcomm() {
   // Python may drop the last reference with the GIL held, while the progress thread needs
   // the GIL to free the Python object of a tensor it still holds: join without the GIL.
-  if (Py_IsInitialized() && PyGILState_Check()) {
-    pybind11::gil_scoped_release noGil;
-    executor_->shutdown();
-  } else {
-    executor_->shutdown();
-  }
+  std::optional<pybind11::gil_scoped_release> noGil;
+  if (Py_IsInitialized() && PyGILState_Check()) noGil.emplace();
+  executor_->shutdown();
 }
 
 void ProcessGroupDdlcomm::abort() { executor_->abort("abort() was called"); executor_->shutdown(); }

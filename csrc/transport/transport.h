@@ -65,11 +65,11 @@ class Transport {
   using FailureHook = std::function<std::string(ErrorKind, const std::string&)>;
   void setFailureHook(FailureHook hook) { failureHook_ = std::move(hook); }
 
-  // Called by wait() after each second without progress: returns another rank's recorded
-  // failure, or "" if there is none. A rank whose own sockets show nothing wrong (its
-  // connections were lost silently, or its peers failed elsewhere) then fails promptly
-  // instead of at its timeout.
-  using FailureProbe = std::function<std::string()>;
+  // Called by wait() after each second without progress: whether another rank has recorded
+  // a failure. A rank whose own sockets show nothing wrong (its connections were lost
+  // silently, or its peers failed elsewhere) then fails promptly instead of at its timeout;
+  // the failure hook names the recorded failure.
+  using FailureProbe = std::function<bool()>;
   void setFailureProbe(FailureProbe probe) { failureProbe_ = std::move(probe); }
 
  protected:

@@ -11,6 +11,7 @@ import hmac
 import os
 import socket
 import struct
+import sys
 import time
 from datetime import timedelta
 
@@ -18,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 import ddlcomm
+from common import run
 
 CHALLENGE_BYTES = 40  # magic, version, 32-byte nonce
 HELLO = struct.Struct("<IIiiii")  # magic, version, rank, size, index, connections per peer
@@ -50,7 +52,7 @@ def wrong_key_proof(address: tuple[str, int]) -> bytes:
     """Speaks the protocol correctly but with a key of its own; returns what came back."""
     s = socket.create_connection(address, timeout=10)
     challenge = recv_exact(s, CHALLENGE_BYTES)
-    magic, version = struct.unpack_from("<II", challenge)
+    _, version = struct.unpack_from("<II", challenge)  # magic, version
     hello = HELLO.pack(0x4F4C4548, version, 3, 4, 0, 1)
     nonce = os.urandom(32)
     mac = hmac.new(os.urandom(32), b"ddlcomm connector" + challenge[8:] + nonce + hello, hashlib.sha256).digest()
@@ -100,22 +102,19 @@ def hostile_clients() -> None:
                 continue
             raise AssertionError(f"{address} still accepts connections after the group connected")
     pg.allreduce([t]).wait()  # everyone is done with the checks above before any rank leaves
-    print(f"rank {rank} scenario hostile_clients OK", flush=True)
 
 
 def disagreeing_keys() -> None:
-    """Rank 1 has a different DDLCOMM_AUTH_KEY: it fails at once, rank 0 at its timeout."""
-    dist.init_process_group("ddlcomm", timeout=timedelta(seconds=5))
+    """Rank 1 has a different DDLCOMM_AUTH_KEY: it fails at once, rank 0 at its timeout.
+    Both exit with code 4 after printing the error."""
+    start = time.monotonic()
+    try:
+        dist.init_process_group("ddlcomm", timeout=timedelta(seconds=5))
+    except dist.DistBackendError as e:
+        print(f"DistBackendError after {time.monotonic() - start:.2f} s: {e}", flush=True)
+        sys.exit(4)
     raise AssertionError("init_process_group succeeded with different keys")
 
 
 if __name__ == "__main__":
-    import sys
-
-    scenario = sys.argv[1]
-    start = time.monotonic()
-    try:
-        {"hostile_clients": hostile_clients, "disagreeing_keys": disagreeing_keys}[scenario]()
-    except dist.DistBackendError as e:
-        print(f"DistBackendError after {time.monotonic() - start:.2f} s: {e}", flush=True)
-        sys.exit(4)
+    run({"hostile_clients": hostile_clients, "disagreeing_keys": disagreeing_keys})

@@ -95,6 +95,12 @@ def assert_equal(actual: torch.Tensor, expected: torch.Tensor, what: str) -> Non
         )
 
 
+def rss_bytes() -> int:
+    """The resident set size of this process."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
 def run(scenarios: dict) -> None:
     name = sys.argv[1]
     scenarios[name](*sys.argv[2:])

@@ -13,7 +13,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from common import init, run
+from common import init, rss_bytes, run
 
 
 def expect(exc_type: type, fn, *words: str) -> str:
@@ -121,8 +121,7 @@ def peer_killed(when: str) -> None:
     """Rank 1 is SIGKILLed before, during or after a large (16 MB) all-reduce."""
     timeout = 20.0
     rank, n = init(timeout_s=timeout)
-    big = torch.ones(4_000_000)
-    dist.all_reduce(big)  # everyone is connected and warm
+    dist.all_reduce(torch.ones(4_000_000))  # everyone is connected and warm
     if when == "after":
         # The failure happens while every rank is idle; the next collective must notice it.
         if rank == 1:
@@ -133,7 +132,8 @@ def peer_killed(when: str) -> None:
     if rank == 1:
         if when == "before":
             _sigkill_self()
-        threading.Timer(0.2, _sigkill_self).start()
+        else:  # during
+            threading.Timer(0.2, _sigkill_self).start()
     _expect_peer_failure(timeout, _big_all_reduces)
 
 
@@ -148,8 +148,9 @@ def _reset_peer_connections() -> None:
             s = socket.socket(fileno=os.dup(fd))
         except OSError:
             continue  # not a socket
+        tcp = s.family in (socket.AF_INET, socket.AF_INET6) and s.type == socket.SOCK_STREAM
         try:
-            peer_port = s.getpeername()[1] if s.type == socket.SOCK_STREAM else None
+            peer_port = s.getpeername()[1] if tcp else None
         except OSError:
             peer_port = None  # unconnected or a listener
         if peer_port is None or peer_port == store_port:
@@ -209,9 +210,7 @@ def _process_usage() -> tuple[int, int, int]:
     """Open descriptors, threads and resident bytes of this process."""
     fds = len(os.listdir("/proc/self/fd"))
     threads = len(os.listdir("/proc/self/task"))
-    with open("/proc/self/statm") as f:
-        rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    return fds, threads, rss
+    return fds, threads, rss_bytes()
 
 
 def init_destroy_cycles(cycles: str) -> None:
@@ -220,6 +219,7 @@ def init_destroy_cycles(cycles: str) -> None:
     rank, n = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
     warmup, total = 10, int(cycles)
+    assert total > warmup, f"run more than {warmup} cycles (the warm-up), not {total}"
     baseline = None
     for cycle in range(total):
         if cycle == warmup:

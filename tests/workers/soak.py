@@ -19,7 +19,6 @@ import gc
 import hashlib
 import json
 import math
-import os
 import random
 import time
 from collections import Counter
@@ -29,12 +28,11 @@ from typing import Callable, Iterable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from common import ALL_DTYPES, OPS, init, op_valid, run
+from common import ALL_DTYPES, OPS, init, op_valid, rss_bytes, run
 from ddlcomm import compress
 from ddlcomm.compressed import compressed_all_reduce, server_residual_numel
 
 MiB = 1 << 20
-PAGE = os.sysconf("SC_PAGE_SIZE")
 COMPRESSED_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 COMPRESSORS: dict[str, Callable[[], compress.Compressor]] = {
     "onebit": compress.OneBit,
@@ -68,11 +66,6 @@ KINDS = {
 ASYNC_PROBABILITY = 0.25
 MAX_OUTSTANDING = 4
 STRIDED_MAX_BYTES = MiB  # non-contiguous tensors need a 2x buffer: only for small ones
-
-
-def rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * PAGE
 
 
 def peak_rss_bytes() -> int:
@@ -457,7 +450,8 @@ class Soak:
             hashes = torch.empty(self.n, dtype=torch.int64)
             dist.all_gather_into_tensor(hashes, torch.tensor([digest(x)]), group=self.gloo)
             if len(set(hashes.tolist())) > 1:
-                self.mismatches.append(f"{self.context}: ranks hold different results (hashes {hashes.tolist()})")
+                self.mismatches.append(f"rank {self.rank} {self.context}: ranks hold different results "
+                                       f"(hashes {hashes.tolist()})")
 
         return Pending(step, desc, [future] if async_op else [], check)
 
@@ -527,7 +521,8 @@ class Soak:
         rss_end = rss_bytes()
         summary = dict(
             rank=self.rank, ops=ops, seed=self.seed, max_bytes=self.max_bytes, mismatches=len(self.mismatches),
-            kinds=dict(sorted(self.counts.items())), buffer_bytes=self.buffer_bytes,
+            kinds=dict(sorted(self.counts.items())), warmup_kinds=dict(Counter(kind for kind, _ in warmup)),
+            buffer_bytes=self.buffer_bytes,
             seconds=round(time.monotonic() - start, 1), rss_warm_mib=round(rss_warm / MiB, 1),
             rss_peak_mib=round(rss_peak / MiB, 1), rss_end_mib=round(rss_end / MiB, 1),
             vm_hwm_mib=round(peak_rss_bytes() / MiB, 1), rss_trace_mib=trace,

@@ -30,8 +30,6 @@ constexpr size_t kLoggedDrops = 4;  // drops logged one by one per reason; the r
 constexpr std::string_view kConnectorLabel = "ddlcomm connector";
 constexpr std::string_view kAcceptorLabel = "ddlcomm acceptor";
 
-using Nonce = std::array<uint8_t, 32>;
-
 #pragma pack(push, 1)
 struct Challenge {
   uint32_t magic;
@@ -179,27 +177,23 @@ Fd Acceptor::next(Deadline deadline, Hello* hello) {
     if (ready <= 0) continue;
 
     // Pending connections first, so a flood on the listener cannot starve a real peer.
-    bool done = false;
-    Fd accepted;
     for (size_t i = 1, slot = 0; i < fds.size(); ++i) {
       auto it = pending_.begin() + std::ptrdiff_t(slot);
-      if (fds[i].revents == 0 || done) {
+      if (fds[i].revents == 0) {
         ++slot;
         continue;
       }
-      if (advance(*it, hello)) {
-        accepted = std::move(it->fd);
-        done = true;
-      }
+      Fd accepted;
+      if (advance(*it, hello)) accepted = std::move(it->fd);
       if (!it->fd.valid()) {
         pending_.erase(it);  // finished or dropped
       } else {
         ++slot;
       }
-    }
-    if (done) {
-      setNonBlocking(accepted.get(), false);
-      return accepted;
+      if (accepted.valid()) {
+        setNonBlocking(accepted.get(), false);
+        return accepted;
+      }
     }
     if (fds[0].revents != 0) acceptSome();
   }

@@ -16,10 +16,13 @@
 #include <deque>
 #include <string>
 
+#include "common/sha256.h"
 #include "transport/store.h"
 #include "transport/tcp/socket.h"
 
 namespace ddlcomm::tcp {
+
+using Nonce = std::array<uint8_t, 32>;
 
 // Who is calling and for which slot; exchanged inside the authenticated handshake.
 struct Hello {
@@ -56,12 +59,12 @@ class Acceptor {
   Fd next(Deadline deadline, Hello* hello);
 
  private:
-  static constexpr size_t kProofBytes = sizeof(Hello) + 32 + 32;  // Hello, nonce, MAC
+  static constexpr size_t kProofBytes = sizeof(Hello) + sizeof(Nonce) + sizeof(Digest);
   struct Pending {
     Fd fd;
     std::string from;
     Deadline deadline;
-    std::array<uint8_t, 32> nonce{};
+    Nonce nonce{};
     std::array<uint8_t, kProofBytes> proof{};
     size_t got = 0;
   };

@@ -149,14 +149,14 @@ Address Address::fromString(const std::string& text) {
   auto colon = text.rfind(':');
   const std::string port = colon == std::string::npos ? "" : text.substr(colon + 1);
   const bool digits = !port.empty() && port.size() <= 5 && port.find_first_not_of("0123456789") == std::string::npos;
-  DDLCOMM_CHECK(digits && std::stoi(port) >= 1 && std::stoi(port) <= 65535, ErrorKind::Protocol,
-                "malformed address '", text, "'");
+  const int number = digits ? std::stoi(port) : 0;
+  DDLCOMM_CHECK(number >= 1 && number <= 65535, ErrorKind::Protocol, "malformed address '", text, "'");
   std::string host = text.substr(0, colon);
   if (!host.empty() && host.front() == '[') {
     DDLCOMM_CHECK(host.size() >= 2 && host.back() == ']', ErrorKind::Protocol, "malformed address '", text, "'");
     host = host.substr(1, host.size() - 2);
   }
-  return parse(host, std::stoi(port));
+  return parse(host, number);
 }
 
 std::string chooseLocalHost() {

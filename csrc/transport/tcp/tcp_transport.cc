@@ -37,8 +37,9 @@ TcpOptions TcpOptions::fromEnvironment() {
   o.connectionsPerPeer = int(std::clamp(envLong("DDLCOMM_SOCKETS_PER_PEER", o.connectionsPerPeer), 1L, 16L));
   o.stripeMinBytes = size_t(envLong("DDLCOMM_STRIPE_MIN_BYTES", long(o.stripeMinBytes)));
   o.socketBufferBytes = int(envLong("DDLCOMM_SOCKET_BUFFER_BYTES", o.socketBufferBytes));
+  // At least 1 ms: with 0 every connection would be dropped before its first byte.
   o.handshakeTimeout =
-      std::chrono::milliseconds(envLong("DDLCOMM_HANDSHAKE_TIMEOUT_MS", long(o.handshakeTimeout.count())));
+      std::chrono::milliseconds(std::max(1L, envLong("DDLCOMM_HANDSHAKE_TIMEOUT_MS", long(o.handshakeTimeout.count()))));
   return o;
 }
 
@@ -451,8 +452,7 @@ void TcpTransport::wait(Request& r, Deadline deadline) {
     auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
     if (left <= 0) timedOut(r);
     if (!waitForEvents(int(std::min<long long>(left + 1, 1000))) && failureProbe_) {
-      std::string remote = failureProbe_();
-      if (!remote.empty()) {
+      if (failureProbe_()) {
         abort(ErrorKind::PeerFailure, detail::concat("rank ", rank_, " gave up waiting in ", r.signature.describe(),
                                                      " for rank ", r.peer, ": another rank failed"));
         throwIfBroken();
