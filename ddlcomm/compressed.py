@@ -7,10 +7,11 @@ same kernels, the same randomness streams and the same summation order. So both 
 bitwise the same result.
 
 Quantizers and casts (1-bit, ternary, fp16, bf16) use scatter-reduce-gather with two
-levels of error feedback: each rank encodes its vector in n chunks with its worker
-residual; rank i decodes and sums chunk i from every rank in rank order, re-encodes the
-sum with its server residual; an all-gather of those payloads gives every rank the same
-bytes. Sparse formats (top-k, random-k) all-gather the (index, value) payloads and sum
+levels of error feedback, in segments of 16 Mi elements (so that the native
+implementation encodes one segment while the one before it is on the wire). In each
+segment every rank encodes its part in n chunks with its worker residual; rank i decodes
+and sums chunk i from every rank in rank order, re-encodes the sum with its server
+residual; an all-gather of those payloads gives every rank the same bytes. Sparse formats (top-k, random-k) all-gather the (index, value) payloads and sum
 them in rank order.
 """
 
@@ -45,10 +46,19 @@ def _chunk_bounds(numel: int, n: int) -> list[int]:
     return [numel * i // n for i in range(n + 1)]
 
 
+def _segments(numel: int) -> list[tuple[int, int]]:
+    # Same split as the native compressed all-reduce: (begin, end) of each segment.
+    step = _C.ProcessGroupDdlcomm.segment_elements
+    return [(begin, min(begin + step, numel)) for begin in range(0, numel, step)]
+
+
 def server_residual_numel(numel: int, rank: int, world_size: int) -> int:
-    """Length of the server residual of `rank`: the chunk of the vector it reduces."""
-    bounds = _chunk_bounds(numel, world_size)
-    return bounds[rank + 1] - bounds[rank]
+    """Length of the server residual of `rank`: its chunk of every segment of the vector."""
+    total = 0
+    for begin, end in _segments(numel):
+        bounds = _chunk_bounds(end - begin, world_size)
+        total += bounds[rank + 1] - bounds[rank]
+    return total
 
 
 def wire_bytes(compressor: Compressor, numel: int, world_size: int, rank: int = 0) -> int:
@@ -58,10 +68,13 @@ def wire_bytes(compressor: Compressor, numel: int, world_size: int, rank: int = 
         return 0
     if compressor.format in _SPARSE:
         return (n - 1) * compressor.compressed_nbytes(numel)
-    bounds = _chunk_bounds(numel, n)
-    chunk_bytes = [compressor.compressed_nbytes(bounds[i + 1] - bounds[i]) for i in range(n)]
-    # all-to-all of the worker payloads (all but its own chunk), then its server payload to every peer
-    return sum(chunk_bytes) - chunk_bytes[rank] + (n - 1) * chunk_bytes[rank]
+    total = 0
+    for begin, end in _segments(numel):
+        bounds = _chunk_bounds(end - begin, n)
+        chunk_bytes = [compressor.compressed_nbytes(bounds[i + 1] - bounds[i]) for i in range(n)]
+        # all-to-all of the worker payloads (all but its own chunk), then its server payload to every peer
+        total += sum(chunk_bytes) - chunk_bytes[rank] + (n - 1) * chunk_bytes[rank]
+    return total
 
 
 def compressed_all_reduce(
@@ -140,13 +153,42 @@ def _fallback(
         flat.copy_(acc)
         return
 
-    bounds = _chunk_bounds(numel, n)
+    residual_at = 0
+    for segment, (begin, end) in enumerate(_segments(numel)):
+        bounds = _chunk_bounds(end - begin, n)
+        mine = bounds[r + 1] - bounds[r]
+        _scatter_reduce_gather(
+            flat[begin:end],
+            compressor,
+            None if worker_residual is None else worker_residual[begin:end],
+            None if server_residual is None else server_residual[residual_at : residual_at + mine],
+            group,
+            scale,
+            stream,
+            segment,
+        )
+        residual_at += mine
+
+
+def _scatter_reduce_gather(
+    flat: torch.Tensor,
+    compressor: Compressor,
+    worker_residual: Optional[torch.Tensor],
+    server_residual: Optional[torch.Tensor],
+    group: dist.ProcessGroup,
+    scale: float,
+    stream: int,
+    segment: int,
+) -> None:
+    """One segment of a quantized or cast compressed all-reduce, in place."""
+    n, r = dist.get_world_size(group), dist.get_rank(group)
+    bounds = _chunk_bounds(flat.numel(), n)
     lengths = [bounds[i + 1] - bounds[i] for i in range(n)]
     payloads = [
         compressor.encode(
             flat[bounds[i] : bounds[i + 1]],
             None if worker_residual is None else worker_residual[bounds[i] : bounds[i + 1]],
-            stream=_encode_stream(stream, r, 0, i, n),
+            stream=_encode_stream(stream, r, 0, i, n, segment),
         )
         for i in range(n)
     ]
@@ -158,9 +200,9 @@ def _fallback(
     acc = torch.zeros(lengths[r], dtype=torch.float32)
     for part in incoming.view(n, mine):
         compressor.decode_accumulate(part, acc)
-    if average:
+    if scale != 1.0:
         acc.mul_(scale)
-    reduced = compressor.encode(acc, server_residual, stream=_encode_stream(stream, r, 1, r, n))
+    reduced = compressor.encode(acc, server_residual, stream=_encode_stream(stream, r, 1, r, n, segment))
     # all_gather_into_tensor needs equal sizes: chunk payloads differ by at most one element's worth.
     sizes = [compressor.compressed_nbytes(length) for length in lengths]
     widest = max(sizes)

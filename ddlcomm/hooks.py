@@ -46,6 +46,9 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+# 2: server residuals follow the segmented compressed all-reduce (ddlcomm.compressed).
+_STATE_VERSION = 2
+
 
 @dataclass
 class CompressionStats:
@@ -140,6 +143,7 @@ class CompressionState:
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume: iteration, residuals, momenta and statistics."""
         return {
+            "version": _STATE_VERSION,
             "iter": self.iter,
             "worker_residuals": {k: v.clone() for k, v in self.worker_residuals.items()},
             "server_residuals": {k: v.clone() for k, v in self.server_residuals.items()},
@@ -148,10 +152,23 @@ class CompressionState:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restores what ``state_dict`` returned (tensors are copied)."""
+        """Restores what ``state_dict`` returned (tensors are copied).
+
+        A state from version 1 (saved before the compressed all-reduce ran in segments) keeps
+        everything but its server residuals, which start again from zero; a state from a newer
+        version raises ValueError.
+        """
+        version = int(state.get("version", 1))
+        if version > _STATE_VERSION:
+            raise ValueError(f"hook state version {version} is newer than this ddlcomm's ({_STATE_VERSION})")
         self.iter = int(state["iter"])
         for name in ("worker_residuals", "server_residuals", "momenta"):
             tensors = state.get(name, {})
+            if name == "server_residuals" and version < 2 and tensors:
+                # Version 1 laid a bucket's server residual out unsegmented; starting it from
+                # zero costs one step's quantization error of the chunk this rank reduces.
+                logger.warning("ddlcomm hook: the state is from version %d; its server residuals are reset", version)
+                tensors = {}
             for index, tensor in tensors.items():
                 if tensor.dtype != torch.float32 or tensor.dim() != 1:
                     raise ValueError(f"{name}[{index}] must be a 1-D float32 tensor, got {tensor.dtype} {tuple(tensor.shape)}")

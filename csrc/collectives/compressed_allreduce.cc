@@ -1,5 +1,6 @@
 #include "collectives/compressed_allreduce.h"
 
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
@@ -24,7 +25,7 @@ void sparseAllreduce(Call& call, const CompressedAllreduceArgs& a) {
   uint8_t* all = reinterpret_cast<uint8_t*>(comm.scratch(size_t(n) * capacity, 0));
   uint8_t* mine = all + size_t(r) * capacity;
   const size_t written = compress::encode(a.config, a.dtype, a.data, a.workerResidual, a.count,
-                                          encodeStream(a.stream, r, 0, 0, n), mine, capacity);
+                                          encodeStream(a.stream, r, 0, 0, n, 0), mine, capacity);
   DDLCOMM_CHECK(written == capacity, ErrorKind::Protocol, "sparse payload of ", written, " bytes, expected ", capacity);
 
   // All-gather of the payloads; the output is zeroed while they travel, then the entries
@@ -46,82 +47,140 @@ void sparseAllreduce(Call& call, const CompressedAllreduceArgs& a) {
                       a.dtype, a.data);
 }
 
-// Transfers overlap computation: a worker payload leaves as soon as it is encoded (while the
-// next one is encoded), and the reduced payloads are decoded as they arrive, this rank's own
-// first. The sum and its re-encoding are one pass over the chunk (compress::reduceEncode).
+// One segment of the vector and where its payloads go in the scratch buffers.
+struct Segment {
+  size_t begin = 0;               // first element of the segment in the vector
+  ring::Chunks chunks{0, 1};      // its n chunks, relative to `begin`
+  std::vector<size_t> payloadAt;  // n + 1 offsets of its chunk payloads in `outgoing` / `gathered`
+  size_t incomingAt = 0;          // offset of its n worker payloads of this rank's chunk
+  size_t residualAt = 0;          // offset of this rank's chunk in the server residual
+  size_t bytes(int i) const { return payloadAt[size_t(i) + 1] - payloadAt[size_t(i)]; }
+};
+
+// Per segment: a worker payload leaves as soon as it is encoded, this rank's own chunk is
+// encoded last (so the others have that long to arrive), then the chunk is reduced and
+// re-encoded in one pass (compress::reduceEncode) and all-gathered. The segments are
+// pipelined: step k encodes and reduces segment k, whose all-gather then overlaps the encode
+// of segment k+1, and decodes segment k-1. Every receive is posted up front, in the order
+// every peer sends: scatter(k), then gather(k).
 void scatterReduceGather(Call& call, const CompressedAllreduceArgs& a) {
   const int n = call.comm().size(), r = call.comm().rank();
   Communicator& comm = call.comm();
   const size_t es = elementSize(a.dtype);
-  const ring::Chunks chunks{a.count, n};
-  std::vector<size_t> chunkBytes(static_cast<size_t>(n)), chunkOffsets(static_cast<size_t>(n) + 1, 0);
-  for (int i = 0; i < n; ++i) {
-    chunkBytes[size_t(i)] = compress::encodedBytes(a.config, chunks.length(i));
-    chunkOffsets[size_t(i) + 1] = chunkOffsets[size_t(i)] + chunkBytes[size_t(i)];
+  std::vector<Segment> segs;
+  size_t payloadTotal = 0, incomingTotal = 0, residualTotal = 0;
+  for (size_t begin = 0; begin < a.count; begin += kSegmentElements) {
+    Segment& seg = segs.emplace_back();
+    seg.begin = begin;
+    seg.chunks = ring::Chunks{std::min(kSegmentElements, a.count - begin), n};
+    seg.payloadAt.push_back(payloadTotal);
+    for (int i = 0; i < n; ++i) {
+      payloadTotal += compress::encodedBytes(a.config, seg.chunks.length(i));
+      seg.payloadAt.push_back(payloadTotal);
+    }
+    seg.incomingAt = incomingTotal;
+    incomingTotal += size_t(n) * seg.bytes(r);
+    seg.residualAt = residualTotal;
+    residualTotal += seg.chunks.length(r);
   }
-  const size_t mineBytes = chunkBytes[size_t(r)], mineLength = chunks.length(r);
+  // Reduced payloads arrive in `gathered` while later worker payloads still leave `outgoing`.
+  uint8_t* outgoing = reinterpret_cast<uint8_t*>(comm.scratch(2 * payloadTotal, 0));
+  uint8_t* gathered = outgoing + payloadTotal;
+  uint8_t* incoming = reinterpret_cast<uint8_t*>(comm.scratch(incomingTotal, 1));
   char* data = static_cast<char*>(a.data);
-  auto encodeWorkerChunk = [&](int i, uint8_t* payload) {
-    const size_t written = compress::encode(
-        a.config, a.dtype, data + chunks.begin(i) * es, a.workerResidual ? a.workerResidual + chunks.begin(i) : nullptr,
-        chunks.length(i), encodeStream(a.stream, r, 0, i, n), payload, chunkBytes[size_t(i)]);
-    DDLCOMM_CHECK(written == chunkBytes[size_t(i)], ErrorKind::Protocol, "payload of ", written, " bytes, expected ",
-                  chunkBytes[size_t(i)]);
+  const float factor = a.average ? 1.f / float(n) : 1.f;
+
+  std::vector<PeerExchange*> scatter, gather;
+  for (const Segment& seg : segs) {
+    scatter.push_back(&call.exchange());
+    gather.push_back(&call.exchange());
+    const size_t mine = seg.bytes(r);
+    for (int s = 1; s < n; ++s) {
+      const int from = (r - s + n) % n;
+      scatter.back()->recv(from, incoming + seg.incomingAt + size_t(from) * mine, mine);
+    }
+    for (int s = 1; s < n; ++s) {
+      const int from = (r - s + n) % n;
+      gather.back()->recv(from, gathered + seg.payloadAt[size_t(from)], seg.bytes(from));
+    }
+  }
+
+  auto encodeAndSend = [&](size_t k) {
+    const Segment& seg = segs[k];
+    auto encodeChunk = [&](int i, uint8_t* payload) {
+      const size_t begin = seg.begin + seg.chunks.begin(i);
+      const size_t written = compress::encode(
+          a.config, a.dtype, data + begin * es, a.workerResidual ? a.workerResidual + begin : nullptr,
+          seg.chunks.length(i), encodeStream(a.stream, r, 0, i, n, k), payload, seg.bytes(i));
+      DDLCOMM_CHECK(written == seg.bytes(i), ErrorKind::Protocol, "payload of ", written, " bytes, expected ",
+                    seg.bytes(i));
+    };
+    for (int s = 1; s < n; ++s) {
+      const int to = (r + s) % n;
+      encodeChunk(to, outgoing + seg.payloadAt[size_t(to)]);
+      scatter[k]->send(to, outgoing + seg.payloadAt[size_t(to)], seg.bytes(to));
+    }
+    encodeChunk(r, incoming + seg.incomingAt + size_t(r) * seg.bytes(r));
+  };
+  // Sums chunk r of every rank in rank order, in float32, re-encodes the sum with the server
+  // residual and sends it to every peer.
+  auto reduceAndSend = [&](size_t k) {
+    const Segment& seg = segs[k];
+    const size_t mine = seg.bytes(r);
+    std::vector<const uint8_t*> payloads(static_cast<size_t>(n));
+    for (int j = 0; j < n; ++j) {
+      scatter[k]->waitRecv(j);
+      payloads[size_t(j)] = incoming + seg.incomingAt + size_t(j) * mine;
+    }
+    uint8_t* reduced = gathered + seg.payloadAt[size_t(r)];
+    const size_t written = compress::reduceEncode(
+        a.config, payloads.data(), payloads.size(), mine, seg.chunks.length(r), factor,
+        a.serverResidual ? a.serverResidual + seg.residualAt : nullptr, encodeStream(a.stream, r, 1, r, n, k),
+        reduced, mine);
+    DDLCOMM_CHECK(written == mine, ErrorKind::Protocol, "server payload of ", written, " bytes, expected ", mine);
+    for (int s = 1; s < n; ++s) gather[k]->send((r + s) % n, reduced, mine);
+  };
+  // Every rank decodes the same bytes: its own chunk first, then the others as they arrive.
+  auto decode = [&](size_t k) {
+    const Segment& seg = segs[k];
+    for (int s = 0; s < n; ++s) {
+      const int j = (r - s + n) % n;
+      gather[k]->waitRecv(j);
+      checkedDecode(a, gathered + seg.payloadAt[size_t(j)], seg.bytes(j), a.dtype,
+                    data + (seg.begin + seg.chunks.begin(j)) * es, seg.chunks.length(j));
+    }
   };
 
-  // 1. All-to-all of the worker payloads: chunk i goes to rank i; this rank's own goes last.
-  uint8_t* outgoing = reinterpret_cast<uint8_t*>(comm.scratch(chunkOffsets[size_t(n)], 0));
-  uint8_t* incoming = reinterpret_cast<uint8_t*>(comm.scratch(size_t(n) * mineBytes, 1));
-  PeerExchange& scatter = call.exchange();
-  for (int s = 1; s < n; ++s) {
-    const int from = (r - s + n) % n;
-    scatter.recv(from, incoming + size_t(from) * mineBytes, mineBytes);
+  for (size_t k = 0; k <= segs.size(); ++k) {
+    if (k < segs.size()) {
+      encodeAndSend(k);
+      reduceAndSend(k);
+    }
+    if (k > 0) decode(k - 1);
   }
-  for (int s = 1; s < n; ++s) {
-    const int to = (r + s) % n;
-    encodeWorkerChunk(to, outgoing + chunkOffsets[size_t(to)]);
-    scatter.send(to, outgoing + chunkOffsets[size_t(to)], chunkBytes[size_t(to)]);
+  for (size_t k = 0; k < segs.size(); ++k) {
+    scatter[k]->waitSends();
+    gather[k]->waitSends();
   }
-  encodeWorkerChunk(r, incoming + size_t(r) * mineBytes);
-
-  // 2. Sum chunk r of every rank in rank order, in float32, and re-encode the sum with the
-  //    server residual, into the all-gather buffer (once the worker payloads there have left).
-  std::vector<const uint8_t*> payloads(static_cast<size_t>(n));
-  for (int j = 0; j < n; ++j) {
-    scatter.waitRecv(j);
-    payloads[size_t(j)] = incoming + size_t(j) * mineBytes;
-  }
-  scatter.waitSends();
-  uint8_t* gathered = outgoing;
-  const size_t written = compress::reduceEncode(
-      a.config, payloads.data(), payloads.size(), mineBytes, mineLength, a.average ? 1.f / float(n) : 1.f,
-      a.serverResidual, encodeStream(a.stream, r, 1, r, n), gathered + chunkOffsets[size_t(r)], mineBytes);
-  DDLCOMM_CHECK(written == mineBytes, ErrorKind::Protocol, "server payload of ", written, " bytes, expected ",
-                mineBytes);
-
-  // 3. All-gather the reduced payloads; every rank decodes the same bytes.
-  PeerExchange& gather = call.exchange();
-  for (int s = 1; s < n; ++s) {
-    const int from = (r - s + n) % n, to = (r + s) % n;
-    gather.recv(from, gathered + chunkOffsets[size_t(from)], chunkBytes[size_t(from)]);
-    gather.send(to, gathered + chunkOffsets[size_t(r)], mineBytes);
-  }
-  for (int s = 0; s < n; ++s) {
-    const int j = (r - s + n) % n;  // the order they arrive in
-    gather.waitRecv(j);
-    checkedDecode(a, gathered + chunkOffsets[size_t(j)], chunkBytes[size_t(j)], a.dtype, data + chunks.begin(j) * es,
-                  chunks.length(j));
-  }
-  gather.waitSends();
 }
 
 }  // namespace
 
-uint64_t encodeStream(uint64_t callStream, int rank, int phase, int chunk, int size) {
-  return ((callStream * 2 + uint64_t(phase)) * uint64_t(size) + uint64_t(rank)) * uint64_t(size) + uint64_t(chunk);
+uint64_t encodeStream(uint64_t callStream, int rank, int phase, int chunk, int size, uint64_t segment) {
+  // Segment 0 keeps the streams of an unsegmented call; an odd multiplier spreads the others
+  // far from every stream a small call stream, rank and chunk give.
+  const uint64_t base =
+      ((callStream * 2 + uint64_t(phase)) * uint64_t(size) + uint64_t(rank)) * uint64_t(size) + uint64_t(chunk);
+  return base + segment * 0x9e3779b97f4a7c15ull;
 }
 
-size_t serverResidualLength(size_t count, int rank, int size) { return ring::Chunks{count, size}.length(rank); }
+size_t serverResidualLength(size_t count, int rank, int size) {
+  size_t length = 0;
+  for (size_t begin = 0; begin < count; begin += kSegmentElements) {
+    length += ring::Chunks{std::min(kSegmentElements, count - begin), size}.length(rank);
+  }
+  return length;
+}
 
 void compressedAllreduce(Communicator& comm, const CompressedAllreduceArgs& a) {
   DDLCOMM_CHECK(a.dtype == DataType::Float32 || a.dtype == DataType::Float16 || a.dtype == DataType::BFloat16,

@@ -42,6 +42,23 @@ template <class E, bool EF>
   return y;
 }
 
+// Block encoders ask for the inputs of the block this many blocks ahead while they encode
+// one: on vectors in DRAM the hardware prefetcher alone leaves the 1-bit encode with error
+// feedback about 20% slower (25 M float32 on one core: 0.78 -> 0.64 ns per element).
+constexpr size_t kPrefetchBlocks = 2;
+
+// Prefetches elements [begin, begin + len) of x (and of the residual, to be written).
+template <class E, bool EF>
+[[gnu::always_inline]] inline void prefetchY(const typename E::Raw* x, const float* residual, size_t begin,
+                                             size_t len) {
+  const char* px = reinterpret_cast<const char*>(x + begin);
+  for (size_t b = 0; b < len * sizeof(typename E::Raw); b += 64) __builtin_prefetch(px + b);
+  if constexpr (EF) {
+    const char* pr = reinterpret_cast<const char*>(residual + begin);
+    for (size_t b = 0; b < len * sizeof(float); b += 64) __builtin_prefetch(pr + b, 1);
+  }
+}
+
 [[gnu::always_inline]] inline uint32_t floatBits(float f) {
   uint32_t u;
   std::memcpy(&u, &f, sizeof u);

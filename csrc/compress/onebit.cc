@@ -55,6 +55,10 @@ template <class E, bool EF, bool Two>
   BitWriter writer(bits + b0 * bs / 8);
   for (size_t b = b0; b < b1; ++b) {
     const size_t start = b * bs, len = std::min(bs, in.numel - start);
+    if (b + kPrefetchBlocks < b1) {
+      const size_t ahead = start + kPrefetchBlocks * bs;
+      prefetchY<E, EF>(x, in.residual, ahead, std::min(bs, in.numel - ahead));
+    }
     const auto* xb = x + start;
     float* rb = EF ? in.residual + start : nullptr;
     const Scales s = blockScales<E, EF, Two>(xb, rb, len);

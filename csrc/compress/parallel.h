@@ -12,7 +12,7 @@ namespace ddlcomm::compress {
 constexpr size_t kMinElementsPerThread = size_t(1) << 20;
 
 // Threads for a pass over `elements` elements: DDLCOMM_NUM_THREADS (read on every call) or
-// the hardware concurrency, and no more than the input justifies.
+// this process's cores divided by LOCAL_WORLD_SIZE, and no more than the input justifies.
 size_t threadsFor(size_t elements);
 
 // Splits [0, items) into `parts` contiguous ranges whose inner boundaries are multiples of

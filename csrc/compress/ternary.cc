@@ -51,6 +51,10 @@ template <class E, bool EF>
   BitWriter writer(codes + b0 * bs / 4);
   for (size_t b = b0; b < b1; ++b) {
     const size_t start = b * bs, len = std::min(bs, in.numel - start);
+    if (b + kPrefetchBlocks < b1) {
+      const size_t ahead = start + kPrefetchBlocks * bs;
+      prefetchY<E, EF>(x, in.residual, ahead, std::min(bs, in.numel - ahead));
+    }
     const auto* xb = x + start;
     float* rb = EF ? in.residual + start : nullptr;
     const float s = blockScale<E, EF>(xb, rb, len, config.clip);

@@ -28,7 +28,10 @@ PYBIND11_MODULE(_C, m) {
            py::arg("average") = true, py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>(),
            "Compressed all-reduce with error feedback; returns a Work whose future holds [tensor].")
       .def_static("encode_stream", &ddlcomm::encodeStream, py::arg("call_stream"), py::arg("rank"), py::arg("phase"),
-                  py::arg("chunk"), py::arg("size"));
+                  py::arg("chunk"), py::arg("size"), py::arg("segment") = 0)
+      .def_property_readonly_static(
+          "segment_elements", [](py::object) { return ddlcomm::kSegmentElements; },
+          "Elements per segment of a quantized or cast compressed all-reduce (the last one shorter).");
   ddlcomm::bindings::bindCompression(m);
   ddlcomm::bindings::bindTransport(m);
 }

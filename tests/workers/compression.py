@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from common import init, run
-from ddlcomm import compress, hooks
+from ddlcomm import ProcessGroupDdlcomm, compress, hooks
 from ddlcomm.compressed import compressed_all_reduce, native_backend, server_residual_numel
 
 COMPRESSORS = {
@@ -53,6 +53,28 @@ def native_matches_fallback() -> None:
             everyone = [torch.empty_like(results[0][0]) for _ in range(n)]
             dist.all_gather(everyone, results[0][0], group=gloo)
             assert all(torch.equal(e, results[0][0]) for e in everyone), f"{name}: ranks hold different results"
+
+
+def segmented_matches_fallback() -> None:
+    """A vector longer than one segment (the second one short): the native pipeline over its
+    segments and the fallback's plain loop over them give the same bits, on every rank."""
+    rank, n = init()
+    gloo = dist.new_group(backend="gloo")
+    numel = ProcessGroupDdlcomm.segment_elements + 70_001
+    for name in ("onebit", "ternary", "bf16"):
+        results = []
+        for group in (None, gloo):
+            x = torch.randn(numel, generator=torch.Generator().manual_seed(rank))
+            wres = torch.randn(numel, generator=torch.Generator().manual_seed(99 + rank)) * 0.1
+            sres = torch.randn(server_residual_numel(numel, rank, n),
+                               generator=torch.Generator().manual_seed(55 + rank)) * 0.1
+            out = compressed_all_reduce(x, COMPRESSORS[name](), wres, sres, group=group, stream=4).wait()
+            results.append((out, wres, sres))
+        for a, b, what in zip(results[0], results[1], ("result", "worker residual", "server residual")):
+            assert torch.equal(a, b), f"{name} x{numel}: native and fallback {what} differ"
+        everyone = [torch.empty_like(results[0][0]) for _ in range(n)]
+        dist.all_gather(everyone, results[0][0], group=gloo)
+        assert all(torch.equal(e, results[0][0]) for e in everyone), f"{name}: ranks hold different results"
 
 
 def non_finite() -> None:
@@ -208,6 +230,7 @@ def hook_mechanics() -> None:
 if __name__ == "__main__":
     run({
         "native_matches_fallback": native_matches_fallback,
+        "segmented_matches_fallback": segmented_matches_fallback,
         "non_finite": non_finite,
         "convergence": convergence,
         "hook_mechanics": hook_mechanics,
