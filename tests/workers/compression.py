@@ -31,50 +31,44 @@ HOOKS = {
 }
 
 
+def _assert_native_matches_fallback(name: str, numel: int, gloo: dist.ProcessGroup, stream: int) -> None:
+    """One compressed all-reduce on the ddlcomm group and one through the fallback on `gloo`,
+    from the same inputs and residuals: same result and residuals, and the same on every rank."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    comp = COMPRESSORS[name]()
+    results = []
+    for group in (None, gloo):
+        x = torch.randn(numel, generator=torch.Generator().manual_seed(rank * 7 + numel))
+        wres = torch.randn(numel, generator=torch.Generator().manual_seed(99 + rank)) * 0.1
+        sres = torch.randn(server_residual_numel(numel, rank, n),
+                           generator=torch.Generator().manual_seed(55 + rank)) * 0.1
+        out = compressed_all_reduce(x, comp, wres, sres, group=group, stream=stream).wait()
+        results.append((out, wres, sres))
+    for a, b, what in zip(results[0], results[1], ("result", "worker residual", "server residual")):
+        assert torch.equal(a, b), f"{name} x{numel}: native and fallback {what} differ"
+    everyone = [torch.empty_like(results[0][0]) for _ in range(n)]
+    dist.all_gather(everyone, results[0][0], group=gloo)
+    assert all(torch.equal(e, results[0][0]) for e in everyone), f"{name} x{numel}: ranks hold different results"
+
+
 def native_matches_fallback() -> None:
     """The native path (ddlcomm group) and the fallback (gloo group) give the same bits."""
-    rank, n = init()
+    init()
     gloo = dist.new_group(backend="gloo")
     assert native_backend(None) is not None and native_backend(gloo) is None
-    for name, make in COMPRESSORS.items():
+    for name in COMPRESSORS:
         # 70_001: several reduce tiles per chunk; 8_400_003: chunks split across threads
         for numel in (1, 5, 1000, 70_001, 8_400_003):
-            comp = make()
-            results = []
-            for group in (None, gloo):
-                x = torch.randn(numel, generator=torch.Generator().manual_seed(rank * 7 + numel))
-                wres = torch.randn(numel, generator=torch.Generator().manual_seed(99 + rank)) * 0.1
-                sres = torch.randn(server_residual_numel(numel, rank, n),
-                                   generator=torch.Generator().manual_seed(55 + rank)) * 0.1
-                out = compressed_all_reduce(x, comp, wres, sres, group=group, stream=11).wait()
-                results.append((out.clone(), wres.clone(), sres.clone()))
-            for a, b, what in zip(results[0], results[1], ("result", "worker residual", "server residual")):
-                assert torch.equal(a, b), f"{name} x{numel}: native and fallback {what} differ"
-            everyone = [torch.empty_like(results[0][0]) for _ in range(n)]
-            dist.all_gather(everyone, results[0][0], group=gloo)
-            assert all(torch.equal(e, results[0][0]) for e in everyone), f"{name}: ranks hold different results"
+            _assert_native_matches_fallback(name, numel, gloo, stream=11)
 
 
 def segmented_matches_fallback() -> None:
     """A vector longer than one segment (the second one short): the native pipeline over its
     segments and the fallback's plain loop over them give the same bits, on every rank."""
-    rank, n = init()
+    init()
     gloo = dist.new_group(backend="gloo")
-    numel = ProcessGroupDdlcomm.segment_elements + 70_001
     for name in ("onebit", "ternary", "bf16"):
-        results = []
-        for group in (None, gloo):
-            x = torch.randn(numel, generator=torch.Generator().manual_seed(rank))
-            wres = torch.randn(numel, generator=torch.Generator().manual_seed(99 + rank)) * 0.1
-            sres = torch.randn(server_residual_numel(numel, rank, n),
-                               generator=torch.Generator().manual_seed(55 + rank)) * 0.1
-            out = compressed_all_reduce(x, COMPRESSORS[name](), wres, sres, group=group, stream=4).wait()
-            results.append((out, wres, sres))
-        for a, b, what in zip(results[0], results[1], ("result", "worker residual", "server residual")):
-            assert torch.equal(a, b), f"{name} x{numel}: native and fallback {what} differ"
-        everyone = [torch.empty_like(results[0][0]) for _ in range(n)]
-        dist.all_gather(everyone, results[0][0], group=gloo)
-        assert all(torch.equal(e, results[0][0]) for e in everyone), f"{name}: ranks hold different results"
+        _assert_native_matches_fallback(name, ProcessGroupDdlcomm.segment_elements + 70_001, gloo, stream=4)
 
 
 def non_finite() -> None:
