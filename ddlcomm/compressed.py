@@ -11,8 +11,8 @@ levels of error feedback, in segments of 16 Mi elements (so that the native
 implementation encodes one segment while the one before it is on the wire). In each
 segment every rank encodes its part in n chunks with its worker residual; rank i decodes
 and sums chunk i from every rank in rank order, re-encodes the sum with its server
-residual; an all-gather of those payloads gives every rank the same bytes. Sparse formats (top-k, random-k) all-gather the (index, value) payloads and sum
-them in rank order.
+residual; an all-gather of those payloads gives every rank the same bytes. Sparse formats
+(top-k, random-k) all-gather the (index, value) payloads and sum them in rank order.
 """
 
 from __future__ import annotations
@@ -46,19 +46,19 @@ def _chunk_bounds(numel: int, n: int) -> list[int]:
     return [numel * i // n for i in range(n + 1)]
 
 
-def _segments(numel: int) -> list[tuple[int, int]]:
-    # Same split as the native compressed all-reduce: (begin, end) of each segment.
+def _segments(numel: int, n: int) -> list[tuple[int, int, list[int]]]:
+    # Same split as the native compressed all-reduce: (begin, end, chunk bounds relative to
+    # begin) of each segment.
     step = _C.ProcessGroupDdlcomm.segment_elements
-    return [(begin, min(begin + step, numel)) for begin in range(0, numel, step)]
+    return [
+        (begin, min(begin + step, numel), _chunk_bounds(min(step, numel - begin), n))
+        for begin in range(0, numel, step)
+    ]
 
 
 def server_residual_numel(numel: int, rank: int, world_size: int) -> int:
     """Length of the server residual of `rank`: its chunk of every segment of the vector."""
-    total = 0
-    for begin, end in _segments(numel):
-        bounds = _chunk_bounds(end - begin, world_size)
-        total += bounds[rank + 1] - bounds[rank]
-    return total
+    return sum(bounds[rank + 1] - bounds[rank] for _, _, bounds in _segments(numel, world_size))
 
 
 def wire_bytes(compressor: Compressor, numel: int, world_size: int, rank: int = 0) -> int:
@@ -69,8 +69,7 @@ def wire_bytes(compressor: Compressor, numel: int, world_size: int, rank: int = 
     if compressor.format in _SPARSE:
         return (n - 1) * compressor.compressed_nbytes(numel)
     total = 0
-    for begin, end in _segments(numel):
-        bounds = _chunk_bounds(end - begin, n)
+    for _, _, bounds in _segments(numel, n):
         chunk_bytes = [compressor.compressed_nbytes(bounds[i + 1] - bounds[i]) for i in range(n)]
         # all-to-all of the worker payloads (all but its own chunk), then its server payload to every peer
         total += sum(chunk_bytes) - chunk_bytes[rank] + (n - 1) * chunk_bytes[rank]
@@ -154,11 +153,11 @@ def _fallback(
         return
 
     residual_at = 0
-    for segment, (begin, end) in enumerate(_segments(numel)):
-        bounds = _chunk_bounds(end - begin, n)
+    for segment, (begin, end, bounds) in enumerate(_segments(numel, n)):
         mine = bounds[r + 1] - bounds[r]
         _scatter_reduce_gather(
             flat[begin:end],
+            bounds,
             compressor,
             None if worker_residual is None else worker_residual[begin:end],
             None if server_residual is None else server_residual[residual_at : residual_at + mine],
@@ -172,6 +171,7 @@ def _fallback(
 
 def _scatter_reduce_gather(
     flat: torch.Tensor,
+    bounds: list[int],
     compressor: Compressor,
     worker_residual: Optional[torch.Tensor],
     server_residual: Optional[torch.Tensor],
@@ -180,9 +180,9 @@ def _scatter_reduce_gather(
     stream: int,
     segment: int,
 ) -> None:
-    """One segment of a quantized or cast compressed all-reduce, in place."""
+    """One segment of a quantized or cast compressed all-reduce, in place; chunk i is
+    flat[bounds[i]:bounds[i + 1]]."""
     n, r = dist.get_world_size(group), dist.get_rank(group)
-    bounds = _chunk_bounds(flat.numel(), n)
     lengths = [bounds[i + 1] - bounds[i] for i in range(n)]
     payloads = [
         compressor.encode(
