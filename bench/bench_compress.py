@@ -80,6 +80,17 @@ def torch_one_bit_decode_acc(payload: tuple[torch.Tensor, torch.Tensor], out: to
 
 def torch_ternary(x: torch.Tensor, r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     y = x + r
+    a = y.abs().view(-1, BLOCK)
+    send = a > 0.7 * a.mean(1, keepdim=True)
+    scale = (a * send).sum(1) / send.sum(1).clamp_min(1)
+    codes = torch.where(send, torch.where(y.view(-1, BLOCK) >= 0, 1, 2), 0).to(torch.uint8).view(-1)
+    decoded = torch.where(send, y.view(-1, BLOCK).sign() * scale[:, None], 0).view(-1)
+    torch.sub(y, decoded, out=r)
+    return scale, (codes.view(-1, 4) << CODE_SHIFTS).sum(1, dtype=torch.uint8)
+
+
+def torch_stochastic_ternary(x: torch.Tensor, r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    y = x + r
     scale = y.abs().view(-1, BLOCK).amax(1)
     send = torch.rand_like(y).view(-1, BLOCK) * scale[:, None] < y.abs().view(-1, BLOCK)
     codes = torch.where(send, torch.where(y.view(-1, BLOCK) >= 0, 1, 2), 0).to(torch.uint8).view(-1)
@@ -134,6 +145,7 @@ def torch_cast_decode_acc(payload: torch.Tensor, out: torch.Tensor) -> None:
 CASES: list[tuple[str, Callable[[], Compressor], Callable, Callable]] = [
     ("1-bit", lambda: OneBit(BLOCK), torch_one_bit, torch_one_bit_decode_acc),
     ("ternary", lambda: Ternary(BLOCK), torch_ternary, torch_ternary_decode_acc),
+    ("ternary stochastic", lambda: Ternary(BLOCK, stochastic=True), torch_stochastic_ternary, torch_ternary_decode_acc),
     ("top-k 1%", lambda: TopK(RATIO), torch_top_k, torch_sparse_decode_acc),
     ("top-k 1% approx", lambda: TopK(RATIO, approximate=True), torch_top_k, torch_sparse_decode_acc),
     ("random-k 1%", lambda: RandomK(RATIO), torch_random_k, torch_sparse_decode_acc),

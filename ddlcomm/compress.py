@@ -67,7 +67,8 @@ def inspect(payload: torch.Tensor) -> dict:
     """Validates a payload completely and describes it.
 
     Returns a dict with ``format`` ("one_bit", "ternary", "top_k", "random_k", "float16",
-    "bfloat16"), ``version``, ``two_scales``, ``block_size``, ``numel``, ``k`` and ``nbytes``.
+    "bfloat16"), ``version``, ``two_scales``, ``stochastic``, ``block_size``, ``numel``, ``k``
+    and ``nbytes``.
     Raises ValueError for a truncated, corrupt or unknown payload.
     """
     _check_payload(payload)
@@ -197,22 +198,33 @@ class OneBit(Compressor):
 
 
 class Ternary(Compressor):
-    """TernGrad: values in {-s, 0, +s}, s = max |y| per block, 2 bits per element.
+    """Values in {-s, 0, +s} with one float32 scale s per block, 2 bits per element.
 
-    Stochastic rounding (P(|q| = s) = |y| / s, from counter-based randomness keyed by
-    ``seed``, the ``stream`` of each encode and the element index) makes the decoded value an
-    unbiased estimate of y. ``clip`` > 0 caps s at ``clip`` * std of the block.
+    Default (deterministic, the rule of ternary weight networks): elements with |y| above
+    0.7 * the block's mean |y| are sent, and s is their mean |y|. Its error is always smaller
+    than y, which is what error feedback needs to stay bounded.
+
+    ``stochastic=True`` (TernGrad): s = max |y| per block and stochastic rounding
+    (P(|q| = s) = |y| / s, counter-based randomness keyed by ``seed``, the ``stream`` of each
+    encode and the element index), so the decoded value is an unbiased estimate of y. ``clip``
+    > 0 caps s at ``clip`` * std of the block. Its error can exceed y, so with error feedback
+    the residual can grow without bound: use it without error feedback.
     """
 
     _format = _native.Format.TERNARY
 
-    def __init__(self, block_size: int = 256, clip: float = 0.0, seed: int = 0) -> None:
+    def __init__(self, block_size: int = 256, stochastic: bool = False, clip: float = 0.0, seed: int = 0) -> None:
         if not clip >= 0.0:
             raise ValueError(f"clip must be >= 0, got {clip}")
-        super().__init__(block_size=_block_size(block_size), clip=float(clip), seed=int(seed))
+        if not stochastic and (clip or seed):
+            raise ValueError("clip and seed apply to stochastic ternary only (Ternary(stochastic=True, ...))")
+        super().__init__(block_size=_block_size(block_size), stochastic=bool(stochastic), clip=float(clip),
+                         seed=int(seed))
 
     def _describe(self) -> str:
-        return f"block_size={self._config.block_size}, clip={self._config.clip}, seed={self._config.seed}"
+        if not self._config.stochastic:
+            return f"block_size={self._config.block_size}"
+        return f"block_size={self._config.block_size}, stochastic=True, clip={self._config.clip}, seed={self._config.seed}"
 
 
 class _Sparse(Compressor):

@@ -2,13 +2,21 @@
 
 Usage, in the style of PyTorch's ``powerSGD_hook``::
 
-    from ddlcomm import hooks
+    from ddlcomm import hooks, optim
     from ddlcomm.compress import OneBit
 
-    state = hooks.CompressionState(process_group=None, compressor=OneBit(), start_compress_iter=10)
+    opt = optim.SGD(model.parameters(), lr=0.1, momentum=0.9)   # a drop-in torch.optim.SGD
+    state = hooks.CompressionState(compressor=OneBit(), optimizer=opt)
     model.register_comm_hook(state, hooks.onebit_hook)
 
-Every hook returns the average of the gradients over the ranks, like DDP's default hook.
+Every hook returns the average over the ranks, like DDP's default hook. With an
+``optimizer`` from ``ddlcomm.optim`` (SGD, Adam, AdamW) the hook averages each rank's
+update direction (its new momentum, or Adam's normalised step) rather than its gradient:
+error feedback on the gradient, fed through momentum or Adam, costs accuracy at the usual
+learning rates, and averaging the direction does not (``ddlcomm.optim`` says why;
+``docs/choosing-a-compressor.md`` has the measurements). Without an optimizer the hook
+compresses the gradient itself, which suits plain SGD.
+
 The first ``start_compress_iter`` iterations run uncompressed (DDP rebuilds its buckets
 after the first iteration, and early gradients are large and noisy). Buckets smaller
 than ``min_compression_bytes`` always go uncompressed. On a ddlcomm process group the
@@ -31,6 +39,7 @@ import torch.distributed as dist
 
 from .compress import BF16, FP16, Compressor, OneBit, RandomK, Ternary, TopK
 from .compressed import compressed_all_reduce, server_residual_numel, wire_bytes
+from .optim import DirectionOptimizer
 
 __all__ = [
     "CompressionState",
@@ -85,9 +94,13 @@ class CompressionState:
             rebuilds its buckets after the first iteration).
         min_compression_bytes: buckets smaller than this go uncompressed.
         error_feedback: keep residuals (recommended; without them 1-bit SGD diverges).
-        momentum: DGC momentum correction for sparse compressors: the momentum is
-            accumulated locally and its sent entries are cleared (momentum factor masking).
-            Use it with a plain SGD optimizer without momentum.
+        optimizer: a ``ddlcomm.optim`` optimizer (SGD, Adam, AdamW) of the model: the hook
+            then averages each rank's update direction instead of its gradient, which keeps
+            the accuracy of momentum SGD and Adam (see the module docs). Recommended for
+            every compressor.
+        momentum: DGC momentum correction for sparse compressors without ``optimizer``:
+            the momentum is accumulated locally and its sent entries are cleared (momentum
+            factor masking). Use it with a plain SGD optimizer without momentum.
         clip_norm: DGC local gradient clipping: each rank clips its bucket's gradient to
             norm ``clip_norm / sqrt(world_size)`` before accumulating it.
     """
@@ -99,6 +112,7 @@ class CompressionState:
         start_compress_iter: int = 10,
         min_compression_bytes: int = 64 * 1024,
         error_feedback: bool = True,
+        optimizer: Optional[DirectionOptimizer] = None,
         momentum: float = 0.0,
         clip_norm: Optional[float] = None,
     ) -> None:
@@ -106,14 +120,22 @@ class CompressionState:
             raise ValueError("start_compress_iter must be at least 2: DDP rebuilds its buckets after iteration 1")
         if not 0.0 <= momentum < 1.0:
             raise ValueError(f"momentum must be in [0, 1), got {momentum}")
+        if optimizer is not None and not isinstance(optimizer, DirectionOptimizer):
+            raise TypeError(f"optimizer must come from ddlcomm.optim (SGD, Adam, AdamW: drop-in subclasses of "
+                            f"torch's), got {type(optimizer).__module__}.{type(optimizer).__name__}")
+        if optimizer is not None and momentum:
+            raise ValueError("momentum= is DGC's local momentum for an optimizer without one; with optimizer= "
+                             "the optimizer's own momentum is what the hook compresses")
         self.process_group = process_group
         self.compressor = compressor if compressor is not None else OneBit()
         self.start_compress_iter = start_compress_iter
         self.min_compression_bytes = min_compression_bytes
         self.error_feedback = error_feedback
+        self.optimizer = optimizer
         self.momentum = momentum
         self.clip_norm = clip_norm
         self.iter = 0
+        self._advised = False  # logged the no-optimizer advice
         self.stats = CompressionStats()
         # bucket index -> tensors, created on first compressed use of the bucket
         self.worker_residuals: dict[int, torch.Tensor] = {}
@@ -176,12 +198,14 @@ class CompressionState:
         self.stats = CompressionStats(**state.get("stats", {}))
 
     def __getstate__(self) -> dict[str, Any]:
-        # Process groups do not pickle; the state does (for torch.save of a whole state).
-        return {k: v for k, v in self.__dict__.items() if k != "process_group"}
+        # Process groups do not pickle, and the optimizer is saved by its owner; the rest
+        # does (for torch.save of a whole state).
+        return {k: v for k, v in self.__dict__.items() if k not in ("process_group", "optimizer")}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self.process_group = None
+        self.optimizer = None
 
 
 def _allreduce_average(state: CompressionState, buffer: torch.Tensor) -> torch.futures.Future:
@@ -211,6 +235,12 @@ def compressed_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.f
         return fut
 
     rank, world = state._world()
+    quantizer_on_gradients = state.optimizer is None and not state.momentum and not isinstance(state.compressor, (FP16, BF16))
+    if quantizer_on_gradients and not getattr(state, "_advised", False):
+        state._advised = True
+        logger.warning("ddlcomm hook: compressing gradients with %r and no optimizer=: with momentum SGD or Adam "
+                       "this loses accuracy; pass optimizer=ddlcomm.optim.SGD/Adam/AdamW(...) to average update "
+                       "directions instead (docs/choosing-a-compressor.md)", state.compressor)
     index, numel = bucket.index(), buffer.numel()
     worker = server = None
     if state.error_feedback:
@@ -222,6 +252,9 @@ def compressed_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.f
         norm = buffer.norm()
         if torch.isfinite(norm) and norm > limit:
             buffer.mul_(limit / norm)
+    if state.optimizer is not None:
+        params = bucket.parameters()
+        state.optimizer.local_directions(params, _gradients(buffer, params))
     momentum = None
     if state.momentum and sparse:
         momentum = state._memory(state.momenta, index, numel, "momentum")
@@ -248,6 +281,18 @@ def compressed_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.f
         fut = fut.then(mask)
     state.maybe_increase_iter(bucket)
     return fut
+
+
+def _gradients(buffer: torch.Tensor, params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Views of the bucket's flat buffer, one per parameter, in the bucket's order."""
+    if sum(p.numel() for p in params) != buffer.numel():
+        raise RuntimeError(f"ddlcomm hook: a bucket of {buffer.numel()} elements holds parameters of "
+                           f"{sum(p.numel() for p in params)}; cannot map its gradients to the optimizer")
+    views, offset = [], 0
+    for p in params:
+        views.append(buffer[offset : offset + p.numel()].view_as(p))
+        offset += p.numel()
+    return views
 
 
 def _typed_hook(expected: type, name: str):

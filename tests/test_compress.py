@@ -22,8 +22,10 @@ COMPRESSORS = {
     "one_bit": lambda: OneBit(),
     "one_bit_two_scales": lambda: OneBit(two_scales=True),
     "one_bit_block37": lambda: OneBit(block_size=37),
-    "ternary": lambda: Ternary(seed=7),
-    "ternary_clip_block5": lambda: Ternary(block_size=5, clip=1.5, seed=7),
+    "ternary": lambda: Ternary(),
+    "ternary_block5": lambda: Ternary(block_size=5),
+    "ternary_stochastic": lambda: Ternary(stochastic=True, seed=7),
+    "ternary_stochastic_clip_block5": lambda: Ternary(block_size=5, stochastic=True, clip=1.5, seed=7),
     "top_k": lambda: TopK(ratio=0.05),
     "top_k_approx": lambda: TopK(ratio=0.05, approximate=True),
     "random_k": lambda: RandomK(ratio=0.1, seed=3),
@@ -113,7 +115,7 @@ def test_encode_works_in_place_on_any_contiguous_shape() -> None:
 
 def test_encode_into_a_preallocated_buffer() -> None:
     x, residual = make_input(1000, torch.float32)
-    compressor = Ternary(seed=1)
+    compressor = Ternary(stochastic=True, seed=1)
     expected = compressor.encode(x, residual.clone(), stream=3)
     buffer = torch.full((expected.numel() + 10,), 0xAB, dtype=torch.uint8)
     payload = compressor.encode(x, residual, stream=3, out=buffer)
@@ -185,11 +187,61 @@ def test_one_bit_scales_follow_the_contract(block: int) -> None:
         assert np.array_equal(np.unpackbits(bits, bitorder="little")[:len(y)], (y >= 0).astype(np.uint8))
 
 
+def ternary_codes(payload: torch.Tensor, numel: int, blocks: int) -> np.ndarray:
+    codes = section(payload, 4 * blocks, -(-numel // 4), torch.uint8).numpy()
+    return (codes[:, None] >> np.arange(0, 8, 2)).flatten()[:numel] & 3
+
+
+def test_ternary_threshold_scale_and_codes_follow_the_contract() -> None:
+    numel, block = 70, 32
+    x, _ = make_input(numel, torch.float32, seed=2)
+    x[64:] = 0.0  # a block of zeros sends nothing
+    payload = Ternary(block_size=block).encode(x)
+    assert not inspect(payload)["stochastic"]
+    y = x.numpy()
+    scales = section(payload, 0, 3, torch.float32).numpy()
+    codes = ternary_codes(payload, numel, 3)
+    for b in range(3):
+        v = y[b * block:(b + 1) * block]
+        at = (lane_sum(np.abs(v)) / np.float32(len(v))) * np.float32(0.7)
+        sent = np.abs(v) > at
+        expected = lane_sum(np.where(sent, np.abs(v), 0)) / np.float32(sent.sum()) if sent.any() else 0.0
+        assert scales[b] == np.float32(expected)
+        want = np.where(sent, np.where(v >= 0, 1, 2), 0)
+        assert np.array_equal(codes[b * block:b * block + len(v)], want)
+
+
+def test_ternary_threshold_error_is_below_the_signal() -> None:
+    """The deterministic rule is a contraction (squared error < squared input on every block
+    that sends something), which error feedback needs; stochastic rounding with s = max |y| is
+    not: on Gaussian blocks its expected squared error exceeds the input's."""
+    x, _ = make_input(64 * 256, torch.float32, seed=5)
+    x = x * torch.linspace(0.01, 10, x.numel())  # blocks of very different scales
+    for compressor, below in ((Ternary(), True), (Ternary(stochastic=True, seed=1), False)):
+        err = (compressor.decode(compressor.encode(x)) - x).view(-1, 256).pow(2).sum(1)
+        energy = x.view(-1, 256).pow(2).sum(1)
+        if below:
+            assert torch.all(err < energy), (err / energy).max()
+        else:
+            assert (err / energy).mean() > 1.0, (err / energy).mean()
+
+
+def test_ternary_constant_block_is_exact_and_options_are_checked() -> None:
+    x = torch.full((300,), -2.5)
+    assert torch.equal(Ternary().decode(Ternary().encode(x)), x)
+    with pytest.raises(ValueError, match="stochastic"):
+        Ternary(clip=1.0)
+    with pytest.raises(ValueError, match="stochastic"):
+        Ternary(seed=3)
+    payload = Ternary(stochastic=True).encode(x)
+    assert inspect(payload)["stochastic"] and Ternary().decode(payload).numel() == 300
+
+
 @pytest.mark.parametrize("clip", [0.0, 1.0])
-def test_ternary_scale_and_codes_follow_the_contract(clip: float) -> None:
+def test_stochastic_ternary_scale_and_codes_follow_the_contract(clip: float) -> None:
     numel, block, seed, stream = 70, 32, 11, 9
     x, _ = make_input(numel, torch.float32, seed=2)
-    payload = Ternary(block_size=block, clip=clip, seed=seed).encode(x, stream=stream)
+    payload = Ternary(block_size=block, stochastic=True, clip=clip, seed=seed).encode(x, stream=stream)
     y = x.numpy()
     scales = section(payload, 0, 3, torch.float32).numpy()
     codes = section(payload, 12, -(-numel // 4), torch.uint8).numpy()
@@ -232,10 +284,10 @@ def mean_over_streams(compressor: Compressor, x: torch.Tensor, trials: int) -> t
     return (total / trials).float()
 
 
-def test_ternary_is_unbiased() -> None:
+def test_stochastic_ternary_is_unbiased() -> None:
     x, _ = make_input(512, torch.float32, seed=3)
     trials = 2000
-    mean = mean_over_streams(Ternary(block_size=64, seed=1), x, trials)
+    mean = mean_over_streams(Ternary(block_size=64, stochastic=True, seed=1), x, trials)
     s = x.abs().view(-1, 64).amax(1).repeat_interleave(64)
     sigma = ((s * x.abs() - x * x).clamp_min(0) / trials).sqrt()  # Var = s|y| - y^2
     assert torch.all((mean - x).abs() <= 5 * sigma + 1e-6)
@@ -255,9 +307,9 @@ def test_random_k_scaled_is_unbiased_and_uniform() -> None:
     assert torch.all((hits - trials * p).abs() <= 5 * (trials * p * (1 - p)) ** 0.5)
 
 
-def test_ternary_and_random_k_depend_on_stream_and_seed() -> None:
+def test_stochastic_ternary_and_random_k_depend_on_stream_and_seed() -> None:
     x, _ = make_input(1000, torch.float32)
-    for make in (lambda seed: Ternary(seed=seed), lambda seed: RandomK(seed=seed)):
+    for make in (lambda seed: Ternary(stochastic=True, seed=seed), lambda seed: RandomK(seed=seed)):
         assert not torch.equal(make(0).encode(x, stream=1), make(0).encode(x, stream=2))
         assert not torch.equal(make(0).encode(x, stream=1), make(1).encode(x, stream=1))
 
@@ -429,11 +481,13 @@ def test_corrupt_header_is_rejected(name: str) -> None:
     h = header(payload)
     corruptions = [
         dict(magic=h["magic"] ^ 1), dict(version=0), dict(version=2), dict(format=0), dict(format=7),
-        dict(format=255), dict(flags=h["flags"] | 2), dict(flags=h["flags"] ^ 1), dict(reserved0=1),
+        dict(format=255), dict(flags=h["flags"] | 4), dict(flags=h["flags"] ^ 1), dict(reserved0=1),
         dict(reserved1=1), dict(block_size=1), dict(k=h["k"] + 1), dict(k=2**64 - 1),
     ]
     if h["block_size"]:
         corruptions += [dict(block_size=0), dict(numel=2**62), dict(numel=2**64 - 1)]
+    if h["format"] != 2:  # only ternary payloads may say "stochastic"
+        corruptions.append(dict(flags=h["flags"] | 2))
     for fields in corruptions:
         assert_rejected(compressor, with_header(payload, **fields))
     # A different element count can still describe a valid payload (e.g. the sign bits of 36 or 38

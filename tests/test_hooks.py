@@ -1,9 +1,8 @@
 """Compressed all-reduce and the DDP hooks: bitwise agreement (native vs fallback, across
-ranks), non-finite gradients, checkpointing, no_sync, and convergence with fixed seeds."""
+ranks), non-finite gradients, checkpointing and no_sync. Training quality: test_convergence.py."""
 
 from __future__ import annotations
 
-import json
 import logging
 
 import pytest
@@ -46,21 +45,10 @@ def test_non_finite_gradients_do_not_poison_residuals() -> None:
     assert_all_ok(launch("compression", "non_finite", 4, timeout=180))
 
 
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_direction_mode_native_fallback_and_replicas_agree(ranks: int) -> None:
+    assert_all_ok(launch("compression", "direction_mode", ranks, timeout=300))
+
+
 def test_hook_mechanics() -> None:
     assert_all_ok(launch("compression", "hook_mechanics", 2, timeout=240))
-
-
-def test_convergence() -> None:
-    """4 ranks, 100 steps, fixed seeds: compressed hooks stay within 1 point of plain
-    all-reduce; 1-bit without error feedback is measurably worse."""
-    results = launch("compression", "convergence", 4, timeout=420)
-    assert_all_ok(results)
-    line = next(l for l in results[0].output.splitlines() if l.startswith("ACCURACY "))
-    acc = json.loads(line[len("ACCURACY "):])
-    baseline = acc["none"]
-    assert baseline > 0.5, f"the task did not learn at all: {acc}"
-    for name in ("onebit", "ternary", "topk", "fp16"):
-        assert acc[name] >= baseline - 0.01, f"{name} is more than 1 point below plain all-reduce: {acc}"
-    # random-k at 5% moves 20x less of the gradient per step; it converges, but slower.
-    assert acc["randomk"] >= baseline - 0.05, acc
-    assert acc["onebit"] - acc["onebit_no_ef"] >= 0.01, f"error feedback made no measurable difference: {acc}"

@@ -62,6 +62,7 @@ void bindCompression(py::module_& m) {
       .def_readwrite("format", &Config::format)
       .def_readwrite("block_size", &Config::blockSize)
       .def_readwrite("two_scales", &Config::twoScales)
+      .def_readwrite("stochastic", &Config::stochastic)
       .def_readwrite("clip", &Config::clip)
       .def_readwrite("ratio", &Config::ratio)
       .def_readwrite("k", &Config::k)
@@ -111,6 +112,7 @@ void bindCompression(py::module_& m) {
         d["format"] = compress::formatName(info.format);
         d["version"] = int(compress::kPayloadVersion);
         d["two_scales"] = bool(info.flags & compress::kFlagTwoScales);
+        d["stochastic"] = bool(info.flags & compress::kFlagStochastic);
         d["block_size"] = info.blockSize;
         d["numel"] = info.numel;
         d["k"] = info.k;

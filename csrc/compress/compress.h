@@ -9,11 +9,14 @@
 //    multiply-add anywhere. A mean is sum / float(count) (IEEE division). Max is order-free.
 //      1-bit:     scale = mean |y|; twoScales: pos = mean of y over {y >= 0}, neg = mean of
 //                 |y| over {!(y >= 0)} (NaN counts as negative), 0 for an empty set.
-//      ternary:   s = max |y| (NaN above +inf); with clip > 0: mean = sum(y) / n,
+//      ternary:   mean = sum |y| / n; if mean is not finite, s = mean and every element is
+//                 sent; else at = mean * kTernaryThreshold (float multiply), element i is sent
+//                 iff |y_i| > at, and s = (sum of |y| over the sent elements) / their count
+//                 (0 when none is). A sent element has code 1 for y >= 0, else 2.
+//      stochastic ternary: s = max |y| (NaN above +inf); with clip > 0: mean = sum(y) / n,
 //                 var = sum(y*y) / n - mean*mean, std = sqrt(var < 0 ? 0 : var), and
 //                 s = clip*std if clip*std < s (so a NaN std clips nothing). Element i is
-//                 sent (code 1 for y >= 0, else 2) iff counterUniform(seed, stream, i) * s < |y_i|,
-//                 or s is not finite.
+//                 sent iff counterUniform(seed, stream, i) * s < |y_i|, or s is not finite.
 //      casts:     round to nearest even, overflow to +-inf; NaN stays NaN.
 //  - Randomness is counter-based: counterBits / counterUniform(seed, stream, index) in
 //    compress/counter_random.h (shared with device code), so results do not depend on
@@ -38,16 +41,22 @@
 
 namespace ddlcomm::compress {
 
+// Deterministic ternary: elements above this fraction of the block's mean |y| are sent
+// (ternary weight networks, Li et al. 2016: near the squared-error optimum for Gaussian and
+// Laplacian blocks).
+constexpr float kTernaryThreshold = 0.7f;
+
 struct Config {
   Format format = Format::OneBit;
   uint32_t blockSize = 256;  // 1-bit / ternary: elements per scale
   bool twoScales = false;    // 1-bit SGD variant: one mean for y >= 0, one for y < 0
-  float clip = 0.f;          // ternary: clip y at clip * std(block) before scaling; 0 = off
+  bool stochastic = false;   // ternary: TernGrad's stochastic rounding instead of the threshold rule
+  float clip = 0.f;          // stochastic ternary: clip y at clip * std(block) before scaling; 0 = off
   double ratio = 0.01;       // top-k / random-k: fraction kept when k == 0
   uint64_t k = 0;            // top-k / random-k: entries kept (overrides ratio)
   bool approximate = false;  // top-k: sampled threshold (Deep Gradient Compression), same result
   bool scaled = false;       // random-k: values times float(double(numel) / k): unbiased estimate
-  uint64_t seed = 0;         // ternary / random-k randomness (top-k sampling)
+  uint64_t seed = 0;         // stochastic ternary / random-k randomness (top-k sampling)
 };
 
 // "one_bit", "ternary", "top_k", "random_k", "float16", "bfloat16".

@@ -69,6 +69,8 @@ void checkConfig(const Config& config) {
   if (config.format == Format::Ternary) {
     DDLCOMM_CHECK(std::isfinite(config.clip) && config.clip >= 0.f, ErrorKind::InvalidArgument,
                   "clip must be a finite number >= 0, got ", config.clip);
+    DDLCOMM_CHECK(config.stochastic || config.clip == 0.f, ErrorKind::InvalidArgument,
+                  "clip applies to stochastic ternary only");
   }
   if (isSparse(config.format) && config.k == 0) {
     DDLCOMM_CHECK(config.ratio > 0.0 && config.ratio <= 1.0, ErrorKind::InvalidArgument,
@@ -107,7 +109,9 @@ std::string describeHeader(uint8_t format, uint32_t blockSize, uint8_t flags) {
 
 // The header fields that follow from the config alone.
 uint8_t headerFlags(const Config& config) {
-  return config.format == Format::OneBit && config.twoScales ? kFlagTwoScales : 0;
+  if (config.format == Format::OneBit && config.twoScales) return kFlagTwoScales;
+  if (config.format == Format::Ternary && config.stochastic) return kFlagStochastic;
+  return 0;
 }
 uint32_t headerBlockSize(const Config& config) { return hasBlocks(config.format) ? config.blockSize : 0; }
 
@@ -207,7 +211,7 @@ PayloadInfo inspect(const uint8_t* payload, size_t bytes) {
   const char* name = formatName(format);
   DDLCOMM_CHECK(h.reserved0 == 0 && h.reserved1 == 0, ErrorKind::Protocol, name,
                 " payload: reserved header fields are not zero");
-  const uint8_t allowedFlags = format == Format::OneBit ? kFlagTwoScales : 0;
+  const uint8_t allowedFlags = format == Format::OneBit ? kFlagTwoScales : format == Format::Ternary ? kFlagStochastic : 0;
   DDLCOMM_CHECK((h.flags & ~allowedFlags) == 0, ErrorKind::Protocol, name, " payload: invalid flags ", int(h.flags));
   if (hasBlocks(format)) {
     DDLCOMM_CHECK(h.blockSize > 0, ErrorKind::Protocol, name, " payload: block size is 0");

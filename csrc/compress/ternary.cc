@@ -1,6 +1,9 @@
-// Ternary compression (TernGrad) with error feedback: each element becomes -s, 0 or +s with
-// s = max |y| of its block (optionally clipped at clip * std), chosen by counter-based
-// stochastic rounding so that E[decoded] = y wherever |y| <= s.
+// Ternary compression with error feedback: each element becomes -s, 0 or +s (s per block).
+// Default, deterministic (ternary weight networks' rule): elements with |y| above 0.7 * mean |y|
+// are sent and s is their mean |y|, the scale that minimises the block's squared error for
+// that choice, so the error is always smaller than y (what error feedback needs to stay
+// bounded). Stochastic (TernGrad): s = max |y| (optionally clipped at clip * std), elements
+// chosen by counter-based stochastic rounding so that E[decoded] = y wherever |y| <= s.
 #include <algorithm>
 #include <cfloat>
 #include <cmath>
@@ -43,6 +46,69 @@ template <class E, bool EF>
   return s;
 }
 
+// Deterministic rule: the threshold and the scale of one block (compress.h states the contract).
+struct Threshold {
+  float at;  // sent iff |y| > at
+  float s;
+  bool sendAll;  // a non-finite block: every element decodes to +-s
+};
+
+template <class E, bool EF>
+[[gnu::always_inline]] inline Threshold blockThreshold(const typename E::Raw* x, const float* r, size_t len) {
+  LaneSums abs;
+  forEachRow(len, [&](size_t off, auto n) __attribute__((always_inline)) {
+    for (size_t j = 0; j < n; ++j) abs.lane[j] += std::fabs(loadY<E, EF>(x, r, off + j));
+  });
+  const float mean = abs.total() / float(len);
+  if (!(mean <= FLT_MAX)) return {0.f, mean, true};
+  const float at = mean * kTernaryThreshold;
+  LaneSums kept;
+  uint32_t count[kLanes] = {};
+  forEachRow(len, [&](size_t off, auto n) __attribute__((always_inline)) {
+    for (size_t j = 0; j < n; ++j) {
+      const float a = std::fabs(loadY<E, EF>(x, r, off + j));
+      const bool send = a > at;
+      kept.lane[j] += send ? a : 0.f;
+      count[j] += send;
+    }
+  });
+  uint32_t sent = 0;
+  for (size_t j = 0; j < kLanes; ++j) sent += count[j];
+  return {at, sent ? kept.total() / float(sent) : 0.f, false};
+}
+
+template <class E, bool EF>
+[[gnu::always_inline]] inline void encodeDeterministic(const Config& config, const Input& in, uint8_t* scales,
+                                                       uint8_t* codes, size_t b0, size_t b1) {
+  const auto* x = static_cast<const typename E::Raw*>(in.x);
+  const size_t bs = config.blockSize;
+  BitWriter writer(codes + b0 * bs / 4);
+  for (size_t b = b0; b < b1; ++b) {
+    const size_t start = b * bs, len = std::min(bs, in.numel - start);
+    if (b + kPrefetchBlocks < b1) {
+      const size_t ahead = start + kPrefetchBlocks * bs;
+      prefetchY<E, EF>(x, in.residual, ahead, std::min(bs, in.numel - ahead));
+    }
+    const auto* xb = x + start;
+    float* rb = EF ? in.residual + start : nullptr;
+    const Threshold t = blockThreshold<E, EF>(xb, rb, len);
+    storeLE(scales + 4 * b, t.s);
+    forEachRow(len, [&](size_t off, auto n) __attribute__((always_inline)) {
+      uint32_t sent = 0, positive = 0;
+      for (size_t j = 0; j < n; ++j) {
+        const float y = loadY<E, EF>(xb, rb, off + j);
+        const bool send = (std::fabs(y) > t.at) | t.sendAll;
+        const bool isPos = y >= 0.f;
+        if constexpr (EF) rb[off + j] = residualOf(y, send ? (isPos ? t.s : -t.s) : 0.f);
+        sent |= uint32_t(send) << j;
+        positive |= uint32_t(isPos) << j;
+      }
+      writer.putWide(spreadBits(sent & positive) | spreadBits(sent & ~positive) << 1, 2 * n);
+    });
+  }
+  writer.flush();
+}
+
 template <class E, bool EF>
 [[gnu::always_inline]] inline void encodeBlocks(const Config& config, const Input& in, uint64_t stream,
                                                 uint8_t* scales, uint8_t* codes, size_t b0, size_t b1) {
@@ -81,7 +147,11 @@ DDLCOMM_MULTIVERSION void encodePart(const Config& config, const Input& in, uint
                                      uint8_t* codes, size_t b0, size_t b1) {
   withElement(in.type, [&](auto e) __attribute__((always_inline)) {
     withFlag(in.residual != nullptr, [&](auto ef) __attribute__((always_inline)) {
-      encodeBlocks<decltype(e), decltype(ef)::value>(config, in, stream, scales, codes, b0, b1);
+      if (config.stochastic) {
+        encodeBlocks<decltype(e), decltype(ef)::value>(config, in, stream, scales, codes, b0, b1);
+      } else {
+        encodeDeterministic<decltype(e), decltype(ef)::value>(config, in, scales, codes, b0, b1);
+      }
     });
   });
 }

@@ -6,7 +6,8 @@
 //   0       4     magic 'DDLZ' (0x5a4c4444 little endian)
 //   4       1     version (1)
 //   5       1     format (Format)
-//   6       1     flags (kFlagTwoScales: 1-bit with separate means for >= 0 and < 0)
+//   6       1     flags (kFlagTwoScales: 1-bit with separate means for >= 0 and < 0;
+//                 kFlagStochastic: ternary by stochastic rounding; decoding ignores both)
 //   7       1     reserved (0)
 //   8       4     blockSize: elements per scale block (1-bit, ternary); 0 otherwise
 //   12      4     reserved (0)
@@ -41,6 +42,7 @@ enum class Format : uint8_t {
 constexpr uint32_t kPayloadMagic = 0x5a4c4444;  // "DDLZ"
 constexpr uint8_t kPayloadVersion = 1;
 constexpr uint8_t kFlagTwoScales = 1;
+constexpr uint8_t kFlagStochastic = 2;
 
 #pragma pack(push, 1)
 struct PayloadHeader {

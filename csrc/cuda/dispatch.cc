@@ -22,6 +22,8 @@ void checkConfig(const compress::Config& c, size_t numel) {
       DDLCOMM_CHECK(c.blockSize >= 1, ErrorKind::InvalidArgument, "compression blockSize must be >= 1");
       DDLCOMM_CHECK(c.format != compress::Format::Ternary || (c.clip >= 0.f && std::isfinite(c.clip)),
                     ErrorKind::InvalidArgument, "ternary clip must be a finite value >= 0, got ", c.clip);
+      DDLCOMM_CHECK(c.format != compress::Format::Ternary || c.stochastic || c.clip == 0.f,
+                    ErrorKind::InvalidArgument, "clip applies to stochastic ternary only");
       return;
     case compress::Format::TopK:
     case compress::Format::RandomK:
@@ -103,6 +105,7 @@ size_t encodeWorkspaceBytes(const compress::Config& config, DataType, size_t num
   switch (config.format) {
     case compress::Format::TopK: return detail::topkWorkspaceBytes(config.approximate, numel, keptEntriesCuda(config, numel));
     case compress::Format::RandomK: return detail::randomkWorkspaceBytes(numel, keptEntriesCuda(config, numel));
+    case compress::Format::Ternary: return detail::ternaryWorkspaceBytes(config, numel);
     default: return 0;
   }
 }
@@ -127,7 +130,9 @@ size_t encodeCuda(const compress::Config& config, DataType xType, const void* x,
                 "encodeCuda: the workspace must be 256-byte aligned");
 
   const bool blocked = isBlocked(config.format);
-  const uint8_t flags = config.format == compress::Format::OneBit && config.twoScales ? compress::kFlagTwoScales : 0;
+  const uint8_t flags = config.format == compress::Format::OneBit && config.twoScales      ? compress::kFlagTwoScales
+                        : config.format == compress::Format::Ternary && config.stochastic ? compress::kFlagStochastic
+                                                                                           : 0;
   const HeaderWords header = makeHeader(config.format, flags, blocked ? config.blockSize : 0, numel, k);
   const detail::EncodeArgs a{config, xType,  x,      residual,  numel,          stream,
                              k,      payload, layout, header,   workspace, workspaceBytes, cudaStream};

@@ -54,6 +54,7 @@ void encodeRandomK(const EncodeArgs& a);
 void decodeSparse(const DecodeArgs& a);
 
 size_t randomkWorkspaceBytes(uint64_t numel, uint64_t k);
+size_t ternaryWorkspaceBytes(const compress::Config& config, uint64_t numel);
 size_t topkWorkspaceBytes(bool approximate, uint64_t numel, uint64_t k);
 
 }  // namespace ddlcomm::gpu::detail

@@ -1,8 +1,11 @@
-// Ternary compression (TernGrad) with error feedback, as compress.h defines it: per block
-// s = max |y| (NaN above +inf); with clip > 0, mean = sum(y) / n, var = sum(y*y) / n - mean^2,
-// s = clip * sqrt(max(var, 0)) when that is smaller. Element i is sent as sign(y) * s iff
-// counterUniform(seed, stream, i) * s < |y| (or s is not finite), else 0. Same warp-per-block
-// structure as onebit.cu: the sums are the contract's 32-lane sums.
+// Ternary compression with error feedback, as compress.h defines it. Deterministic (default):
+// mean = sum |y| / n, at = mean * kTernaryThreshold, element i is sent iff |y| > at, s = mean
+// |y| of the sent elements (s = mean and every element sent when mean is not finite).
+// Stochastic (TernGrad): s = max |y| (NaN above +inf); with clip > 0, mean = sum(y) / n,
+// var = sum(y*y) / n - mean^2, s = clip * sqrt(max(var, 0)) when that is smaller; element i is
+// sent iff counterUniform(seed, stream, i) * s < |y| (or s is not finite). A sent element is
+// sign(y) * s. Same warp-per-block structure as onebit.cu: the sums are the contract's 32-lane
+// sums.
 #include <cfloat>
 
 #include "cuda/common.cuh"
@@ -20,19 +23,25 @@ struct TernaryParams {
   uint64_t numel;
   uint64_t nblocks;
   uint32_t blockSize;
+  bool stochastic;
+  float thresholdFactor;  // compress::kTernaryThreshold
   float clip;  // 0: off
   uint64_t seed;
   uint64_t stream;
   float* scales;
   uint8_t* codes;
+  float* thresholds;  // deterministic generic path: each block's threshold (workspace), else null
   uint8_t* payload;
   HeaderWords header;
 };
 
-// Code of one element (0 -> 0, 1 -> +s, 2 -> -s). A non-finite s sends every element, so the
-// whole block decodes non-finite (the contract's non-finite rule).
-__device__ __forceinline__ uint32_t ternaryCode(float y, float s, uint64_t seed, uint64_t stream, uint64_t i) {
-  const bool send = !(s <= FLT_MAX) || __fmul_rn(compress::counterUniform(seed, stream, i), s) < fabsf(y);
+// Code of one element (0 -> 0, 1 -> +s, 2 -> -s); `at` is the deterministic rule's threshold.
+// A non-finite s sends every element, so the whole block decodes non-finite (the contract's
+// non-finite rule; the deterministic rule's s is non-finite exactly when its mean is).
+__device__ __forceinline__ uint32_t ternaryCode(float y, float s, float at, const TernaryParams& p, uint64_t i) {
+  const bool send = !(s <= FLT_MAX) ||
+                    (p.stochastic ? __fmul_rn(compress::counterUniform(p.seed, p.stream, i), s) < fabsf(y)
+                                  : fabsf(y) > at);
   return send ? (y >= 0.f ? 1u : 2u) : 0u;
 }
 
@@ -81,21 +90,43 @@ __global__ __launch_bounds__(kThreads) void ternaryEncodeKernel(const typename X
       const uint32_t off = t * kWarpSize + lane;
       v[t] = off < count ? yAt(off) : 0.f;
     }
-    uint32_t maxBits = 0;
-    float sum = 0.f, squares = 0.f;
-    auto add = [&](float y) {
-      maxBits = maxOf(maxBits, __float_as_uint(y) & 0x7fffffffu);
-      if (p.clip > 0.f) {
-        sum = __fadd_rn(sum, y);
-        squares = __fadd_rn(squares, __fmul_rn(y, y));
-      }
-    };
+    // Every element of the block, in index order per lane (cached rounds from registers).
+    auto forEachY = [&](auto&& fn) {
 #pragma unroll
-    for (uint32_t t = 0; t < kCachedRounds; ++t)
-      if (t * kWarpSize + lane < count) add(v[t]);
-    for (uint32_t t = kCachedRounds; t < rounds; ++t)
-      if (t * kWarpSize + lane < count) add(yAt(t * kWarpSize + lane));
-    const float s = blockScale(maxBits, sum, squares, count, p.clip);
+      for (uint32_t t = 0; t < kCachedRounds; ++t)
+        if (t * kWarpSize + lane < count) fn(v[t]);
+      for (uint32_t t = kCachedRounds; t < rounds; ++t)
+        if (t * kWarpSize + lane < count) fn(yAt(t * kWarpSize + lane));
+    };
+    float s, at = 0.f;
+    if (p.stochastic) {
+      uint32_t maxBits = 0;
+      float sum = 0.f, squares = 0.f;
+      forEachY([&](float y) {
+        maxBits = maxOf(maxBits, __float_as_uint(y) & 0x7fffffffu);
+        if (p.clip > 0.f) {
+          sum = __fadd_rn(sum, y);
+          squares = __fadd_rn(squares, __fmul_rn(y, y));
+        }
+      });
+      s = blockScale(maxBits, sum, squares, count, p.clip);
+    } else {
+      float abs = 0.f;
+      forEachY([&](float y) { abs = __fadd_rn(abs, fabsf(y)); });
+      const float mean = __fdiv_rn(warpSumContract(abs), __uint2float_rn(count));
+      at = __fmul_rn(mean, p.thresholdFactor);
+      float kept = 0.f;
+      uint32_t sent = 0;
+      forEachY([&](float y) {
+        const bool send = fabsf(y) > at;
+        kept = __fadd_rn(kept, send ? fabsf(y) : 0.f);
+        sent += send;
+      });
+      const uint32_t sentAll = warpSumU32(sent);
+      const float keptAll = warpSumContract(kept);
+      s = !(mean <= FLT_MAX) ? mean : sentAll ? __fdiv_rn(keptAll, __uint2float_rn(sentAll)) : 0.f;
+      if (p.thresholds && lane == 0) p.thresholds[b] = at;
+    }
     if (lane == 0) p.scales[b] = s;
     if (!kWriteData) continue;
 
@@ -103,7 +134,7 @@ __global__ __launch_bounds__(kThreads) void ternaryEncodeKernel(const typename X
     auto emit = [&](uint32_t t, float y) {
       const uint32_t off = t * kWarpSize + lane;
       const bool in = off < count;
-      const uint32_t code = in ? ternaryCode(y, s, p.seed, p.stream, base + off) : 0u;
+      const uint32_t code = in ? ternaryCode(y, s, at, p, base + off) : 0u;
       if (in && residual) residual[base + off] = residualAfter(y, decodeCode(code, s));
       const uint32_t pos = __ballot_sync(kFullMask, code == 1u);
       const uint32_t neg = __ballot_sync(kFullMask, code == 2u);
@@ -134,8 +165,9 @@ __global__ __launch_bounds__(kThreads) void ternaryPackKernel(const typename XT:
       const uint64_t i = q * 4 + e;
       if (i >= p.numel) break;
       const float s = p.scales[i / p.blockSize];
+      const float at = p.thresholds ? p.thresholds[i / p.blockSize] : 0.f;
       const float y = loadY<XT>(x, residual, i);
-      const uint32_t code = ternaryCode(y, s, p.seed, p.stream, i);
+      const uint32_t code = ternaryCode(y, s, at, p, i);
       if (residual) residual[i] = residualAfter(y, decodeCode(code, s));
       byte |= code << (2 * e);
     }
@@ -184,11 +216,15 @@ void encodeTyped(const EncodeArgs& a) {
   p.numel = a.numel;
   p.nblocks = a.layout.nblocks;
   p.blockSize = a.config.blockSize;
+  p.stochastic = a.config.stochastic;
+  p.thresholdFactor = compress::kTernaryThreshold;
   p.clip = a.config.clip;
   p.seed = a.config.seed;
   p.stream = a.stream;
   p.scales = reinterpret_cast<float*>(a.payload + a.layout.scalesOffset);
   p.codes = a.payload + a.layout.dataOffset;
+  // The generic path packs codes in a second kernel, which needs the deterministic threshold.
+  p.thresholds = !p.stochastic && p.blockSize % 4 != 0 ? static_cast<float*>(a.workspace) : nullptr;
   p.payload = a.payload;
   p.header = a.header;
   const auto* x = static_cast<const typename XT::Raw*>(a.x);
@@ -211,6 +247,11 @@ void decodeTyped(const DecodeArgs& a) {
 }
 
 }  // namespace
+
+size_t ternaryWorkspaceBytes(const compress::Config& config, uint64_t numel) {
+  if (config.stochastic || config.blockSize % 4 == 0) return 0;
+  return size_t((numel + config.blockSize - 1) / config.blockSize) * sizeof(float);
+}
 
 void encodeTernary(const EncodeArgs& a) {
   switch (a.xType) {

@@ -105,6 +105,31 @@ Layout layout(Format f, bool two, uint32_t blockSize, uint64_t numel, uint64_t k
   return l;
 }
 
+// Deterministic ternary: sent iff |y| > mean |y| * kTernaryThreshold, s = mean |y| of the sent.
+void thresholdTernaryBlock(const float* y, uint32_t count, float& scale, uint8_t* codes, float* residualOut) {
+  LaneSum abs;
+  for (uint32_t e = 0; e < count; ++e) abs.add(e, std::fabs(y[e]));
+  const float mean = abs.total() / float(count);
+  const bool all = !finite(mean);
+  const float at = mean * compress::kTernaryThreshold;
+  LaneSum kept;
+  uint32_t sent = 0;
+  for (uint32_t e = 0; e < count; ++e) {
+    const bool send = std::fabs(y[e]) > at;
+    kept.add(e, send ? std::fabs(y[e]) : 0.f);
+    sent += send;
+  }
+  const float s = all ? mean : sent ? kept.total() / float(sent) : 0.f;
+  scale = s;
+  for (uint32_t e = 0; e < count; ++e) {
+    const bool send = all || std::fabs(y[e]) > at;
+    const uint8_t code = send ? (y[e] >= 0.f ? 1 : 2) : 0;
+    codes[e] = code;
+    const float d = code == 1 ? s : (code == 2 ? -s : 0.f);
+    if (residualOut) residualOut[e] = residualAfter(y[e], d);
+  }
+}
+
 void ternaryBlock(const float* y, uint32_t count, float clip, uint64_t seed, uint64_t stream, uint64_t first,
                   float& scale, uint8_t* codes /* one per element */, float* residualOut) {
   uint32_t m = 0;
@@ -202,7 +227,10 @@ std::vector<uint8_t> encode(const compress::Config& c, DataType xType, const voi
   const bool blocked = c.format == Format::OneBit || c.format == Format::Ternary;
   const Layout l = layout(c.format, two, c.blockSize, n, k);
   std::vector<uint8_t> out(l.bytes, 0);
-  header(out, c.format, two ? compress::kFlagTwoScales : 0, blocked ? c.blockSize : 0, n, k);
+  const uint8_t flags = two                                                 ? compress::kFlagTwoScales
+                        : c.format == Format::Ternary && c.stochastic ? compress::kFlagStochastic
+                                                                      : 0;
+  header(out, c.format, flags, blocked ? c.blockSize : 0, n, k);
 
   switch (c.format) {
     case Format::OneBit: {
@@ -227,8 +255,12 @@ std::vector<uint8_t> encode(const compress::Config& c, DataType xType, const voi
         const uint64_t base = b * c.blockSize;
         const uint32_t count = uint32_t(std::min<uint64_t>(c.blockSize, n - base));
         float s;
-        ternaryBlock(&y[base], count, c.clip, c.seed, stream, base, s, codes.data(),
-                     residual ? residual + base : nullptr);
+        if (c.stochastic) {
+          ternaryBlock(&y[base], count, c.clip, c.seed, stream, base, s, codes.data(),
+                       residual ? residual + base : nullptr);
+        } else {
+          thresholdTernaryBlock(&y[base], count, s, codes.data(), residual ? residual + base : nullptr);
+        }
         put<float>(out, l.scales + 4 * b, s);
         for (uint32_t e = 0; e < count; ++e) {
           const uint64_t i = base + e;

@@ -277,12 +277,17 @@ std::vector<Case> compressionCases() {
   }
   c = Config{};
   c.format = Format::Ternary;
+  for (uint32_t bs : {256u, 36u, 512u, 6u}) {
+    c.blockSize = bs;
+    add(str("ternary bs=", bs), c);
+  }
+  c.stochastic = true;
   c.seed = 1234;
   for (uint32_t bs : {256u, 36u, 512u, 6u}) {
     for (float clip : {0.f, 2.5f}) {
       c.blockSize = bs;
       c.clip = clip;
-      add(str("ternary bs=", bs, " clip=", clip), c);
+      add(str("ternary-stochastic bs=", bs, " clip=", clip), c);
     }
   }
   c = Config{};

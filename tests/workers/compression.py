@@ -11,13 +11,14 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from common import init, run
-from ddlcomm import ProcessGroupDdlcomm, compress, hooks
+from ddlcomm import ProcessGroupDdlcomm, compress, hooks, optim
 from ddlcomm.compressed import compressed_all_reduce, native_backend, server_residual_numel
 
 COMPRESSORS = {
     "onebit": compress.OneBit,
     "onebit2": lambda: compress.OneBit(block_size=64, two_scales=True),
-    "ternary": lambda: compress.Ternary(block_size=64, seed=3),
+    "ternary": lambda: compress.Ternary(block_size=64),
+    "ternary_stochastic": lambda: compress.Ternary(block_size=64, stochastic=True, seed=3),
     "topk": lambda: compress.TopK(ratio=0.05),
     "topk_approx": lambda: compress.TopK(ratio=0.05, approximate=True),
     "randomk": lambda: compress.RandomK(ratio=0.05, seed=5),
@@ -26,6 +27,7 @@ COMPRESSORS = {
 }
 HOOKS = {
     "onebit": hooks.onebit_hook, "onebit2": hooks.onebit_hook, "ternary": hooks.ternary_hook,
+    "ternary_stochastic": hooks.ternary_hook,
     "topk": hooks.topk_hook, "topk_approx": hooks.topk_hook, "randomk": hooks.randomk_hook,
     "fp16": hooks.fp16_hook, "bf16": hooks.bf16_hook,
 }
@@ -98,38 +100,6 @@ def synthetic(rank: int, samples: int = 2048, features: int = 64, classes: int =
     y = torch.randint(0, classes, (samples,), generator=gr)
     x = centers[y] + torch.randn(samples, features, generator=gr)
     return x, y
-
-
-def train(hook_name: str, steps: int, error_feedback: bool = True, lr: float = 0.05) -> float:
-    rank = dist.get_rank()
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
-    ddp = DistributedDataParallel(model, bucket_cap_mb=1)
-    if hook_name != "none":
-        state = hooks.CompressionState(compressor=COMPRESSORS[hook_name](), start_compress_iter=2,
-                                       min_compression_bytes=0, error_feedback=error_feedback)
-        ddp.register_comm_hook(state, HOOKS[hook_name])
-    opt = torch.optim.SGD(ddp.parameters(), lr=lr, momentum=0.9)
-    x, y = synthetic(rank)
-    xt, yt = synthetic(100)  # held-out data, identical on every rank
-    for step in range(steps):
-        idx = torch.randint(0, len(x), (64,), generator=torch.Generator().manual_seed(step * 31 + rank))
-        opt.zero_grad()
-        torch.nn.functional.cross_entropy(ddp(x[idx]), y[idx]).backward()
-        opt.step()
-    with torch.no_grad():
-        return (model(xt).argmax(1) == yt).float().mean().item()
-
-
-CONVERGENCE = ["none", "onebit", "ternary", "topk", "randomk", "fp16"]
-
-
-def convergence(steps: str = "100") -> None:
-    rank, n = init()
-    result = {name: train(name, int(steps)) for name in CONVERGENCE}
-    result["onebit_no_ef"] = train("onebit", int(steps), error_feedback=False)
-    if rank == 0:
-        print("ACCURACY " + json.dumps(result), flush=True)
 
 
 def _model() -> torch.nn.Module:
@@ -221,11 +191,73 @@ def hook_mechanics() -> None:
         raise AssertionError("topk_hook accepted a OneBit state")
 
 
+def direction_mode() -> None:
+    """Hooks given a ddlcomm.optim optimizer: every rank holds the same parameters (Adam's
+    moments are per rank, its updates are not) and, on 2 ranks, native (ddlcomm) and fallback
+    (gloo) groups train bit for bit alike (on more ranks the uncompressed warm-up all-reduce
+    already sums in another order on each backend). Local clipping bounds what each rank
+    contributes."""
+    rank, n = init()
+    gloo = dist.new_group(backend="gloo")
+    x, y = synthetic(rank)
+    optimizers = {
+        "sgd_nesterov_wd": lambda ps: optim.SGD(ps, lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3),
+        "adamw_amsgrad": lambda ps: optim.AdamW(ps, lr=1e-2, amsgrad=True),
+        "adam_l2": lambda ps: optim.Adam(ps, lr=1e-2, weight_decay=1e-3),
+    }
+    for opt_name, make_opt in optimizers.items():
+        for comp_name in ("onebit", "ternary", "topk", "randomk", "bf16"):
+            trained = []
+            for group in (None, gloo):
+                model = _model()
+                opt = make_opt(model.parameters())
+                ddp = DistributedDataParallel(model, process_group=group, bucket_cap_mb=0.1)
+                state = hooks.CompressionState(group, COMPRESSORS[comp_name](), start_compress_iter=2,
+                                               min_compression_bytes=0, optimizer=opt)
+                ddp.register_comm_hook(state, HOOKS[comp_name])
+                for step in range(6):
+                    _step(ddp, opt, x, y, step, rank)
+                assert state.stats.compressed_buckets > 0
+                trained.append(_params(model))
+            what = f"{opt_name} + {comp_name}"
+            assert torch.isfinite(trained[0]).all(), what
+            if n == 2:
+                assert torch.equal(trained[0], trained[1]), f"{what}: native and fallback trained differently"
+            everyone = [torch.empty_like(trained[0]) for _ in range(n)]
+            dist.all_gather(everyone, trained[0], group=gloo)
+            assert all(torch.equal(e, trained[0]) for e in everyone), f"{what}: ranks hold different parameters"
+
+    # clip_norm: each rank's bucket is scaled to at most clip_norm / sqrt(n) before compression.
+    clip = 0.5
+    state = hooks.CompressionState(None, compress.FP16(), start_compress_iter=2, min_compression_bytes=0,
+                                   clip_norm=clip)
+    state.iter = 2
+    grad = torch.full((4096,), 10.0 * (rank + 1))
+
+    class Bucket:
+        def buffer(self):
+            return grad
+
+        def index(self):
+            return 0
+
+        def is_last(self):
+            return True
+
+        def parameters(self):
+            return []
+
+    out = hooks.fp16_hook(state, Bucket()).wait()
+    limit = clip / n ** 0.5  # every rank's contribution has this norm; the mean at most this
+    assert out.norm() <= limit * (1 + 1e-3), (out.norm(), limit)
+    assert out.norm() >= limit * (1 - 1e-3), "identical directions: the mean of clipped vectors keeps the norm"
+
+
 if __name__ == "__main__":
     run({
         "native_matches_fallback": native_matches_fallback,
         "segmented_matches_fallback": segmented_matches_fallback,
         "non_finite": non_finite,
-        "convergence": convergence,
         "hook_mechanics": hook_mechanics,
+        "direction_mode": direction_mode,
     })

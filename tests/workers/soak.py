@@ -37,8 +37,9 @@ COMPRESSED_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 COMPRESSORS: dict[str, Callable[[], compress.Compressor]] = {
     "onebit": compress.OneBit,
     "onebit_two_scales_b64": lambda: compress.OneBit(block_size=64, two_scales=True),
-    "ternary": lambda: compress.Ternary(seed=3),
-    "ternary_clip_b37": lambda: compress.Ternary(block_size=37, clip=1.5, seed=4),
+    "ternary": lambda: compress.Ternary(),
+    "ternary_b37": lambda: compress.Ternary(block_size=37),
+    "ternary_stochastic_clip_b37": lambda: compress.Ternary(block_size=37, stochastic=True, clip=1.5, seed=4),
     "topk": lambda: compress.TopK(ratio=0.05),
     "topk_approx": lambda: compress.TopK(ratio=0.05, approximate=True),
     "randomk": lambda: compress.RandomK(ratio=0.05, seed=5),

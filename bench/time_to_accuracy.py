@@ -1,0 +1,156 @@
+#!/usr/bin/env python3
+"""Time to accuracy on an emulated slow network: 4 ranks, each a host of bench/slownet.py.
+
+    sudo python bench/time_to_accuracy.py --rates 1gbit,10gbit --out docs/results
+
+For each link rate and each task (the CNN with SGD and the transformer language model with
+AdamW, from ddlcomm.bench.tasks, sized so that communication matters) it runs
+``python -m ddlcomm.bench.time_to_accuracy`` on every rank, then reports for each method the
+training time until the metric reaches the target: within 0.5 points of gloo fp32's final
+accuracy, or within 1% of its final loss. Writes ``time_to_accuracy.json``,
+``time_to_accuracy.md`` and ``time_to_accuracy.png`` (metric against wall time) into --out.
+Needs root and iproute2; exits non-zero with the reason when namespaces are unavailable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from slownet import SlowNet  # noqa: E402
+
+# (task, optimizer, worker options): the CNN's linear layer is wide (17M parameters, most of
+# them in one layer, as in VGG-style networks) so that a step at 1 Gbit/s is mostly
+# communication; the language model is the convergence benchmark's.
+RUNS = [
+    ("cnn", "sgd", ["--width", "16384", "--batch", "16", "--steps", "200", "--eval-every", "20"]),
+    ("lm", "adamw", ["--steps", "300", "--eval-every", "30"]),
+]
+
+
+def run_rate(rate: str, runs: list, methods: str, timeout: float) -> list[dict]:
+    results: list[dict] = []
+    with SlowNet(ranks=4, rate=rate) as net:
+        for task, opt_name, options in runs:
+            argv = [sys.executable, "-m", "ddlcomm.bench.time_to_accuracy", "--task", task, "--optimizer", opt_name,
+                    "--methods", methods, *options]
+            procs = []
+            for rank in range(4):
+                env = net.env(rank, 29500)
+                env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+                procs.append(net.popen(rank, argv, env=env, stdout=subprocess.PIPE if rank == 0 else subprocess.DEVNULL,
+                                       stderr=subprocess.STDOUT if rank == 0 else None, cwd="/"))
+            deadline = time.monotonic() + timeout
+            out, _ = procs[0].communicate(timeout=max(1, deadline - time.monotonic()))
+            for proc in procs[1:]:
+                proc.wait(timeout=max(1, deadline - time.monotonic()))
+            for line in out.decode().splitlines():
+                if line.startswith("RESULT "):
+                    record = json.loads(line[len("RESULT "):])
+                    record["rate"] = rate
+                    results.append(record)
+                    print(f"  [{rate}] {task:<4} {record['method']:<30} {record['seconds_per_step']:.3f} s/step, "
+                          f"final {record['curve'][-1][2]:.3f}", flush=True)
+            if any(p.returncode for p in procs):
+                print(out.decode()[-3000:], file=sys.stderr)
+                raise SystemExit(f"a rank failed at {rate} on {task}: exit codes {[p.returncode for p in procs]}")
+    return results
+
+
+def time_to_target(record: dict, target: float, higher: bool) -> float | None:
+    for seconds, _, metric in record["curve"]:
+        if (metric >= target) if higher else (metric <= target):
+            return seconds
+    return None
+
+
+def summarise(results: list[dict]) -> tuple[str, dict]:
+    lines, summary = [], {}
+    for task in dict.fromkeys(r["task"] for r in results):
+        rates = list(dict.fromkeys(r["rate"] for r in results if r["task"] == task))
+        higher = next(r for r in results if r["task"] == task)["metric"] == "accuracy"
+        lines += [f"| {task} | " + " | ".join(f"{rate}: s/step | {rate}: time to target (speed-up vs gloo fp32)" for rate in rates)
+                  + " | final metric |", "| --- |" + " --- | --- |" * len(rates) + " --- |"]
+        targets = {}
+        for rate in rates:
+            base = next(r for r in results if r["task"] == task and r["rate"] == rate and r["method"] == "gloo fp32")
+            final = base["curve"][-1][2]
+            targets[rate] = final - 0.5 if higher else final * 1.01
+        for method in dict.fromkeys(r["method"] for r in results if r["task"] == task):
+            cells, finals = [], []
+            for rate in rates:
+                rec = next((r for r in results if r["task"] == task and r["rate"] == rate and r["method"] == method), None)
+                if rec is None:
+                    cells.append("- | -")
+                    continue
+                base = next(r for r in results if r["task"] == task and r["rate"] == rate and r["method"] == "gloo fp32")
+                t, t0 = time_to_target(rec, targets[rate], higher), time_to_target(base, targets[rate], higher)
+                summary[(task, rate, method)] = t
+                speed = f"{t:.1f} s ({t0 / t:.2f}x)" if t and t0 else ("not reached" if t is None else f"{t:.1f} s")
+                cells.append(f"{rec['seconds_per_step']:.3f} | {speed}")
+                finals.append(f"{rec['curve'][-1][2]:.3f}")
+            lines.append(f"| {method} | " + " | ".join(cells) + f" | {' / '.join(finals)} |")
+        target_text = ", ".join(f"{rate}: {'>=' if higher else '<='} {targets[rate]:.3f}" for rate in rates)
+        lines += [f"\nTarget ({task}): {target_text}.\n"]
+    return "\n".join(lines), summary
+
+
+def plot(results: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = list(dict.fromkeys((r["task"], r["rate"]) for r in results))
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.2), squeeze=False)
+    for ax, (task, rate) in zip(axes[0], panels):
+        for rec in (r for r in results if r["task"] == task and r["rate"] == rate):
+            ax.plot([c[0] for c in rec["curve"]], [c[2] for c in rec["curve"]], marker=".", label=rec["method"])
+        metric = next(r for r in results if r["task"] == task)["metric"]
+        ax.set_title(f"{task}, 4 ranks, {rate}")
+        ax.set_xlabel("training seconds")
+        ax.set_ylabel("test accuracy %" if metric == "accuracy" else "validation loss")
+        if metric == "accuracy":
+            ax.set_ylim(80, 100)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rates", default="1gbit,10gbit")
+    parser.add_argument("--tasks", default="cnn,lm")
+    parser.add_argument("--methods", default=None, help="passed to the worker (default: all)")
+    parser.add_argument("--out", default="docs/results")
+    parser.add_argument("--timeout", type=float, default=3600)
+    args = parser.parse_args()
+    ok, reason = SlowNet.available()
+    if not ok:
+        print(f"time_to_accuracy: cannot emulate a network here: {reason}", file=sys.stderr)
+        raise SystemExit(2)
+    from ddlcomm.bench.time_to_accuracy import METHODS
+
+    methods = args.methods or ",".join(METHODS)
+    runs = [r for r in RUNS if r[0] in args.tasks.split(",")]
+    results: list[dict] = []
+    for rate in args.rates.split(","):
+        results += run_rate(rate, runs, methods, args.timeout)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    text, _ = summarise(results)
+    (out / "time_to_accuracy.json").write_text(json.dumps(results, indent=1))
+    (out / "time_to_accuracy.md").write_text(text + "\n")
+    plot(results, out / "time_to_accuracy.png")
+    print("\n" + text)
+    print(f"wrote {out / 'time_to_accuracy.json'}, .md and .png")
+
+
+if __name__ == "__main__":
+    main()

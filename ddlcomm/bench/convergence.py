@@ -1,0 +1,268 @@
+"""Does compressed training reach the accuracy of plain all-reduce? Multi-rank, under torchrun.
+
+    torchrun --nproc-per-node 4 -m ddlcomm.bench.convergence --out docs/results
+
+For each task (``ddlcomm.bench.tasks``: an MLP and a CNN classifying digits, a character-level
+transformer on CPython's documentation), each optimizer (SGD with momentum 0.9, AdamW) at the
+learning rate that is best for plain all-reduce (``--sweep`` shows the search), and each
+method, it trains with several seeds and reports the final accuracy (or validation loss) as
+mean and standard deviation, next to the run's traffic reduction: the bytes a plain ring
+all-reduce would have sent, divided by the bytes sent, warm-up and uncompressed buckets
+included. Rank 0 prints a table and writes ``convergence.md`` and ``convergence.json`` to
+``--out``.
+
+Methods: plain all-reduce; PyTorch's fp16_compress_hook and PowerSGD (rank 4); each ddlcomm
+compressor through its hook with a ``ddlcomm.optim`` optimizer (the recommended use); the
+1-bit hook compressing gradients (no ``optimizer=``), the configuration that loses accuracy
+with momentum and Adam; and top-k with Deep Gradient Compression's options instead of an
+optimizer. Every compressed method starts compressing after ``--start-compress-iter`` (10) of
+the 300 steps, PowerSGD included.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+from torch.nn.parallel import DistributedDataParallel
+
+import ddlcomm  # noqa: F401  (registers the backend)
+from ddlcomm import compress, hooks, optim
+from ddlcomm.bench.tasks import Task, lr_lambda, make_task
+
+START_COMPRESS_ITER = 10
+OPTIMIZERS = ("sgd", "adamw")
+OPTIMIZER_LABELS = {"sgd": "SGD momentum 0.9", "adamw": "AdamW"}
+
+
+@dataclass
+class Method:
+    """How one configuration communicates: a compressor for the ddlcomm hook, or a torch hook."""
+
+    name: str
+    compressor: Optional[Callable[[], compress.Compressor]] = None
+    direction: bool = True  # ddlcomm hooks: pass the optimizer (average update directions)
+    torch_hook: Optional[str] = None  # "fp16" or "powersgd"
+    hook_options: dict = field(default_factory=dict)  # more CompressionState arguments
+    sgd_momentum: float = 0.9  # the SGD optimizer's own momentum
+    optimizers: tuple[str, ...] = ("sgd", "adamw")
+
+
+METHODS = {
+    m.name: m
+    for m in (
+        Method("all-reduce"),
+        Method("fp16 (torch hook)", torch_hook="fp16"),
+        Method("PowerSGD rank 4 (torch hook)", torch_hook="powersgd"),
+        Method("1-bit", compress.OneBit),
+        Method("ternary", compress.Ternary),
+        Method("top-k 1%", lambda: compress.TopK(ratio=0.01, approximate=True)),
+        Method("random-k 10%", lambda: compress.RandomK(ratio=0.1)),
+        Method("1-bit on gradients (no optimizer=)", compress.OneBit, direction=False),
+        # Deep Gradient Compression's recipe: torch SGD without momentum; the hook accumulates
+        # the momentum locally, clears what it sent, and clips each rank's gradient.
+        Method("top-k 1% DGC (hook momentum + clipping)", lambda: compress.TopK(ratio=0.01, approximate=True),
+               direction=False, hook_options={"momentum": 0.9, "clip_norm": 4.0}, sgd_momentum=0.0,
+               optimizers=("sgd",)),
+    )
+}
+
+
+class _Traffic:
+    """Bytes a ring all-reduce of what a torch hook hands to dist.all_reduce puts on the wire."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+        self._all_reduce = dist.all_reduce
+
+    def __enter__(self) -> "_Traffic":
+        n = dist.get_world_size()
+
+        def counting(tensor, *args, **kwargs):
+            self.bytes += 2 * (n - 1) * tensor.numel() * tensor.element_size() // n
+            return self._all_reduce(tensor, *args, **kwargs)
+
+        dist.all_reduce = counting
+        return self
+
+    def __exit__(self, *exc) -> None:
+        dist.all_reduce = self._all_reduce
+
+
+def _plain_bytes(model: torch.nn.Module, steps: int) -> int:
+    n = dist.get_world_size()
+    numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return steps * (2 * (n - 1) * numel * 4 // n)
+
+
+def train(task: Task, method: Method, opt_name: str, seed: int, lr: Optional[float] = None,
+          start_compress_iter: int = START_COMPRESS_ITER) -> dict:
+    """One run on every rank; returns the metric and the traffic figures."""
+    rank = dist.get_rank()
+    lr = task.lr[opt_name] if lr is None else lr
+    torch.manual_seed(seed)
+    model = task.model()
+    ddp = DistributedDataParallel(model)
+    family = optim if method.compressor is not None and method.direction else torch.optim
+    if opt_name == "sgd":
+        opt = family.SGD(model.parameters(), lr=lr, momentum=method.sgd_momentum)
+    else:
+        opt = family.AdamW(model.parameters(), lr=lr)
+    state = None
+    if method.compressor is not None:
+        state = hooks.CompressionState(compressor=method.compressor(), start_compress_iter=start_compress_iter,
+                                       optimizer=opt if method.direction else None, **method.hook_options)
+        ddp.register_comm_hook(state, hooks.compressed_hook)
+    elif method.torch_hook == "fp16":
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    elif method.torch_hook == "powersgd":
+        ddp.register_comm_hook(powerSGD_hook.PowerSGDState(None, matrix_approximation_rank=4,
+                                                           start_powerSGD_iter=start_compress_iter),
+                               powerSGD_hook.powerSGD_hook)
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(task.steps))
+    g = torch.Generator().manual_seed(seed * 1000 + rank)
+    start = time.perf_counter()
+    with _Traffic() as traffic:
+        for _ in range(task.steps):
+            x, y = task.batch(g)
+            opt.zero_grad()
+            task.loss(ddp, x, y).backward()
+            opt.step()
+            schedule.step()
+    seconds = time.perf_counter() - start
+    plain = _plain_bytes(model, task.steps)
+    if state is not None:
+        sent = state.stats.bytes_sent
+        uncompressed = state.stats.bytes_uncompressed - state.stats.compressed_bytes_uncompressed
+    elif method.torch_hook is not None:
+        sent = traffic.bytes  # PowerSGD's warm-up all-reduces are counted there too
+        uncompressed = plain * start_compress_iter // task.steps if method.torch_hook == "powersgd" else 0
+    else:
+        sent = uncompressed = plain
+    return {"metric": task.evaluate(model), "reduction": plain / sent if sent else math.inf,
+            "uncompressed_share": uncompressed / plain, "seconds": seconds}
+
+
+def _cell(task: Task, values: list[float], baseline: Optional[list[float]]) -> tuple[str, Optional[bool]]:
+    if not all(math.isfinite(v) for v in values):
+        return f"diverged ({sum(not math.isfinite(v) for v in values)} of {len(values)} seeds)", False
+    mean = statistics.fmean(values)
+    sd = statistics.stdev(values) if len(values) > 1 else 0.0
+    text = f"{mean:.2f} ± {sd:.2f}" if task.higher_is_better else f"{mean:.3f} ± {sd:.3f}"
+    if baseline is None:
+        return text, None
+    base = statistics.fmean(baseline)
+    if task.higher_is_better:
+        delta = mean - base
+        ok = delta >= -0.5
+        return f"{text} ({delta:+.2f})", ok
+    delta = (mean - base) / base * 100
+    ok = delta <= 1.0
+    return f"{text} ({delta:+.1f}%)", ok
+
+
+def table(task: Task, results: dict) -> str:
+    metric = "accuracy %" if task.higher_is_better else "validation loss, nats/char"
+    head = f"| {task.name}: {metric} after {task.steps} steps, mean ± sd over seeds |"
+    sep = "| --- |"
+    for opt_name in OPTIMIZERS:
+        head += f" {OPTIMIZER_LABELS[opt_name]}, lr {task.lr[opt_name]:g} | traffic ÷ |"
+        sep += " --- | --- |"
+    lines = [head, sep]
+    for name in METHODS:
+        row = f"| {name} |"
+        present = False
+        for opt_name in OPTIMIZERS:
+            runs = results.get(opt_name, {}).get(name)
+            if not runs:
+                row += " - | - |"
+                continue
+            present = True
+            baseline = None if name == "all-reduce" else [r["metric"] for r in results[opt_name].get("all-reduce", [])] or None
+            text, ok = _cell(task, [r["metric"] for r in runs], baseline)
+            goal = METHODS[name].compressor is not None and METHODS[name].direction
+            mark = "" if ok is None or not goal else (" ✓" if ok else " ✗")
+            reduction = statistics.fmean(r["reduction"] for r in runs)
+            share = max(r["uncompressed_share"] for r in runs)
+            traffic = "1.0x" if name == "all-reduce" else f"{reduction:.1f}x ({share:.1%} uncompressed)"
+            row += f" {text}{mark} | {traffic} |"
+        if present:
+            lines.append(row)
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tasks", default="mlp,cnn,lm")
+    parser.add_argument("--optimizers", default=",".join(OPTIMIZERS))
+    parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated names from the table")
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=None, help="override every task's step count")
+    parser.add_argument("--start-compress-iter", type=int, default=START_COMPRESS_ITER,
+                        help="uncompressed iterations first (every compressed method)")
+    parser.add_argument("--sweep", action="store_true",
+                        help="plain all-reduce at 0.5x, 1x and 2x each task's learning rate, to check it is the best")
+    parser.add_argument("--out", default=None, help="directory for convergence.md / convergence.json (rank 0)")
+    parser.add_argument("--render", default=None, metavar="JSON",
+                        help="print the tables of a saved convergence.json and exit (no training, no torchrun)")
+    args = parser.parse_args()
+    if args.render:
+        report = json.loads(Path(args.render).read_text())
+        for name, saved in report["tasks"].items():
+            task = make_task(name)
+            task.steps, task.lr = saved["steps"], saved["lr"]
+            print(table(task, saved["results"]) + "\n")
+        return
+    dist.init_process_group("ddlcomm")
+    torch.set_num_threads(1)
+    rank = dist.get_rank()
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        raise SystemExit(f"unknown methods {unknown}; choose from {list(METHODS)}")
+    report: dict = {"world_size": dist.get_world_size(), "seeds": args.seeds,
+                    "start_compress_iter": args.start_compress_iter, "tasks": {}}
+    tables = []
+    for task_name in args.tasks.split(","):
+        task = make_task(task_name, **({"steps": args.steps} if args.steps else {}))
+        results: dict = {}
+        for opt_name in args.optimizers.split(","):
+            if args.sweep:
+                for factor in (0.5, 1.0, 2.0):
+                    lr = task.lr[opt_name] * factor
+                    metrics = [train(task, METHODS["all-reduce"], opt_name, s, lr)["metric"] for s in range(args.seeds)]
+                    if rank == 0:
+                        print(f"SWEEP {task.name} {opt_name} lr {lr:g}: {statistics.fmean(metrics):.3f} {metrics}", flush=True)
+                continue
+            for name in methods:
+                if opt_name not in METHODS[name].optimizers:
+                    continue
+                runs = [train(task, METHODS[name], opt_name, s, start_compress_iter=args.start_compress_iter)
+                        for s in range(args.seeds)]
+                results.setdefault(opt_name, {})[name] = runs
+                if rank == 0:
+                    print(f"RESULT {task.name} {opt_name} {name}: " + json.dumps(runs), flush=True)
+        if not args.sweep:
+            report["tasks"][task.name] = {"metric": task.metric, "steps": task.steps, "lr": task.lr, "results": results}
+            tables.append(table(task, results))
+            if rank == 0:
+                print("\n" + tables[-1] + "\n", flush=True)
+    if rank == 0 and args.out and tables:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "convergence.json").write_text(json.dumps(report, indent=1))
+        (out / "convergence.md").write_text("\n\n".join(tables) + "\n")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

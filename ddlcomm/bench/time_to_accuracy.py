@@ -1,0 +1,103 @@
+"""Time to accuracy: train with each method and record the metric against wall-clock time.
+
+Launched once per rank (env:// rendezvous), normally by ``bench/time_to_accuracy.py`` inside
+the emulated hosts of ``bench/slownet.py``. Rank 0 prints one ``RESULT {json}`` line per
+method: the seconds per step and the curve of (training seconds, step, metric), evaluated
+every ``--eval-every`` steps with the clock stopped.
+
+Methods: DDP on gloo (fp32, and PyTorch's fp16_compress_hook), PyTorch's PowerSGD hook
+(rank 4; on the ddlcomm group, where gloo's all-reduce of its factors failed in
+bench/slownet_bench.py), and the ddlcomm hooks with their ``ddlcomm.optim`` optimizer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+from torch.nn.parallel import DistributedDataParallel
+
+import ddlcomm  # noqa: F401  (registers the backend)
+from ddlcomm import compress, hooks, optim
+from ddlcomm.bench.tasks import lr_lambda, make_task
+
+START_COMPRESS_ITER = 10
+COMPRESSORS = {
+    "ddlcomm 1-bit": compress.OneBit,
+    "ddlcomm ternary": compress.Ternary,
+    "ddlcomm top-k 1%": lambda: compress.TopK(ratio=0.01, approximate=True),
+}
+METHODS = ["gloo fp32", "gloo fp16_compress_hook", "PowerSGD rank 4 (torch hook)", *COMPRESSORS]
+
+
+def run(task, method: str, opt_name: str, gloo: dist.ProcessGroup, eval_every: int) -> dict:
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = task.model()
+    group = gloo if method.startswith("gloo") else None
+    ddp = DistributedDataParallel(model, process_group=group)
+    family = optim if method in COMPRESSORS else torch.optim
+    lr = task.lr[opt_name]
+    opt = family.SGD(model.parameters(), lr=lr, momentum=0.9) if opt_name == "sgd" else family.AdamW(model.parameters(), lr=lr)
+    if method in COMPRESSORS:
+        state = hooks.CompressionState(compressor=COMPRESSORS[method](), start_compress_iter=START_COMPRESS_ITER,
+                                       optimizer=opt)
+        ddp.register_comm_hook(state, hooks.compressed_hook)
+    elif method == "gloo fp16_compress_hook":
+        ddp.register_comm_hook(gloo, default_hooks.fp16_compress_hook)
+    elif method.startswith("PowerSGD"):
+        ddp.register_comm_hook(powerSGD_hook.PowerSGDState(None, matrix_approximation_rank=4,
+                                                           start_powerSGD_iter=START_COMPRESS_ITER),
+                               powerSGD_hook.powerSGD_hook)
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(task.steps))
+    g = torch.Generator().manual_seed(1000 + rank)
+    curve = [(0.0, 0, task.evaluate(model))]
+    clock = 0.0
+    dist.barrier(group=gloo)
+    for step in range(1, task.steps + 1):
+        start = time.perf_counter()
+        x, y = task.batch(g)
+        opt.zero_grad()
+        task.loss(ddp, x, y).backward()
+        opt.step()
+        schedule.step()
+        clock += time.perf_counter() - start
+        if step % eval_every == 0 or step == task.steps:
+            # The slowest rank's clock: every rank waits for it at the next collective anyway.
+            elapsed = torch.tensor([clock])
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=gloo)
+            curve.append((float(elapsed), step, task.evaluate(model)))
+            dist.barrier(group=gloo)
+    return {"method": method, "optimizer": opt_name, "seconds_per_step": curve[-1][0] / task.steps, "curve": curve}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--task", default="cnn")
+    parser.add_argument("--optimizer", default="sgd", choices=("sgd", "adamw"))
+    parser.add_argument("--width", type=int, default=None, help="the task's width (CNN linear layer, LM model)")
+    parser.add_argument("--batch", type=int, default=None, help="per-rank batch")
+    parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--eval-every", type=int, default=20)
+    parser.add_argument("--methods", default=",".join(METHODS))
+    args = parser.parse_args()
+    dist.init_process_group("ddlcomm")
+    gloo = dist.new_group(backend="gloo")
+    torch.set_num_threads(1)
+    options = {k: v for k, v in (("width", args.width), ("batch", args.batch), ("steps", args.steps)) if v is not None}
+    task = make_task(args.task, **options)
+    params = sum(p.numel() for p in task.model().parameters())
+    for method in args.methods.split(","):
+        result = run(task, method, args.optimizer, gloo, args.eval_every)
+        result.update(options, task=task.name, metric=task.metric, params=params, steps=task.steps)
+        if dist.get_rank() == 0:
+            print("RESULT " + json.dumps(result), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

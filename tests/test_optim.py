@@ -1,0 +1,99 @@
+"""ddlcomm.optim in one process: the direction it hands a hook, applied unchanged (what an exact
+average over one rank gives), must step like the torch optimizer it subclasses; without a
+hook it is that torch optimizer."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from ddlcomm import hooks, optim
+
+CASES = [
+    ("SGD", dict(lr=0.1, momentum=0.9)),
+    ("SGD", dict(lr=0.1, momentum=0.9, weight_decay=0.01, dampening=0.1)),
+    ("SGD", dict(lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01)),
+    ("SGD", dict(lr=0.1)),
+    ("SGD", dict(lr=0.1, momentum=0.5, maximize=True)),
+    ("Adam", dict(lr=1e-2)),
+    ("Adam", dict(lr=1e-2, weight_decay=0.1, amsgrad=True)),
+    ("AdamW", dict(lr=1e-2, weight_decay=0.1)),
+    ("AdamW", dict(lr=1e-2, betas=(0.8, 0.99), amsgrad=True, maximize=True)),
+]
+
+
+def _params(seed: int = 0) -> list[torch.nn.Parameter]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(5, 3, generator=g)), torch.nn.Parameter(torch.randn(7, generator=g))]
+
+
+def _grads(step: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    return [torch.randn(5, 3, generator=g), torch.randn(7, generator=g)]
+
+
+@pytest.mark.parametrize("name,options", CASES)
+def test_direction_steps_like_torch(name: str, options: dict) -> None:
+    ours_p, ref_p = _params(), _params()
+    ours = getattr(optim, name)(ours_p, **options)
+    ref = getattr(torch.optim, name)(ref_p, **options)
+    for step in range(6):
+        grads = _grads(step)
+        for p, q, g in zip(ours_p, ref_p, grads):
+            p.grad, q.grad = g.clone(), g.clone()
+        if step >= 2:  # the first steps as a warm-up would run them: the plain torch update
+            ours.local_directions(ours_p, [p.grad for p in ours_p])
+        ours.step()
+        ref.step()
+        for p, q in zip(ours_p, ref_p):
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    for key in ("momentum_buffer", "exp_avg_sq", "step"):
+        if key in ref.state[ref_p[0]] and ref.state[ref_p[0]][key] is not None:
+            torch.testing.assert_close(ours.state[ours_p[0]][key], ref.state[ref_p[0]][key], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name,options", CASES)
+def test_without_a_hook_it_is_the_torch_optimizer(name: str, options: dict) -> None:
+    ours_p, ref_p = _params(), _params()
+    ours = getattr(optim, name)(ours_p, **options)
+    ref = getattr(torch.optim, name)(ref_p, **options)
+    for step in range(4):
+        for p, q, g in zip(ours_p, ref_p, _grads(step)):
+            p.grad, q.grad = g.clone(), g.clone()
+        ours.step()
+        ref.step()
+    assert all(torch.equal(p, q) for p, q in zip(ours_p, ref_p))
+    # The same state_dict format, both ways.
+    again = getattr(optim, name)(_params(), **options)
+    again.load_state_dict(copy.deepcopy(ref.state_dict()))
+    ref.load_state_dict(copy.deepcopy(ours.state_dict()))
+
+
+def test_non_finite_gradient_leaves_adam_moments_alone() -> None:
+    params = _params()
+    opt = optim.AdamW(params, lr=1e-2)
+    for p, g in zip(params, _grads(0)):
+        p.grad = g
+    opt.step()
+    before = {k: v.clone() for k, v in opt.state[params[0]].items()}
+    grads = _grads(1)
+    grads[0][1, 1] = float("inf")
+    opt.local_directions(params, grads)
+    assert not torch.isfinite(grads[0]).all()
+    assert all(torch.equal(opt.state[params[0]][k], v) for k, v in before.items())
+
+
+def test_hook_state_takes_only_ddlcomm_optimizers() -> None:
+    params = _params()
+    with pytest.raises(TypeError, match="ddlcomm.optim"):
+        hooks.CompressionState(optimizer=torch.optim.SGD(params, lr=0.1))
+    with pytest.raises(ValueError, match="momentum"):
+        hooks.CompressionState(optimizer=optim.SGD(params, lr=0.1), momentum=0.9)
+    with pytest.raises(ValueError, match="differentiable"):
+        opt = optim.SGD(params, lr=0.1, momentum=0.9, differentiable=True)
+        opt.local_directions(params, _grads(0))
+    stranger = torch.nn.Parameter(torch.zeros(3))
+    with pytest.raises(ValueError, match="does not optimize"):
+        optim.SGD(params, lr=0.1).local_directions([stranger], [torch.zeros(3)])
