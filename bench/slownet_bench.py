@@ -23,32 +23,33 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from slownet import SlowNet  # noqa: E402
 
 
+def collect_results(net: SlowNet, argv: list[str], timeout: float, what: str) -> list[dict]:
+    """Runs ``argv`` on every rank of ``net``; returns the ``RESULT {json}`` lines rank 0 printed.
+    Raises SystemExit with rank 0's output when a rank fails."""
+    procs = []
+    for rank in range(net.ranks):
+        env = net.env(rank, 29500)
+        env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        # rank 0 reports; the others stay quiet unless they fail
+        procs.append(net.popen(rank, argv, env=env, stdout=subprocess.PIPE if rank == 0 else subprocess.DEVNULL,
+                               stderr=subprocess.STDOUT if rank == 0 else None, cwd="/"))
+    deadline = time.monotonic() + timeout
+    out, _ = procs[0].communicate(timeout=max(1, deadline - time.monotonic()))
+    for proc in procs[1:]:
+        proc.wait(timeout=max(1, deadline - time.monotonic()))
+    if any(p.returncode for p in procs):
+        print(out.decode()[-3000:], file=sys.stderr)
+        raise SystemExit(f"a rank failed ({what}): exit codes {[p.returncode for p in procs]}")
+    return [json.loads(line[len("RESULT "):]) for line in out.decode().splitlines() if line.startswith("RESULT ")]
+
+
 def run_rate(rate: str, ranks: int, extra: list[str], timeout: float) -> list[dict]:
-    results: list[dict] = []
     with SlowNet(ranks=ranks, rate=rate) as net:
-        procs = []
-        for rank in range(ranks):
-            env = net.env(rank, 29500)
-            env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-            # rank 0 reports; the others stay quiet unless they fail
-            procs.append(net.popen(rank, [sys.executable, "-m", "ddlcomm.bench.compressed", *extra], env=env,
-                                   stdout=subprocess.PIPE if rank == 0 else subprocess.DEVNULL,
-                                   stderr=subprocess.STDOUT if rank == 0 else None, cwd="/"))
-        deadline = time.monotonic() + timeout
-        out, _ = procs[0].communicate(timeout=max(1, deadline - time.monotonic()))
-        for proc in procs[1:]:
-            proc.wait(timeout=max(1, deadline - time.monotonic()))
-        for line in out.decode().splitlines():
-            if line.startswith("RESULT "):
-                record = json.loads(line[len("RESULT "):])
-                record["rate"] = rate
-                results.append(record)
-                print(f"  [{rate}] {record['kind']:<9} {record['method']:<26} {record['seconds']:8.3f} s  "
-                      f"{record['speedup']:6.2f}x", flush=True)
-        if any(p.returncode for p in procs):
-            codes = [p.returncode for p in procs]
-            print(out.decode()[-3000:], file=sys.stderr)
-            raise SystemExit(f"a rank failed at {rate}: exit codes {codes}")
+        results = collect_results(net, [sys.executable, "-m", "ddlcomm.bench.compressed", *extra], timeout, rate)
+    for record in results:
+        record["rate"] = rate
+        print(f"  [{rate}] {record['kind']:<9} {record['method']:<26} {record['seconds']:8.3f} s  "
+              f"{record['speedup']:6.2f}x", flush=True)
     return results
 
 

@@ -16,19 +16,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from slownet import SlowNet  # noqa: E402
+from slownet_bench import collect_results  # noqa: E402
 
-# (task, optimizer, worker options): the CNN's linear layer is wide (17M parameters, most of
-# them in one layer, as in VGG-style networks) so that a step at 1 Gbit/s is mostly
-# communication; the language model is the convergence benchmark's.
+# (task, optimizer, worker options): the CNN's first linear layer is wide (8.4M parameters,
+# nearly all in that layer, as in VGG-style networks) so that a step at 1 Gbit/s is mostly
+# communication; lr 0.03 is the better of 0.03 and 0.1 for it with gloo fp32. The language
+# model is the convergence benchmark's.
 RUNS = [
-    ("cnn", "sgd", ["--width", "16384", "--batch", "16", "--steps", "200", "--eval-every", "20"]),
+    ("cnn", "sgd", ["--width", "8192", "--batch", "16", "--lr", "0.03", "--steps", "300", "--eval-every", "20"]),
     ("lm", "adamw", ["--steps", "300", "--eval-every", "30"]),
 ]
 
@@ -39,26 +39,11 @@ def run_rate(rate: str, runs: list, methods: str, timeout: float) -> list[dict]:
         for task, opt_name, options in runs:
             argv = [sys.executable, "-m", "ddlcomm.bench.time_to_accuracy", "--task", task, "--optimizer", opt_name,
                     "--methods", methods, *options]
-            procs = []
-            for rank in range(4):
-                env = net.env(rank, 29500)
-                env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-                procs.append(net.popen(rank, argv, env=env, stdout=subprocess.PIPE if rank == 0 else subprocess.DEVNULL,
-                                       stderr=subprocess.STDOUT if rank == 0 else None, cwd="/"))
-            deadline = time.monotonic() + timeout
-            out, _ = procs[0].communicate(timeout=max(1, deadline - time.monotonic()))
-            for proc in procs[1:]:
-                proc.wait(timeout=max(1, deadline - time.monotonic()))
-            for line in out.decode().splitlines():
-                if line.startswith("RESULT "):
-                    record = json.loads(line[len("RESULT "):])
-                    record["rate"] = rate
-                    results.append(record)
-                    print(f"  [{rate}] {task:<4} {record['method']:<30} {record['seconds_per_step']:.3f} s/step, "
-                          f"final {record['curve'][-1][2]:.3f}", flush=True)
-            if any(p.returncode for p in procs):
-                print(out.decode()[-3000:], file=sys.stderr)
-                raise SystemExit(f"a rank failed at {rate} on {task}: exit codes {[p.returncode for p in procs]}")
+            for record in collect_results(net, argv, timeout, f"{task} at {rate}"):
+                record["rate"] = rate
+                results.append(record)
+                print(f"  [{rate}] {task:<4} {record['method']:<30} {record['seconds_per_step']:.3f} s/step, "
+                      f"final {record['curve'][-1][2]:.3f}", flush=True)
     return results
 
 
@@ -69,7 +54,9 @@ def time_to_target(record: dict, target: float, higher: bool) -> float | None:
     return None
 
 
-def summarise(results: list[dict]) -> tuple[str, dict]:
+def summarise(results: list[dict], points: float = 0.5, loss_pct: float = 1.0) -> tuple[str, dict]:
+    """Markdown tables of seconds per step and time to the target: ``points`` below gloo fp32's
+    final accuracy, or ``loss_pct`` percent above its final loss."""
     lines, summary = [], {}
     for task in dict.fromkeys(r["task"] for r in results):
         rates = list(dict.fromkeys(r["rate"] for r in results if r["task"] == task))
@@ -80,7 +67,7 @@ def summarise(results: list[dict]) -> tuple[str, dict]:
         for rate in rates:
             base = next(r for r in results if r["task"] == task and r["rate"] == rate and r["method"] == "gloo fp32")
             final = base["curve"][-1][2]
-            targets[rate] = final - 0.5 if higher else final * 1.01
+            targets[rate] = final - points if higher else final * (1 + loss_pct / 100)
         for method in dict.fromkeys(r["method"] for r in results if r["task"] == task):
             cells, finals = [], []
             for rate in rates:
@@ -96,8 +83,17 @@ def summarise(results: list[dict]) -> tuple[str, dict]:
                 finals.append(f"{rec['curve'][-1][2]:.3f}")
             lines.append(f"| {method} | " + " | ".join(cells) + f" | {' / '.join(finals)} |")
         target_text = ", ".join(f"{rate}: {'>=' if higher else '<='} {targets[rate]:.3f}" for rate in rates)
-        lines += [f"\nTarget ({task}): {target_text}.\n"]
+        rule = f"{points:g} points below" if higher else f"{loss_pct:g}% above"
+        lines += [f"\nTarget ({task}, {rule} gloo fp32's final figure): {target_text}.\n"]
     return "\n".join(lines), summary
+
+
+def report(results: list[dict]) -> str:
+    """Both targets: the goal's (0.5 points / 1%), which one seed's noise can decide, and a
+    looser one (1 point / 2%) that every method reaches."""
+    strict, _ = summarise(results, 0.5, 1.0)
+    loose, _ = summarise(results, 1.0, 2.0)
+    return f"{strict}\n\n{loose}"
 
 
 def plot(results: list[dict], path: Path) -> None:
@@ -130,7 +126,12 @@ def main() -> None:
     parser.add_argument("--methods", default=None, help="passed to the worker (default: all)")
     parser.add_argument("--out", default="docs/results")
     parser.add_argument("--timeout", type=float, default=3600)
+    parser.add_argument("--render", default=None, metavar="JSON", help="summarise a saved time_to_accuracy.json and exit")
     args = parser.parse_args()
+    if args.render:
+        results = json.loads(Path(args.render).read_text())
+        print(report(results))
+        return
     ok, reason = SlowNet.available()
     if not ok:
         print(f"time_to_accuracy: cannot emulate a network here: {reason}", file=sys.stderr)
@@ -139,13 +140,14 @@ def main() -> None:
 
     methods = args.methods or ",".join(METHODS)
     runs = [r for r in RUNS if r[0] in args.tasks.split(",")]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     results: list[dict] = []
     for rate in args.rates.split(","):
         results += run_rate(rate, runs, methods, args.timeout)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    text, _ = summarise(results)
-    (out / "time_to_accuracy.json").write_text(json.dumps(results, indent=1))
+        # Saved after each rate: an interrupted run keeps what it measured (--render reads it).
+        (out / "time_to_accuracy.json").write_text(json.dumps(results, indent=1))
+    text = report(results)
     (out / "time_to_accuracy.md").write_text(text + "\n")
     plot(results, out / "time_to_accuracy.png")
     print("\n" + text)

@@ -118,6 +118,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   config.format = info.format;
   config.blockSize = info.blockSize;
   config.twoScales = info.flags & kFlagTwoScales;
+  config.stochastic = info.flags & kFlagStochastic;
   checkPayloadConfig(payload, bytes, config);
   config.format = Format(uint8_t(info.format) % 6 + 1);
   mustThrow("checkPayloadConfig accepted another format", [&] { checkPayloadConfig(payload, bytes, config); });

@@ -5,13 +5,14 @@ cosine schedule) with SGD (momentum 0.9, lr 0.4) and AdamW (lr 3e-3), the learni
 that are best for plain all-reduce. Each compressed hook, given its ddlcomm.optim optimizer,
 must reach plain all-reduce's accuracy over the same two seeds.
 
-Margins come from the measured spread (docs/results/convergence.md): on this task the
-difference between a compressed run and the plain run of the same seed varies by about 0.5
-points from seed to seed, so a mean over two seeds within 1.5 points of plain is three
-standard deviations. Top-k 1% and random-k 10% lose accuracy with AdamW at this length (2
-and 3 points, measured; docs/choosing-a-compressor.md) and get wider bounds that still fail
-a compressor that does not train. The control shows the task can tell: the 1-bit hook on
-gradients with momentum SGD, the configuration this suite did not catch before, diverges.
+Margins come from the measured spread (docs/results/convergence.md): on this task a run's
+accuracy varies by about 0.5 points from seed to seed (plain all-reduce with SGD: sd 0.52
+over 3 seeds), so the difference of two 2-seed means has a standard deviation of about 0.5
+and 1.5 points is three of them. Top-k 1% with AdamW (2.0 points below, sd 1.05) and
+random-k 10% (0.8 and 2.4 points below) lose accuracy at this length
+(docs/choosing-a-compressor.md) and get wider bounds that still fail a compressor that does
+not train. The control shows the task can tell: the 1-bit hook on gradients with momentum
+SGD, which the old convergence test passed, reaches 9%.
 """
 
 from __future__ import annotations
@@ -50,4 +51,4 @@ def test_compressed_hooks_keep_accuracy_with_momentum_sgd_and_adamw() -> None:
     plain_sgd = statistics.fmean(acc["sgd"]["all-reduce"])
     assert statistics.fmean(acc["sgd"][CONTROL]) < plain_sgd - 10, f"the control trained well: the task is too easy: {summary}"
     # DGC's recipe (torch SGD without momentum, the hook's momentum correction and clipping).
-    assert statistics.fmean(acc["sgd"][DGC]) >= plain_sgd - 3.0, summary
+    assert statistics.fmean(acc["sgd"][DGC]) >= plain_sgd - MARGIN, summary

@@ -9,8 +9,6 @@
 namespace ddlcomm {
 namespace {
 
-bool isSparse(compress::Format f) { return f == compress::Format::TopK || f == compress::Format::RandomK; }
-
 // Checks that a peer's payload was made with this rank's compressor, then decodes it.
 void checkedDecode(const CompressedAllreduceArgs& a, const uint8_t* payload, size_t bytes, DataType outType,
                    void* out, size_t count) {
@@ -188,7 +186,7 @@ void compressedAllreduce(Communicator& comm, const CompressedAllreduceArgs& a) {
                 dataTypeName(a.dtype));
   comm.run(OpCode::CompressedAllreduce, a.dtype, a.count, [&](Call& call) {
     if (a.count == 0) return;
-    if (isSparse(a.config.format)) {
+    if (compress::isSparse(a.config.format)) {
       sparseAllreduce(call, a);
     } else {
       scatterReduceGather(call, a);

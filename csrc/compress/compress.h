@@ -59,6 +59,16 @@ struct Config {
   uint64_t seed = 0;         // stochastic ternary / random-k randomness (top-k sampling)
 };
 
+// The header fields that follow from the config alone (shared by the CPU and CUDA encoders).
+inline bool hasBlocks(Format format) { return format == Format::OneBit || format == Format::Ternary; }
+inline bool isSparse(Format format) { return format == Format::TopK || format == Format::RandomK; }
+inline uint8_t headerFlags(const Config& config) {
+  if (config.format == Format::OneBit && config.twoScales) return kFlagTwoScales;
+  if (config.format == Format::Ternary && config.stochastic) return kFlagStochastic;
+  return 0;
+}
+inline uint32_t headerBlockSize(const Config& config) { return hasBlocks(config.format) ? config.blockSize : 0; }
+
 // "one_bit", "ternary", "top_k", "random_k", "float16", "bfloat16".
 const char* formatName(Format format);
 

@@ -21,8 +21,6 @@ constexpr size_t kReduceTileElements = 8192;
 constexpr size_t kStreamingBytes = size_t(4) << 20;
 
 bool isKnownFormat(uint8_t raw) { return raw >= uint8_t(Format::OneBit) && raw <= uint8_t(Format::BFloat16); }
-bool hasBlocks(Format format) { return format == Format::OneBit || format == Format::Ternary; }
-bool isSparse(Format format) { return format == Format::TopK || format == Format::RandomK; }
 
 // Byte sizes of a payload's two sections (the second is empty for casts) and of the whole.
 struct Layout {
@@ -107,13 +105,6 @@ std::string describeHeader(uint8_t format, uint32_t blockSize, uint8_t flags) {
                         blockSize, ", flags ", int(flags), ")");
 }
 
-// The header fields that follow from the config alone.
-uint8_t headerFlags(const Config& config) {
-  if (config.format == Format::OneBit && config.twoScales) return kFlagTwoScales;
-  if (config.format == Format::Ternary && config.stochastic) return kFlagStochastic;
-  return 0;
-}
-uint32_t headerBlockSize(const Config& config) { return hasBlocks(config.format) ? config.blockSize : 0; }
 
 void writeHeader(const Config& config, uint64_t numel, uint64_t k, uint8_t* payload) {
   PayloadHeader header{};

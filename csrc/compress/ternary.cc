@@ -46,9 +46,9 @@ template <class E, bool EF>
   return s;
 }
 
-// Deterministic rule: the threshold and the scale of one block (compress.h states the contract).
+// A block's scale and, for the deterministic rule, its threshold (compress.h states the contract).
 struct Threshold {
-  float at;  // sent iff |y| > at
+  float at;      // deterministic rule: sent iff |y| > at
   float s;
   bool sendAll;  // a non-finite block: every element decodes to +-s
 };
@@ -77,39 +77,8 @@ template <class E, bool EF>
   return {at, sent ? kept.total() / float(sent) : 0.f, false};
 }
 
-template <class E, bool EF>
-[[gnu::always_inline]] inline void encodeDeterministic(const Config& config, const Input& in, uint8_t* scales,
-                                                       uint8_t* codes, size_t b0, size_t b1) {
-  const auto* x = static_cast<const typename E::Raw*>(in.x);
-  const size_t bs = config.blockSize;
-  BitWriter writer(codes + b0 * bs / 4);
-  for (size_t b = b0; b < b1; ++b) {
-    const size_t start = b * bs, len = std::min(bs, in.numel - start);
-    if (b + kPrefetchBlocks < b1) {
-      const size_t ahead = start + kPrefetchBlocks * bs;
-      prefetchY<E, EF>(x, in.residual, ahead, std::min(bs, in.numel - ahead));
-    }
-    const auto* xb = x + start;
-    float* rb = EF ? in.residual + start : nullptr;
-    const Threshold t = blockThreshold<E, EF>(xb, rb, len);
-    storeLE(scales + 4 * b, t.s);
-    forEachRow(len, [&](size_t off, auto n) __attribute__((always_inline)) {
-      uint32_t sent = 0, positive = 0;
-      for (size_t j = 0; j < n; ++j) {
-        const float y = loadY<E, EF>(xb, rb, off + j);
-        const bool send = (std::fabs(y) > t.at) | t.sendAll;
-        const bool isPos = y >= 0.f;
-        if constexpr (EF) rb[off + j] = residualOf(y, send ? (isPos ? t.s : -t.s) : 0.f);
-        sent |= uint32_t(send) << j;
-        positive |= uint32_t(isPos) << j;
-      }
-      writer.putWide(spreadBits(sent & positive) | spreadBits(sent & ~positive) << 1, 2 * n);
-    });
-  }
-  writer.flush();
-}
-
-template <class E, bool EF>
+// One rule or the other, chosen per call: Stochastic (TernGrad) or the deterministic threshold.
+template <class E, bool EF, bool Stochastic>
 [[gnu::always_inline]] inline void encodeBlocks(const Config& config, const Input& in, uint64_t stream,
                                                 uint8_t* scales, uint8_t* codes, size_t b0, size_t b1) {
   const auto* x = static_cast<const typename E::Raw*>(in.x);
@@ -123,16 +92,27 @@ template <class E, bool EF>
     }
     const auto* xb = x + start;
     float* rb = EF ? in.residual + start : nullptr;
-    const float s = blockScale<E, EF>(xb, rb, len, config.clip);
-    storeLE(scales + 4 * b, s);
-    const bool sendAll = !(s <= FLT_MAX);  // non-finite scale: every element decodes to it
+    Threshold t;
+    if constexpr (Stochastic) {
+      const float s = blockScale<E, EF>(xb, rb, len, config.clip);
+      t = {0.f, s, !(s <= FLT_MAX)};  // non-finite scale: every element decodes to it
+    } else {
+      t = blockThreshold<E, EF>(xb, rb, len);
+    }
+    storeLE(scales + 4 * b, t.s);
     forEachRow(len, [&](size_t off, auto n) __attribute__((always_inline)) {
       uint32_t sent = 0, positive = 0;
       for (size_t j = 0; j < n; ++j) {
         const float y = loadY<E, EF>(xb, rb, off + j);
-        const bool send = (counterUniform(config.seed, stream, in.first + start + off + j) * s < std::fabs(y)) | sendAll;
+        bool send;
+        if constexpr (Stochastic) {
+          send = counterUniform(config.seed, stream, in.first + start + off + j) * t.s < std::fabs(y);
+        } else {
+          send = std::fabs(y) > t.at;
+        }
+        send |= t.sendAll;
         const bool isPos = y >= 0.f;
-        if constexpr (EF) rb[off + j] = residualOf(y, send ? (isPos ? s : -s) : 0.f);
+        if constexpr (EF) rb[off + j] = residualOf(y, send ? (isPos ? t.s : -t.s) : 0.f);
         sent |= uint32_t(send) << j;
         positive |= uint32_t(isPos) << j;
       }
@@ -147,11 +127,10 @@ DDLCOMM_MULTIVERSION void encodePart(const Config& config, const Input& in, uint
                                      uint8_t* codes, size_t b0, size_t b1) {
   withElement(in.type, [&](auto e) __attribute__((always_inline)) {
     withFlag(in.residual != nullptr, [&](auto ef) __attribute__((always_inline)) {
-      if (config.stochastic) {
-        encodeBlocks<decltype(e), decltype(ef)::value>(config, in, stream, scales, codes, b0, b1);
-      } else {
-        encodeDeterministic<decltype(e), decltype(ef)::value>(config, in, scales, codes, b0, b1);
-      }
+      withFlag(config.stochastic, [&](auto stochastic) __attribute__((always_inline)) {
+        encodeBlocks<decltype(e), decltype(ef)::value, decltype(stochastic)::value>(config, in, stream, scales, codes,
+                                                                                   b0, b1);
+      });
     });
   });
 }

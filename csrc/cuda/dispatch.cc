@@ -12,9 +12,6 @@ namespace {
 
 constexpr uint64_t kMaxSparseNumel = 0xffffffffull;  // payload indices are uint32
 
-bool isSparse(compress::Format f) { return f == compress::Format::TopK || f == compress::Format::RandomK; }
-bool isBlocked(compress::Format f) { return f == compress::Format::OneBit || f == compress::Format::Ternary; }
-
 void checkConfig(const compress::Config& c, size_t numel) {
   switch (c.format) {
     case compress::Format::OneBit:
@@ -40,7 +37,7 @@ void checkConfig(const compress::Config& c, size_t numel) {
 }
 
 PayloadLayout layoutFor(const compress::Config& c, size_t numel) {
-  return payloadLayout(c.format, c.twoScales, c.blockSize, numel, isSparse(c.format) ? keptEntriesCuda(c, numel) : 0);
+  return payloadLayout(c.format, c.twoScales, c.blockSize, numel, compress::isSparse(c.format) ? keptEntriesCuda(c, numel) : 0);
 }
 
 void checkPayloadPointer(const void* payload, const char* what) {
@@ -59,9 +56,9 @@ detail::DecodeArgs decodeArgs(const compress::PayloadInfo& info, const uint8_t* 
                 dataTypeName(outType));
   DDLCOMM_CHECK(info.numel == numel, ErrorKind::InvalidArgument, what, ": the payload holds ", info.numel,
                 " elements, the output has ", numel);
-  DDLCOMM_CHECK(!isBlocked(info.format) || numel == 0 || info.blockSize >= 1, ErrorKind::Protocol, what,
+  DDLCOMM_CHECK(!compress::hasBlocks(info.format) || numel == 0 || info.blockSize >= 1, ErrorKind::Protocol, what,
                 ": block size 0");
-  DDLCOMM_CHECK(!isSparse(info.format) || info.k <= numel, ErrorKind::Protocol, what, ": ", info.k,
+  DDLCOMM_CHECK(!compress::isSparse(info.format) || info.k <= numel, ErrorKind::Protocol, what, ": ", info.k,
                 " entries for ", numel, " elements");
   const bool two = info.format == compress::Format::OneBit && (info.flags & compress::kFlagTwoScales);
   const PayloadLayout layout = payloadLayout(info.format, two, info.blockSize, numel, info.k);
@@ -89,7 +86,7 @@ void runDecode(const detail::DecodeArgs& a) {
 }  // namespace
 
 uint64_t keptEntriesCuda(const compress::Config& config, size_t numel) {
-  if (!isSparse(config.format) || numel == 0) return 0;
+  if (!compress::isSparse(config.format) || numel == 0) return 0;
   if (config.k > 0) return config.k < numel ? config.k : numel;
   const double k = std::round(config.ratio * double(numel));  // half away from zero
   return k < 1.0 ? 1 : (k < double(numel) ? uint64_t(k) : numel);
@@ -119,7 +116,7 @@ size_t encodeCuda(const compress::Config& config, DataType xType, const void* x,
                 dataTypeName(xType));
   DDLCOMM_CHECK(x != nullptr || numel == 0, ErrorKind::InvalidArgument, "encodeCuda: null input");
   checkPayloadPointer(payload, "encodeCuda");
-  const uint64_t k = isSparse(config.format) ? keptEntriesCuda(config, numel) : 0;
+  const uint64_t k = compress::isSparse(config.format) ? keptEntriesCuda(config, numel) : 0;
   const PayloadLayout layout = layoutFor(config, numel);
   DDLCOMM_CHECK(capacity >= layout.bytes, ErrorKind::InvalidArgument, "encodeCuda: payload capacity ", capacity,
                 " < ", layout.bytes, " bytes needed");
@@ -129,11 +126,8 @@ size_t encodeCuda(const compress::Config& config, DataType xType, const void* x,
   DDLCOMM_CHECK(reinterpret_cast<uintptr_t>(workspace) % 256 == 0, ErrorKind::InvalidArgument,
                 "encodeCuda: the workspace must be 256-byte aligned");
 
-  const bool blocked = isBlocked(config.format);
-  const uint8_t flags = config.format == compress::Format::OneBit && config.twoScales      ? compress::kFlagTwoScales
-                        : config.format == compress::Format::Ternary && config.stochastic ? compress::kFlagStochastic
-                                                                                           : 0;
-  const HeaderWords header = makeHeader(config.format, flags, blocked ? config.blockSize : 0, numel, k);
+  const HeaderWords header =
+      makeHeader(config.format, compress::headerFlags(config), compress::headerBlockSize(config), numel, k);
   const detail::EncodeArgs a{config, xType,  x,      residual,  numel,          stream,
                              k,      payload, layout, header,   workspace, workspaceBytes, cudaStream};
   switch (config.format) {

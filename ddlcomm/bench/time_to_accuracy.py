@@ -82,6 +82,7 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=None, help="the task's width (CNN linear layer, LM model)")
     parser.add_argument("--batch", type=int, default=None, help="per-rank batch")
     parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--lr", type=float, default=None, help="override the task's learning rate")
     parser.add_argument("--eval-every", type=int, default=20)
     parser.add_argument("--methods", default=",".join(METHODS))
     args = parser.parse_args()
@@ -90,10 +91,13 @@ def main() -> None:
     torch.set_num_threads(1)
     options = {k: v for k, v in (("width", args.width), ("batch", args.batch), ("steps", args.steps)) if v is not None}
     task = make_task(args.task, **options)
+    if args.lr is not None:
+        task.lr[args.optimizer] = args.lr
     params = sum(p.numel() for p in task.model().parameters())
     for method in args.methods.split(","):
         result = run(task, method, args.optimizer, gloo, args.eval_every)
-        result.update(options, task=task.name, metric=task.metric, params=params, steps=task.steps)
+        result.update(options, task=task.name, metric=task.metric, params=params, steps=task.steps,
+                      lr=task.lr[args.optimizer])
         if dist.get_rank() == 0:
             print("RESULT " + json.dumps(result), flush=True)
     dist.destroy_process_group()
