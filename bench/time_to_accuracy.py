@@ -6,8 +6,8 @@
 For each link rate and each task (the CNN with SGD and the transformer language model with
 AdamW, from ddlcomm.bench.tasks, sized so that communication matters) it runs
 ``python -m ddlcomm.bench.time_to_accuracy`` on every rank, then reports for each method the
-training time until the metric reaches the target: within 0.5 points of gloo fp32's final
-accuracy, or within 1% of its final loss. Writes ``time_to_accuracy.json``,
+training time until the metric reaches a target: within 0.5 points of gloo fp32's final
+accuracy or 1% of its final loss, and a looser 1 point / 2%. Writes ``time_to_accuracy.json``,
 ``time_to_accuracy.md`` and ``time_to_accuracy.png`` (metric against wall time) into --out.
 Needs root and iproute2; exits non-zero with the reason when namespaces are unavailable.
 """
@@ -113,6 +113,9 @@ def plot(results: list[dict], path: Path) -> None:
         ax.set_ylabel("test accuracy %" if metric == "accuracy" else "validation loss")
         if metric == "accuracy":
             ax.set_ylim(80, 100)
+        else:  # from the best final loss to a quarter above it: the curves' ends are what differ
+            best = min(r["curve"][-1][2] for r in results if r["task"] == task and r["rate"] == rate)
+            ax.set_ylim(best * 0.98, best * 1.25)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()
@@ -126,11 +129,13 @@ def main() -> None:
     parser.add_argument("--methods", default=None, help="passed to the worker (default: all)")
     parser.add_argument("--out", default="docs/results")
     parser.add_argument("--timeout", type=float, default=3600)
-    parser.add_argument("--render", default=None, metavar="JSON", help="summarise a saved time_to_accuracy.json and exit")
+    parser.add_argument("--render", default=None, metavar="JSON",
+                        help="rewrite the .md and .png beside a saved time_to_accuracy.json, print the tables and exit")
     args = parser.parse_args()
     if args.render:
-        results = json.loads(Path(args.render).read_text())
-        print(report(results))
+        saved = Path(args.render)
+        results = json.loads(saved.read_text())
+        write_report(results, saved.parent)
         return
     ok, reason = SlowNet.available()
     if not ok:
@@ -147,11 +152,15 @@ def main() -> None:
         results += run_rate(rate, runs, methods, args.timeout)
         # Saved after each rate: an interrupted run keeps what it measured (--render reads it).
         (out / "time_to_accuracy.json").write_text(json.dumps(results, indent=1))
+    write_report(results, out)
+
+
+def write_report(results: list[dict], out: Path) -> None:
     text = report(results)
     (out / "time_to_accuracy.md").write_text(text + "\n")
     plot(results, out / "time_to_accuracy.png")
     print("\n" + text)
-    print(f"wrote {out / 'time_to_accuracy.json'}, .md and .png")
+    print(f"wrote {out / 'time_to_accuracy.md'} and .png")
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ COMPRESSORS = {
     "ddlcomm 1-bit": compress.OneBit,
     "ddlcomm ternary": compress.Ternary,
     "ddlcomm top-k 1%": lambda: compress.TopK(ratio=0.01, approximate=True),
+    "ddlcomm random-k 10%": lambda: compress.RandomK(ratio=0.1),
 }
 METHODS = ["gloo fp32", "gloo fp16_compress_hook", "PowerSGD rank 4 (torch hook)", *COMPRESSORS]
 
