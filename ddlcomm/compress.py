@@ -86,7 +86,18 @@ class Compressor:
         for name, value in options.items():
             setattr(config, name, value)
         self._config = config
+        self._options = options  # validated already: what pickling rebuilds the config from
         _native.encoded_bytes(config, 0)  # validates the options (ValueError)
+
+    def __reduce__(self) -> tuple:
+        # The native config does not pickle; a compressor (and a hook state holding one) does.
+        return (_rebuild, (type(self), self._options))
+
+    def __eq__(self, other: object) -> bool:
+        return type(self) is type(other) and self._options == other._options  # type: ignore[attr-defined]
+
+    def __hash__(self) -> int:
+        return hash((type(self), tuple(sorted(self._options.items()))))
 
     @property
     def format(self) -> str:
@@ -173,6 +184,12 @@ class Compressor:
 
     def _describe(self) -> str:
         return ""
+
+
+def _rebuild(cls: type, options: dict[str, Any]) -> Compressor:
+    compressor = cls.__new__(cls)
+    Compressor.__init__(compressor, **options)
+    return compressor
 
 
 def _block_size(block_size: int) -> int:

@@ -198,9 +198,11 @@ class CompressionState:
         self.stats = CompressionStats(**state.get("stats", {}))
 
     def __getstate__(self) -> dict[str, Any]:
-        # Process groups do not pickle, and the optimizer is saved by its owner; the rest
-        # does (for torch.save of a whole state).
-        return {k: v for k, v in self.__dict__.items() if k not in ("process_group", "optimizer")}
+        # Process groups do not pickle, and the optimizer is saved by its owner (the hook
+        # refuses to run until it is set again); the rest does (for torch.save of a whole state).
+        state = {k: v for k, v in self.__dict__.items() if k not in ("process_group", "optimizer")}
+        state["_optimizer_detached"] = self.optimizer is not None or getattr(self, "_optimizer_detached", False)
+        return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
@@ -234,6 +236,11 @@ def compressed_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.f
         state.maybe_increase_iter(bucket)
         return fut
 
+    if state.optimizer is None and getattr(state, "_optimizer_detached", False):
+        # Its residuals hold errors of update directions: compressing gradients now would
+        # apply them to the wrong quantity, and train worse without saying so.
+        raise RuntimeError("ddlcomm hook: this CompressionState was saved with optimizer= and loaded without it; "
+                           "set state.optimizer to the (loaded) ddlcomm.optim optimizer before training")
     rank, world = state._world()
     quantizer_on_gradients = state.optimizer is None and not state.momentum and not isinstance(state.compressor, (FP16, BF16))
     if quantizer_on_gradients and not getattr(state, "_advised", False):

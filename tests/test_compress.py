@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 import struct
 
 import numpy as np
@@ -607,3 +608,17 @@ def test_invalid_arguments_raise_clear_errors() -> None:
                 lambda: TopK(ratio=1.5), lambda: RandomK(k=0)):
         with pytest.raises(ValueError):
             bad()
+
+
+@pytest.mark.parametrize("name", COMPRESSORS)
+def test_pickled_compressor_encodes_the_same(name: str) -> None:
+    """torch.save of a hook state pickles its compressor: the copy has the same options and
+    writes the same payload and residual."""
+    original = COMPRESSORS[name]()
+    copy = pickle.loads(pickle.dumps(original))
+    assert copy == original and repr(copy) == repr(original) and hash(copy) == hash(original)
+    assert copy != TopK(ratio=0.5)  # no compressor above keeps half
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(0))
+    r1, r2 = torch.zeros(1000), torch.zeros(1000)
+    assert torch.equal(original.encode(x, r1, stream=2), copy.encode(x, r2, stream=2))
+    assert torch.equal(r1, r2)

@@ -5,6 +5,7 @@ hook it is that torch optimizer."""
 from __future__ import annotations
 
 import copy
+import pickle
 
 import pytest
 import torch
@@ -97,3 +98,40 @@ def test_hook_state_takes_only_ddlcomm_optimizers() -> None:
     stranger = torch.nn.Parameter(torch.zeros(3))
     with pytest.raises(ValueError, match="does not optimize"):
         optim.SGD(params, lr=0.1).local_directions([stranger], [torch.zeros(3)])
+
+
+class _Bucket:
+    """The part of dist.GradBucket the hook reads before it communicates."""
+
+    def __init__(self, params: list[torch.nn.Parameter]) -> None:
+        self._params = params
+        self._buffer = torch.cat([p.detach().reshape(-1) for p in params])
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        return self._params
+
+    def index(self) -> int:
+        return 0
+
+
+def test_loaded_state_refuses_to_run_without_its_optimizer() -> None:
+    """A pickled state drops its optimizer (the optimizer is saved by its owner); training on
+    without setting it again would compress gradients into residuals of directions."""
+    import pickle
+
+    params = _params()
+    state = hooks.CompressionState(optimizer=optim.SGD(params, lr=0.1, momentum=0.9), min_compression_bytes=0)
+    state.iter = state.start_compress_iter
+    loaded = pickle.loads(pickle.dumps(state))
+    assert loaded.optimizer is None
+    with pytest.raises(RuntimeError, match="saved with optimizer= and loaded without it"):
+        hooks.compressed_hook(loaded, _Bucket(params))
+    again = pickle.loads(pickle.dumps(loaded))  # still refuses after another round trip
+    with pytest.raises(RuntimeError, match="loaded without it"):
+        hooks.compressed_hook(again, _Bucket(params))
+    # A state made without an optimizer is not affected.
+    plain = pickle.loads(pickle.dumps(hooks.CompressionState()))
+    assert not plain._optimizer_detached
