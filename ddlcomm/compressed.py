@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from . import _C
-from .compress import Compressor
+from .compress import Compressor, all_finite
 
 __all__ = ["compressed_all_reduce", "server_residual_numel", "native_backend", "wire_bytes"]
 
@@ -103,7 +103,7 @@ def compressed_all_reduce(
     # anywhere must still make the result non-finite everywhere (GradScaler skips the step).
     poisoned = None
     if compressor.format == "random_k":
-        poisoned = torch.tensor([0 if bool(torch.isfinite(tensor).all()) else 1], dtype=torch.uint8)
+        poisoned = torch.tensor([0 if all_finite(tensor) else 1], dtype=torch.uint8)
         dist.all_reduce(poisoned, op=dist.ReduceOp.MAX, group=group)
 
     def finish(result: torch.Tensor) -> torch.Tensor:

@@ -36,6 +36,8 @@ from typing import Any, Optional
 
 import torch
 
+from .compress import all_finite
+
 __all__ = ["SGD", "Adam", "AdamW", "DirectionOptimizer"]
 
 
@@ -176,7 +178,7 @@ class _AdamDirections(DirectionOptimizer):
             grad.neg_()
         if group["weight_decay"] and not group["decoupled_weight_decay"]:
             grad.add_(param, alpha=group["weight_decay"])
-        if not bool(torch.isfinite(grad).all()):
+        if not all_finite(grad):
             # Leave the moments alone; the non-finite gradient goes out as it is, so the average
             # is non-finite on every rank (GradScaler skips the step).
             return None

@@ -11,7 +11,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ddlcomm.compress import BF16, FP16, Compressor, OneBit, RandomK, Ternary, TopK, inspect
+from ddlcomm.compress import BF16, FP16, Compressor, OneBit, RandomK, Ternary, TopK, all_finite, inspect
 
 HEADER = struct.Struct("<IBBBBIIQQ")  # csrc/compress/wire_format.h
 MASK64 = (1 << 64) - 1
@@ -622,3 +622,20 @@ def test_pickled_compressor_encodes_the_same(name: str) -> None:
     r1, r2 = torch.zeros(1000), torch.zeros(1000)
     assert torch.equal(original.encode(x, r1, stream=2), copy.encode(x, r2, stream=2))
     assert torch.equal(r1, r2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_all_finite_agrees_with_isfinite(dtype: torch.dtype) -> None:
+    big = torch.finfo(dtype).max
+    cases = [torch.zeros(0), torch.randn(1000), torch.full((1000,), big), torch.tensor([big, -big, big])]
+    for bad in (float("inf"), float("-inf"), float("nan")):
+        for at in (0, 500, 999):
+            x = torch.randn(1000)
+            x[at] = bad
+            cases.append(x)
+    both = torch.randn(1000)
+    both[3], both[7] = float("inf"), float("-inf")  # sum NaN
+    cases.append(both)
+    for x in cases:
+        x = x.to(dtype)
+        assert all_finite(x) == bool(torch.isfinite(x).all()), x
