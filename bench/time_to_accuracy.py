@@ -91,6 +91,11 @@ def summarise(results: list[dict], points: float = 0.5, loss_pct: float = 1.0) -
 def report(results: list[dict]) -> str:
     """Both targets: the goal's (0.5 points / 1%), which one seed's noise can decide, and a
     looser one (1 point / 2%) that every method reaches."""
+    runs = {(r["task"], r["rate"]) for r in results}
+    missing = sorted(runs - {(r["task"], r["rate"]) for r in results if r["method"] == "gloo fp32"})
+    if missing:
+        return (f"no 'gloo fp32' run for {missing}: the targets are set from it (run it too, or merge the "
+                f"records into a saved time_to_accuracy.json and --render that)")
     strict, _ = summarise(results, 0.5, 1.0)
     loose, _ = summarise(results, 1.0, 2.0)
     return f"{strict}\n\n{loose}"

@@ -52,3 +52,33 @@ def test_compressed_hooks_keep_accuracy_with_momentum_sgd_and_adamw() -> None:
     assert statistics.fmean(acc["sgd"][CONTROL]) < plain_sgd - 10, f"the control trained well: the task is too easy: {summary}"
     # DGC's recipe (torch SGD without momentum, the hook's momentum correction and clipping).
     assert statistics.fmean(acc["sgd"][DGC]) >= plain_sgd - MARGIN, summary
+
+
+def test_time_to_accuracy_benchmark_runs_every_method() -> None:
+    """The time-to-accuracy benchmark's worker and report (bench/time_to_accuracy.py, run on
+    an emulated network only by hand): every method trains, its curve is timed, and the report
+    sets the target from gloo fp32."""
+    import math
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from time_to_accuracy import report, summarise
+
+    from ddlcomm.bench.time_to_accuracy import METHODS
+
+    results = launch("convergence", "time_to_accuracy_curves", 2, timeout=300, args=("cnn", "sgd"))
+    assert_all_ok(results)
+    line = next(l for l in results[0].output.splitlines() if l.startswith("RESULTS "))
+    records = json.loads(line[len("RESULTS "):])
+    assert [r["method"] for r in records] == METHODS
+    for r in records:
+        steps = [c[1] for c in r["curve"]]
+        seconds = [c[0] for c in r["curve"]]
+        assert steps == [0, 7, 14], r
+        assert seconds[0] == 0.0 and seconds[1] < seconds[2] and r["seconds_per_step"] > 0, r
+        assert all(math.isfinite(c[2]) and 0.0 <= c[2] <= 100.0 for c in r["curve"]), r
+    text, reached = summarise(records)
+    assert reached[("cnn", "loopback", "gloo fp32")] is not None, text  # its own final figure
+    assert all(f"| {method} |" in text for method in METHODS), text
+    assert text in report(records)

@@ -9,8 +9,10 @@ from __future__ import annotations
 import json
 
 import torch
+import torch.distributed as dist
 
 from common import init, run
+from ddlcomm.bench import time_to_accuracy
 from ddlcomm.bench.convergence import METHODS, train
 from ddlcomm.bench.tasks import make_task
 
@@ -30,5 +32,20 @@ def quality(runs: str, seeds: str = "0") -> None:
         print("QUALITY " + json.dumps(out), flush=True)
 
 
+def time_to_accuracy_curves(task_name: str, opt_name: str) -> None:
+    """Every method of the time-to-accuracy benchmark, 14 steps of a small ``task_name``
+    (compressed from step 10): prints its records as ``RESULTS [...]`` on rank 0."""
+    rank, _ = init(timeout_s=300)
+    torch.set_num_threads(1)
+    gloo = dist.new_group(backend="gloo")
+    task = make_task(task_name, width=64, batch=8, steps=14)
+    records = []
+    for method in time_to_accuracy.METHODS:
+        record = time_to_accuracy.run(task, method, opt_name, gloo, eval_every=7)
+        records.append(dict(record, task=task_name, rate="loopback", metric=task.metric))
+    if rank == 0:
+        print("RESULTS " + json.dumps(records), flush=True)
+
+
 if __name__ == "__main__":
-    run({"quality": quality})
+    run({"quality": quality, "time_to_accuracy_curves": time_to_accuracy_curves})
