@@ -120,6 +120,13 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   config.twoScales = info.flags & kFlagTwoScales;
   config.stochastic = info.flags & kFlagStochastic;
   checkPayloadConfig(payload, bytes, config);
+  // A flag that changes the encoding is part of the compressor a peer must match.
+  if (info.format == Format::OneBit || info.format == Format::Ternary) {
+    Config flipped = config;
+    if (info.format == Format::OneBit) flipped.twoScales = !config.twoScales;
+    else flipped.stochastic = !config.stochastic;
+    mustThrow("checkPayloadConfig accepted another encoding flag", [&] { checkPayloadConfig(payload, bytes, flipped); });
+  }
   config.format = Format(uint8_t(info.format) % 6 + 1);
   mustThrow("checkPayloadConfig accepted another format", [&] { checkPayloadConfig(payload, bytes, config); });
 
