@@ -93,22 +93,37 @@ def plot(results: list[dict], path: Path) -> None:
         ax.set_title(title)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
+    save_figure(fig, path)
+
+
+def save_figure(fig, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def bench_parser(doc: str, out: str, timeout: float) -> argparse.ArgumentParser:
+    """The options every emulated-network benchmark takes: link rates, output folder, timeout."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rates", default="1gbit,10gbit")
-    parser.add_argument("--ranks", type=int, default=4)
-    parser.add_argument("--out", default="bench/results")
-    parser.add_argument("--timeout", type=float, default=1500)
-    parser.add_argument("worker_args", nargs=argparse.REMAINDER, help="passed to ddlcomm.bench.compressed after --")
-    args = parser.parse_args()
+    parser.add_argument("--out", default=out)
+    parser.add_argument("--timeout", type=float, default=timeout)
+    return parser
+
+
+def require_slownet(name: str) -> None:
+    """Exits with status 2 and the reason when network namespaces are unavailable."""
     ok, reason = SlowNet.available()
     if not ok:
-        print(f"slownet_bench: cannot emulate a network here: {reason}", file=sys.stderr)
+        print(f"{name}: cannot emulate a network here: {reason}", file=sys.stderr)
         raise SystemExit(2)
+
+
+def main() -> None:
+    parser = bench_parser(__doc__, "bench/results", 1500)
+    parser.add_argument("--ranks", type=int, default=4)
+    parser.add_argument("worker_args", nargs=argparse.REMAINDER, help="passed to ddlcomm.bench.compressed after --")
+    args = parser.parse_args()
+    require_slownet("slownet_bench")
     extra = [a for a in args.worker_args if a != "--"]
     results: list[dict] = []
     for rate in args.rates.split(","):

@@ -14,14 +14,13 @@ Needs root and iproute2; exits non-zero with the reason when namespaces are unav
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from slownet import SlowNet  # noqa: E402
-from slownet_bench import collect_results  # noqa: E402
+from slownet_bench import bench_parser, collect_results, require_slownet, save_figure  # noqa: E402
 
 # (task, optimizer, worker options): the CNN's first linear layer is wide (8.4M parameters,
 # nearly all in that layer, as in VGG-style networks) so that a step at 1 Gbit/s is mostly
@@ -123,17 +122,13 @@ def plot(results: list[dict], path: Path) -> None:
             ax.set_ylim(best * 0.98, best * 1.25)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rates", default="1gbit,10gbit")
+    parser = bench_parser(__doc__, "docs/results", 3600)
     parser.add_argument("--tasks", default="cnn,lm")
     parser.add_argument("--methods", default=None, help="passed to the worker (default: all)")
-    parser.add_argument("--out", default="docs/results")
-    parser.add_argument("--timeout", type=float, default=3600)
     parser.add_argument("--render", default=None, metavar="JSON",
                         help="rewrite the .md and .png beside a saved time_to_accuracy.json, print the tables and exit")
     args = parser.parse_args()
@@ -142,10 +137,7 @@ def main() -> None:
         results = json.loads(saved.read_text())
         write_report(results, saved.parent)
         return
-    ok, reason = SlowNet.available()
-    if not ok:
-        print(f"time_to_accuracy: cannot emulate a network here: {reason}", file=sys.stderr)
-        raise SystemExit(2)
+    require_slownet("time_to_accuracy")
     from ddlcomm.bench.time_to_accuracy import METHODS
 
     methods = args.methods or ",".join(METHODS)

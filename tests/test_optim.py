@@ -35,11 +35,15 @@ def _grads(step: int) -> list[torch.Tensor]:
     return [torch.randn(5, 3, generator=g), torch.randn(7, generator=g)]
 
 
+def _pair(name: str, options: dict) -> tuple:
+    """The same parameters under ddlcomm.optim.<name> and torch.optim.<name>."""
+    ours_p, ref_p = _params(), _params()
+    return ours_p, ref_p, getattr(optim, name)(ours_p, **options), getattr(torch.optim, name)(ref_p, **options)
+
+
 @pytest.mark.parametrize("name,options", CASES)
 def test_direction_steps_like_torch(name: str, options: dict) -> None:
-    ours_p, ref_p = _params(), _params()
-    ours = getattr(optim, name)(ours_p, **options)
-    ref = getattr(torch.optim, name)(ref_p, **options)
+    ours_p, ref_p, ours, ref = _pair(name, options)
     for step in range(6):
         grads = _grads(step)
         for p, q, g in zip(ours_p, ref_p, grads):
@@ -57,9 +61,7 @@ def test_direction_steps_like_torch(name: str, options: dict) -> None:
 
 @pytest.mark.parametrize("name,options", CASES)
 def test_without_a_hook_it_is_the_torch_optimizer(name: str, options: dict) -> None:
-    ours_p, ref_p = _params(), _params()
-    ours = getattr(optim, name)(ours_p, **options)
-    ref = getattr(torch.optim, name)(ref_p, **options)
+    ours_p, ref_p, ours, ref = _pair(name, options)
     for step in range(4):
         for p, q, g in zip(ours_p, ref_p, _grads(step)):
             p.grad, q.grad = g.clone(), g.clone()
