@@ -12,15 +12,33 @@ Launch with ``torchrun`` like any other backend.
 from __future__ import annotations
 
 import atexit
+import importlib.metadata
+import importlib.util
+import os
+import sys
 from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
 
-from . import _C
+try:
+    from . import _C
+except ImportError:
+    if importlib.util.find_spec("._C", __name__) is not None:
+        raise  # the extension is there but does not load: its own message says why
+    # Python's message blames a circular import. What happened: this directory (e.g. the root of a
+    # clone after a non-editable `pip install .`) shadows the installed package.
+    raise ImportError(
+        f"ddlcomm was imported from {os.path.dirname(__file__)}, which has no compiled extension "
+        "(ddlcomm/_C*.so): a source checkout that shadows the installed ddlcomm, e.g. because Python "
+        "runs in the checkout's root. Run Python from another directory, or install the checkout in "
+        "editable mode (`bash scripts/setup.sh`, or `pip install --no-build-isolation -e .` in its root), "
+        "which makes it importable as it is."
+    ) from None
 
 __all__ = ["BACKEND_NAME", "ProcessGroupDdlcomm", "is_available"]
 
+__version__ = importlib.metadata.version("ddlcomm")  # pyproject.toml's version, as installed
 BACKEND_NAME = "ddlcomm"
 ProcessGroupDdlcomm = _C.ProcessGroupDdlcomm
 
@@ -29,7 +47,7 @@ def _create_backend(dist_backend_opts: Any, backend_options: Any = None) -> Proc
     """Backend creator called by torch.distributed (extended API)."""
     opts = dist_backend_opts
     timeout = opts.timeout if isinstance(opts.timeout, timedelta) else timedelta(seconds=float(opts.timeout))
-    return ProcessGroupDdlcomm(
+    backend = ProcessGroupDdlcomm(
         opts.store,
         opts.group_rank,
         opts.group_size,
@@ -37,6 +55,18 @@ def _create_backend(dist_backend_opts: Any, backend_options: Any = None) -> Proc
         [int(r) for r in opts.global_ranks_in_group],
         str(opts.group_id),
     )
+    _set_default_backend_type(sys._getframe(1).f_locals.get("pg"))
+    return backend
+
+
+def _set_default_backend_type(pg: Any) -> None:
+    # For a "device:backend" string ("cpu:ddlcomm") torch (2.13 at least) never sets the group's
+    # default backend type: _new_process_group_helper compares the first key of
+    # Backend._plugins, upper case ("DDLCOMM"), with the lower-case backend names. The group then
+    # calls itself "undefined", and destroy_process_group warns "No backend of type 0 found".
+    # `pg` is the group being created, a local of the caller; anything else is left alone.
+    if isinstance(pg, dist.ProcessGroup) and pg.name() == "undefined":
+        pg._set_default_backend(dist.ProcessGroup.BackendType.CUSTOM)
 
 
 def is_available() -> bool:

@@ -20,19 +20,22 @@ so nothing is lost, only delayed. Example::
     compressor.decode_accumulate(payload, total)     # total += decoded
 
 Tensors are used in place: inputs and residuals must be contiguous CPU tensors (any shape;
-they are read as flat vectors). Wrong dtypes raise TypeError; wrong devices, layouts, sizes
-and corrupt payloads raise ValueError.
+they are read as flat vectors). Wrong types and dtypes raise TypeError; wrong devices,
+layouts, sizes, out-of-range numbers and corrupt payloads raise ValueError.
 """
 
 from __future__ import annotations
 
+import operator
 from typing import Any, Optional
 
 import torch
 
 from . import _C
 
-__all__ = ["Compressor", "OneBit", "Ternary", "TopK", "RandomK", "FP16", "BF16", "inspect", "all_finite"]
+# What `from ddlcomm.compress import *` binds. inspect() is public but left out: a star import
+# would shadow the standard library's inspect module (import it by name).
+__all__ = ["Compressor", "OneBit", "Ternary", "TopK", "RandomK", "FP16", "BF16", "all_finite"]
 
 _native = _C.compress
 
@@ -40,6 +43,16 @@ _native = _C.compress
 _DTYPE_CODES = {torch.float32: 0, torch.float16: 2, torch.bfloat16: 3}
 _HEADER_BYTES = 32
 _FORMAT_OFFSET = 5  # byte of the header that holds the format (wire_format.h)
+
+
+def _integer(value: Any, name: str, low: int, bits: int) -> int:
+    """``value`` as an int in [low, 2**bits): Python and numpy integers, not bools, floats or strings."""
+    if isinstance(value, bool) or not hasattr(type(value), "__index__"):
+        raise TypeError(f"{name} must be an integer, got {type(value).__name__} {value!r}")
+    value = operator.index(value)
+    if not low <= value < 2**bits:
+        raise ValueError(f"{name} must be an integer in [{low}, 2**{bits}), got {value}")
+    return value
 
 
 def _check_tensor(tensor: Any, name: str) -> None:
@@ -53,7 +66,13 @@ def _check_tensor(tensor: Any, name: str) -> None:
 
 def _check_float(tensor: Any, name: str) -> None:
     if isinstance(tensor, torch.Tensor) and tensor.dtype not in _DTYPE_CODES:
-        raise TypeError(f"{name} must be float32, float16 or bfloat16, got {tensor.dtype}")
+        raise TypeError(f"{name} must be torch.float32, torch.float16 or torch.bfloat16, got {tensor.dtype}")
+    _check_tensor(tensor, name)
+
+
+def _check_float32(tensor: Any, name: str) -> None:
+    if isinstance(tensor, torch.Tensor) and tensor.dtype != torch.float32:
+        raise TypeError(f"{name} must be a torch.float32 tensor, got {tensor.dtype}")
     _check_tensor(tensor, name)
 
 
@@ -81,6 +100,8 @@ class Compressor:
     _format: Any = None  # _C.compress.Format of the subclass
 
     def __init__(self, **options: Any) -> None:
+        if self._format is None:
+            raise TypeError("Compressor is a base class: use OneBit, Ternary, TopK, RandomK, FP16 or BF16")
         config = _native.Config()
         config.format = self._format
         for name, value in options.items():
@@ -106,7 +127,7 @@ class Compressor:
 
     def compressed_nbytes(self, numel: int) -> int:
         """Size in bytes of the payload of a tensor with ``numel`` elements."""
-        return _native.encoded_bytes(self._config, int(numel))
+        return _native.encoded_bytes(self._config, _integer(numel, "numel", 0, 63))
 
     def encode(self, tensor: torch.Tensor, residual: Optional[torch.Tensor] = None, stream: int = 0,
                out: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -123,14 +144,11 @@ class Compressor:
         _check_float(tensor, "tensor")
         residual_ptr = 0
         if residual is not None:
-            _check_tensor(residual, "residual")
-            if residual.dtype != torch.float32:
-                raise ValueError(f"residual must be float32, got {residual.dtype}")
+            _check_float32(residual, "residual")
             if residual.numel() != tensor.numel():
                 raise ValueError(f"residual has {residual.numel()} elements, the tensor has {tensor.numel()}")
             residual_ptr = residual.data_ptr()
-        if not 0 <= stream < 2**64:
-            raise ValueError(f"stream must be in [0, 2**64), got {stream}")
+        stream = _integer(stream, "stream", 0, 64)
         numel = tensor.numel()
         nbytes = self.compressed_nbytes(numel)
         if out is None:
@@ -145,19 +163,25 @@ class Compressor:
         return payload
 
     def decode(self, payload: torch.Tensor, out: Optional[torch.Tensor] = None, numel: Optional[int] = None,
-               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+               dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         """Decodes ``payload`` into ``out`` (allocated as a flat ``dtype`` tensor if None).
 
-        ``numel``, when given, must match the payload (and ``out``). Returns ``out``.
+        ``dtype``: torch.float32 (the default), torch.float16 or torch.bfloat16; with ``out``
+        it may only repeat ``out.dtype``. ``numel``, when given, must match the payload (and
+        ``out``). Returns ``out``.
         """
         self._check_format(payload)
+        if numel is not None:
+            numel = _integer(numel, "numel", 0, 63)
+        if dtype is not None and dtype not in _DTYPE_CODES:
+            raise TypeError(f"dtype must be torch.float32, torch.float16 or torch.bfloat16, got {dtype!r}")
         if out is None:
-            if dtype not in _DTYPE_CODES:
-                raise TypeError(f"dtype must be float32, float16 or bfloat16, got {dtype}")
-            count = inspect(payload)["numel"] if numel is None else int(numel)
-            out = torch.empty(count, dtype=dtype)
+            count = inspect(payload)["numel"] if numel is None else numel
+            out = torch.empty(count, dtype=torch.float32 if dtype is None else dtype)
         else:
             _check_float(out, "out")
+            if dtype is not None and dtype != out.dtype:
+                raise TypeError(f"dtype={dtype} but out is {out.dtype}: pass one of them")
             if numel is not None and numel != out.numel():
                 raise ValueError(f"numel={numel} but out has {out.numel()} elements")
         _native.decode(payload.data_ptr(), payload.numel(), _DTYPE_CODES[out.dtype], out.data_ptr(), out.numel())
@@ -166,9 +190,7 @@ class Compressor:
     def decode_accumulate(self, payload: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """``out += decode(payload)`` in float32 (``out`` must be float32). Returns ``out``."""
         self._check_format(payload)
-        _check_float(out, "out")
-        if out.dtype != torch.float32:
-            raise TypeError(f"decode_accumulate needs a float32 out, got {out.dtype}")
+        _check_float32(out, "out")
         _native.decode_accumulate(payload.data_ptr(), payload.numel(), out.data_ptr(), out.numel())
         return out
 
@@ -206,9 +228,7 @@ def _rebuild(cls: type, options: dict[str, Any]) -> Compressor:
 
 
 def _block_size(block_size: int) -> int:
-    if not isinstance(block_size, int) or not 0 < block_size < 2**32:
-        raise ValueError(f"block_size must be an integer in [1, 2**32), got {block_size!r}")
-    return block_size
+    return _integer(block_size, "block_size", 1, 32)
 
 
 class OneBit(Compressor):
@@ -249,7 +269,7 @@ class Ternary(Compressor):
         if not stochastic and (clip or seed):
             raise ValueError("clip and seed apply to stochastic ternary only (Ternary(stochastic=True, ...))")
         super().__init__(block_size=_block_size(block_size), stochastic=bool(stochastic), clip=float(clip),
-                         seed=int(seed))
+                         seed=_integer(seed, "seed", 0, 64))
 
     def _describe(self) -> str:
         if not self._config.stochastic:
@@ -258,16 +278,23 @@ class Ternary(Compressor):
 
 
 class _Sparse(Compressor):
-    def __init__(self, ratio: float, k: Optional[int], **options: Any) -> None:
-        if k is not None and (not isinstance(k, int) or k <= 0):
-            raise ValueError(f"k must be a positive integer or None, got {k!r}")
-        if not 0.0 < ratio <= 1.0:
+    _DEFAULT_RATIO = 0.01
+
+    def __init__(self, ratio: Optional[float], k: Optional[int], **options: Any) -> None:
+        # One of the two decides how many entries are kept; silently preferring k would hide a mistake.
+        if ratio is not None and k is not None:
+            raise ValueError(f"{type(self).__name__} takes ratio or k, not both (got ratio={ratio!r}, k={k!r})")
+        if k is not None:
+            k = _integer(k, "k", 1, 64)
+        if ratio is None:
+            ratio = self._DEFAULT_RATIO  # also stored (unused) with k, as it always was
+        elif not 0.0 < ratio <= 1.0:
             raise ValueError(f"ratio must be in (0, 1], got {ratio}")
         super().__init__(ratio=float(ratio), k=k or 0, **options)
 
     def kept_entries(self, numel: int) -> int:
         """Entries kept for ``numel`` elements: min(k, numel), else round(ratio * numel) >= 1."""
-        return _native.kept_entries(self._config, int(numel))
+        return _native.kept_entries(self._config, _integer(numel, "numel", 0, 63))
 
     def _describe(self) -> str:
         return f"k={self._config.k}" if self._config.k else f"ratio={self._config.ratio}"
@@ -275,6 +302,8 @@ class _Sparse(Compressor):
 
 class TopK(_Sparse):
     """The k largest-magnitude entries (indices ascending + float32 values), ties to the lower index.
+
+    Keeps a fraction ``ratio`` (default 0.01) of the entries, or exactly ``k``: give one, not both.
 
     ``approximate`` finds them Deep-Gradient-Compression style: a threshold estimated on a
     random sample, an exact selection among the candidates above it, and a fallback to the
@@ -284,7 +313,7 @@ class TopK(_Sparse):
 
     _format = _native.Format.TOP_K
 
-    def __init__(self, ratio: float = 0.01, k: Optional[int] = None, approximate: bool = False) -> None:
+    def __init__(self, ratio: Optional[float] = None, k: Optional[int] = None, approximate: bool = False) -> None:
         super().__init__(ratio, k, approximate=bool(approximate))
 
     def _describe(self) -> str:
@@ -294,14 +323,17 @@ class TopK(_Sparse):
 class RandomK(_Sparse):
     """k entries at distinct random indices (Floyd's algorithm, counter-based from ``seed`` and ``stream``).
 
+    Keeps a fraction ``ratio`` (default 0.01) of the entries, or exactly ``k``: give one, not both.
+
     Values are y at those indices; ``scaled`` multiplies them by numel / k, which makes the
     decoded vector an unbiased estimate of y (the residual then holds y - decoded).
     """
 
     _format = _native.Format.RANDOM_K
 
-    def __init__(self, ratio: float = 0.01, k: Optional[int] = None, seed: int = 0, scaled: bool = False) -> None:
-        super().__init__(ratio, k, seed=int(seed), scaled=bool(scaled))
+    def __init__(self, ratio: Optional[float] = None, k: Optional[int] = None, seed: int = 0,
+                 scaled: bool = False) -> None:
+        super().__init__(ratio, k, seed=_integer(seed, "seed", 0, 64), scaled=bool(scaled))
 
     def _describe(self) -> str:
         return f"{super()._describe()}, seed={self._config.seed}, scaled={self._config.scaled}"
@@ -312,8 +344,14 @@ class FP16(Compressor):
 
     _format = _native.Format.FLOAT16
 
+    def __init__(self) -> None:  # no options: a cast has none (block_size=... raises TypeError)
+        super().__init__()
+
 
 class BF16(Compressor):
     """bfloat16 (round to nearest even)."""
 
     _format = _native.Format.BFLOAT16
+
+    def __init__(self) -> None:  # no options, as FP16
+        super().__init__()

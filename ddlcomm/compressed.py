@@ -2,7 +2,7 @@
 
 On a ddlcomm group the native implementation runs (``ProcessGroupDdlcomm.compressed_allreduce``).
 On gloo or nccl groups the same algorithm runs over standard collectives
-(``all_to_all_single`` and ``all_gather_into_tensor`` of the packed payloads), with the
+(``all_to_all_single`` and ``all_gather_single`` of the packed payloads), with the
 same kernels, the same randomness streams and the same summation order. So both give
 bitwise the same result.
 
@@ -17,6 +17,7 @@ residual; an all-gather of those payloads gives every rank the same bytes. Spars
 
 from __future__ import annotations
 
+import zlib
 from typing import Optional
 
 import torch
@@ -25,10 +26,13 @@ import torch.distributed as dist
 from . import _C
 from .compress import Compressor, all_finite
 
-__all__ = ["compressed_all_reduce", "server_residual_numel", "native_backend", "wire_bytes"]
+__all__ = ["compressed_all_reduce", "start_compressed_all_reduce", "server_chunks", "server_residual_numel", "native_backend", "wire_bytes"]
 
 _SPARSE = {"top_k", "random_k"}
+_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 _encode_stream = _C.ProcessGroupDdlcomm.encode_stream
+# torch 2.13 renamed all_gather_into_tensor (and deprecated the old name).
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def native_backend(group: Optional[dist.ProcessGroup]) -> Optional[_C.ProcessGroupDdlcomm]:
@@ -56,9 +60,15 @@ def _segments(numel: int, n: int) -> list[tuple[int, int, list[int]]]:
     ]
 
 
+def server_chunks(numel: int, rank: int, world_size: int) -> list[tuple[int, int]]:
+    """The [begin, end) ranges of the vector that `rank` reduces (its chunk of every segment),
+    in the order its server residual holds them."""
+    return [(begin + bounds[rank], begin + bounds[rank + 1]) for begin, _, bounds in _segments(numel, world_size)]
+
+
 def server_residual_numel(numel: int, rank: int, world_size: int) -> int:
     """Length of the server residual of `rank`: its chunk of every segment of the vector."""
-    return sum(bounds[rank + 1] - bounds[rank] for _, _, bounds in _segments(numel, world_size))
+    return sum(end - begin for begin, end in server_chunks(numel, rank, world_size))
 
 
 def wire_bytes(compressor: Compressor, numel: int, world_size: int, rank: int = 0) -> int:
@@ -84,6 +94,7 @@ def compressed_all_reduce(
     group: Optional[dist.ProcessGroup] = None,
     average: bool = True,
     stream: int = 0,
+    verify: bool = True,
 ) -> torch.futures.Future:
     """All-reduces `tensor` in place through `compressor`; returns a Future of the tensor.
 
@@ -98,29 +109,90 @@ def compressed_all_reduce(
         average: divide the sum by the group size.
         stream: randomness stream of this call (e.g. the training step), so ternary and
             random-k draw fresh, reproducible randomness each call.
+        verify: on groups of other backends, first check that every rank reduces as many
+            elements of one dtype with one compressor (one small all-gather; ValueError on
+            every rank if not). Skip it only where the caller has checked that itself, as
+            the DDP hooks do once per bucket. ddlcomm groups always check, at no cost.
+    """
+    return start_compressed_all_reduce(tensor, compressor, worker_residual, server_residual, group, average, stream,
+                                       verify)[1]
+
+
+def start_compressed_all_reduce(
+    tensor: torch.Tensor,
+    compressor: Compressor,
+    worker_residual: Optional[torch.Tensor] = None,
+    server_residual: Optional[torch.Tensor] = None,
+    group: Optional[dist.ProcessGroup] = None,
+    average: bool = True,
+    stream: int = 0,
+    verify: bool = True,
+) -> tuple[torch.futures.Future, torch.futures.Future]:
+    """``compressed_all_reduce``, returning (the communication's own future, the tensor's).
+
+    Waiting on the first raises a failure as itself (``DistBackendError``); torch's
+    ``Future.then``, which makes the second, would wrap it in a RuntimeError.
     """
     # Random-k sends a random sample, which can miss a non-finite entry; a non-finite gradient
-    # anywhere must still make the result non-finite everywhere (GradScaler skips the step).
-    poisoned = None
+    # anywhere must still make the result non-finite everywhere (GradScaler skips the step),
+    # and the residuals must not take it in.
     if compressor.format == "random_k":
         poisoned = torch.tensor([0 if all_finite(tensor) else 1], dtype=torch.uint8)
-        dist.all_reduce(poisoned, op=dist.ReduceOp.MAX, group=group)
-
-    def finish(result: torch.Tensor) -> torch.Tensor:
-        if poisoned is not None and poisoned.item():
-            result.fill_(float("nan"))
-        return result
+        work = dist.all_reduce(poisoned, op=dist.ReduceOp.MAX, group=group, async_op=True)
+        work.wait()
+        if poisoned.item():
+            return _completed(work.get_future(), tensor.fill_(float("nan")))
 
     backend = native_backend(group)
     if backend is not None:
         work = backend.compressed_allreduce(
             tensor, compressor._config, worker_residual, server_residual, average, int(stream)
         )
-        return work.get_future().then(lambda fut: finish(fut.value()[0]))
-    _fallback(tensor, compressor, worker_residual, server_residual, group, average, int(stream))
+        raw = work.get_future()
+        return raw, raw.then(lambda fut: fut.value()[0])
+    _fallback(tensor, compressor, worker_residual, server_residual, group, average, int(stream), verify)
     done: torch.futures.Future = torch.futures.Future()
-    done.set_result(finish(tensor))
-    return done
+    done.set_result([tensor])
+    return _completed(done, tensor)
+
+
+def _completed(raw: torch.futures.Future, tensor: torch.Tensor) -> tuple[torch.futures.Future, torch.futures.Future]:
+    done: torch.futures.Future = torch.futures.Future()
+    done.set_result(tensor)
+    return raw, done
+
+
+class _Agreement:
+    """Every rank must reduce as many elements, of one dtype, with one compressor: gloo would
+    abort the process on mismatched payload sizes (the native backend checks this itself).
+    The check's all-gather starts before this rank encodes and is waited for before the first
+    payload is sent, so its latency hides behind the encoding."""
+
+    def __init__(self, flat: torch.Tensor, compressor: Compressor, group: dist.ProcessGroup, n: int,
+                 verify: bool) -> None:
+        self._work = None
+        if not verify:
+            return
+        dtype = _DTYPES.index(flat.dtype) if flat.dtype in _DTYPES else len(_DTYPES)  # the encoder refuses others
+        self._mine = torch.tensor([flat.numel(), dtype, zlib.crc32(repr(compressor).encode())], dtype=torch.int64)
+        self._everyone = torch.empty(n * 3, dtype=torch.int64)
+        self._work = _all_gather_single(self._everyone, self._mine, group=group, async_op=True)
+        self._compressor, self._group, self._n = compressor, group, n
+
+    def wait(self) -> None:
+        if self._work is None:
+            return
+        self._work.wait()
+        self._work = None
+        rows = self._everyone.view(self._n, 3).tolist()
+        if all(row == rows[0] for row in rows):
+            return
+        me = dist.get_rank(self._group)
+        other = next(i for i, row in enumerate(rows) if row != rows[me])
+        what = lambda row: f"{row[0]} {(_DTYPES + ['other'])[row[1]]} elements"  # noqa: E731
+        raise ValueError(f"compressed_all_reduce: ranks disagree: rank {me} reduces {what(rows[me])} with "
+                         f"{self._compressor!r}, rank {other} {what(rows[other])}"
+                         + ("" if rows[other][2] == rows[me][2] else " with another compressor"))
 
 
 def _fallback(
@@ -131,19 +203,23 @@ def _fallback(
     group: Optional[dist.ProcessGroup],
     average: bool,
     stream: int,
+    verify: bool,
 ) -> None:
     """The native algorithm over standard collectives (gloo, nccl): same bytes, same sums."""
     group = group or dist.group.WORLD
     n, r = dist.get_world_size(group), dist.get_rank(group)
     flat = tensor.view(-1)
     numel = flat.numel()
+    agreement = _Agreement(flat, compressor, group, n, verify)
     if numel == 0:
+        agreement.wait()
         return
     scale = 1.0 / n if average else 1.0
     if compressor.format in _SPARSE:
         payload = compressor.encode(flat, worker_residual, stream=_encode_stream(stream, r, 0, 0, n))
         everyone = torch.empty(n * payload.numel(), dtype=torch.uint8)
-        dist.all_gather_into_tensor(everyone, payload, group=group)
+        agreement.wait()
+        _all_gather_single(everyone, payload, group=group)
         acc = torch.zeros(numel, dtype=torch.float32)
         for part in everyone.view(n, -1):
             compressor.decode_accumulate(part, acc)
@@ -165,6 +241,7 @@ def _fallback(
             scale,
             stream,
             segment,
+            agreement,
         )
         residual_at += mine
 
@@ -179,6 +256,7 @@ def _scatter_reduce_gather(
     scale: float,
     stream: int,
     segment: int,
+    agreement: _Agreement,
 ) -> None:
     """One segment of a quantized or cast compressed all-reduce, in place; chunk i is
     flat[bounds[i]:bounds[i + 1]]."""
@@ -194,6 +272,7 @@ def _scatter_reduce_gather(
     ]
     mine = compressor.compressed_nbytes(lengths[r])
     incoming = torch.empty(n * mine, dtype=torch.uint8)
+    agreement.wait()
     dist.all_to_all_single(
         incoming, torch.cat(payloads), [mine] * n, [p.numel() for p in payloads], group=group
     )
@@ -203,12 +282,12 @@ def _scatter_reduce_gather(
     if scale != 1.0:
         acc.mul_(scale)
     reduced = compressor.encode(acc, server_residual, stream=_encode_stream(stream, r, 1, r, n, segment))
-    # all_gather_into_tensor needs equal sizes: chunk payloads differ by at most one element's worth.
+    # all_gather_single needs equal sizes: chunk payloads differ by at most one element's worth.
     sizes = [compressor.compressed_nbytes(length) for length in lengths]
     widest = max(sizes)
     padded = torch.zeros(widest, dtype=torch.uint8)
     padded[: reduced.numel()] = reduced
     gathered = torch.empty(n * widest, dtype=torch.uint8)
-    dist.all_gather_into_tensor(gathered, padded, group=group)
+    _all_gather_single(gathered, padded, group=group)
     for j, part in enumerate(gathered.view(n, widest)):
         compressor.decode(part[: sizes[j]], out=flat[bounds[j] : bounds[j + 1]])

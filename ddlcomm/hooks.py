@@ -23,10 +23,14 @@ than ``min_compression_bytes`` always go uncompressed. On a ddlcomm process grou
 native compressed all-reduce runs; on gloo or nccl groups the same algorithm runs over
 standard collectives with bitwise the same result (``ddlcomm.compressed``).
 
-Error-feedback memory (a worker and a server residual per bucket) is keyed by bucket
-index and checked against the bucket's size. ``state_dict()`` / ``load_state_dict()``
-carry it through a checkpoint. Non-finite gradients come out non-finite (so
-``GradScaler`` skips the step) without poisoning the residuals.
+Error-feedback memory (a worker and a server residual per bucket) is keyed by the bucket's
+parameters (``ddlcomm.feedback``). ``state_dict()`` / ``load_state_dict()`` carry it through
+a checkpoint, one per rank, and a resumed run trains bit for bit like an uninterrupted one:
+the first iteration after a load is reduced in the saved bucket layout (a fresh DDP wrapper
+starts in another one), and a changed layout (``bucket_cap_mb``) takes its memory parameter
+by parameter. Non-finite gradients come out non-finite (so ``GradScaler`` skips the step)
+without poisoning the residuals. A communication failure raises its own exception
+(``DistBackendError``) from ``backward()``.
 """
 
 import logging
@@ -38,7 +42,8 @@ import torch
 import torch.distributed as dist
 
 from .compress import BF16, FP16, Compressor, OneBit, RandomK, Ternary, TopK
-from .compressed import compressed_all_reduce, server_residual_numel, wire_bytes
+from .compressed import start_compressed_all_reduce, wire_bytes
+from .feedback import FeedbackMemory, Signature
 from .optim import DirectionOptimizer
 
 __all__ = [
@@ -56,7 +61,10 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 # 2: server residuals follow the segmented compressed all-reduce (ddlcomm.compressed).
-_STATE_VERSION = 2
+# 3: memory keyed by the bucket's parameters (ddlcomm.feedback), with layout, rank and world size.
+_STATE_VERSION = 3
+# A new DDP wrapper rebuilds its buckets after its first iteration, its second with static_graph.
+_REPLAY_ITERATIONS = 2
 
 
 @dataclass
@@ -92,15 +100,19 @@ class CompressionState:
             ``TopK(ratio=0.01)``, ``RandomK(...)``, ``FP16()``, ``BF16()``).
         start_compress_iter: iterations that run uncompressed first (at least 2: DDP
             rebuilds its buckets after the first iteration).
-        min_compression_bytes: buckets smaller than this go uncompressed.
+        min_compression_bytes: buckets smaller than this go uncompressed (logged once).
         error_feedback: keep residuals (recommended; without them 1-bit SGD diverges).
         optimizer: a ``ddlcomm.optim`` optimizer (SGD, Adam, AdamW) of the model: the hook
             then averages each rank's update direction instead of its gradient, which keeps
             the accuracy of momentum SGD and Adam (see the module docs). Recommended for
             every compressor.
-        momentum: DGC momentum correction for sparse compressors without ``optimizer``:
-            the momentum is accumulated locally and its sent entries are cleared (momentum
-            factor masking). Use it with a plain SGD optimizer without momentum.
+        model: the model (or its DDP wrapper). Its parameter names key the error-feedback
+            memory in ``state_dict()``; without it, positions in ``optimizer``'s parameter
+            groups do. ``state_dict()`` needs one of the two.
+        momentum: DGC momentum correction for sparse compressors (top-k, random-k) without
+            ``optimizer``: the momentum is accumulated locally and its sent entries are
+            cleared (momentum factor masking). Use it with a plain SGD optimizer without
+            momentum.
         clip_norm: DGC local gradient clipping: each rank clips its bucket's gradient to
             norm ``clip_norm / sqrt(world_size)`` before accumulating it.
     """
@@ -113,181 +125,320 @@ class CompressionState:
         min_compression_bytes: int = 64 * 1024,
         error_feedback: bool = True,
         optimizer: Optional[DirectionOptimizer] = None,
+        model: Optional[torch.nn.Module] = None,
         momentum: float = 0.0,
         clip_norm: Optional[float] = None,
     ) -> None:
+        compressor = compressor if compressor is not None else OneBit()
+        if not isinstance(compressor, Compressor):
+            raise TypeError(f"compressor must be a ddlcomm.compress compressor, got {type(compressor).__name__}")
         if start_compress_iter < 2:
             raise ValueError("start_compress_iter must be at least 2: DDP rebuilds its buckets after iteration 1")
+        if min_compression_bytes < 0:
+            raise ValueError(f"min_compression_bytes must be >= 0, got {min_compression_bytes}")
         if not 0.0 <= momentum < 1.0:
             raise ValueError(f"momentum must be in [0, 1), got {momentum}")
+        if momentum and not isinstance(compressor, (TopK, RandomK)):
+            raise ValueError(f"momentum= is DGC's momentum correction for sparse compressors (TopK, RandomK); "
+                             f"{type(compressor).__name__} sends every entry each step: use optimizer= instead")
+        if clip_norm is not None and not clip_norm > 0:
+            raise ValueError(f"clip_norm must be positive, got {clip_norm}")
         if optimizer is not None and not isinstance(optimizer, DirectionOptimizer):
             raise TypeError(f"optimizer must come from ddlcomm.optim (SGD, Adam, AdamW: drop-in subclasses of "
                             f"torch's), got {type(optimizer).__module__}.{type(optimizer).__name__}")
         if optimizer is not None and momentum:
             raise ValueError("momentum= is DGC's local momentum for an optimizer without one; with optimizer= "
                              "the optimizer's own momentum is what the hook compresses")
+        if model is not None and not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         self.process_group = process_group
-        self.compressor = compressor if compressor is not None else OneBit()
+        self.compressor = compressor
         self.start_compress_iter = start_compress_iter
         self.min_compression_bytes = min_compression_bytes
         self.error_feedback = error_feedback
         self.optimizer = optimizer
+        self.model = model
         self.momentum = momentum
         self.clip_norm = clip_norm
         self.iter = 0
-        self._advised = False  # logged the no-optimizer advice
         self.stats = CompressionStats()
-        # bucket index -> tensors, created on first compressed use of the bucket
-        self.worker_residuals: dict[int, torch.Tensor] = {}
-        self.server_residuals: dict[int, torch.Tensor] = {}
-        self.momenta: dict[int, torch.Tensor] = {}
+        self.memory = FeedbackMemory()
+        self._keys: dict[torch.Tensor, str] = {}  # parameter -> its key in the memory
+        self._logged: set[str] = set()  # reasons already logged once
+        self._verified: set[Signature] = set()  # buckets whose agreement across ranks was checked
+        self._saved_world: Optional[tuple[int, int]] = None  # (rank, world size) a loaded state was made under
+        self._replay: list = []  # buckets of this iteration, while replaying (see _replay_iteration)
+        self._replay_left = 0  # iterations after a load that are reduced in the saved layout
+        self._inflight: list[torch.futures.Future] = []  # this iteration's communication
+        self._detached: tuple[str, ...] = ()  # attributes that were set when pickled
 
     # -- bookkeeping --------------------------------------------------------------------
     def _world(self) -> tuple[int, int]:
         group = self.process_group or dist.group.WORLD
         return dist.get_rank(group), dist.get_world_size(group)
 
-    def _memory(self, store: dict[int, torch.Tensor], index: int, numel: int, what: str) -> torch.Tensor:
-        memory = store.get(index)
-        if memory is None or memory.numel() != numel:
-            if memory is not None:
-                logger.warning("ddlcomm hook: bucket %d changed size (%d -> %d); resetting its %s",
-                               index, memory.numel(), numel, what)
-            memory = torch.zeros(numel, dtype=torch.float32)
-            store[index] = memory
-        return memory
+    def _log_once(self, reason: str, message: str, *args: Any) -> None:
+        if reason not in self._logged:
+            self._logged.add(reason)
+            logger.warning(message, *args)
 
-    def maybe_increase_iter(self, bucket: dist.GradBucket) -> None:
-        # One iteration ends with its last bucket.
-        if bucket.is_last():
-            self.iter += 1
+    def _key_scheme(self) -> str:
+        return "names" if self.model is not None else "optimizer" if self.optimizer is not None else "process"
+
+    def _signature(self, params: list[torch.Tensor], numel: int, index: int) -> tuple[Signature, list[int]]:
+        """The keys of a bucket's parameters, and their sizes."""
+        if sum(p.numel() for p in params) != numel:  # not a DDP bucket (a test double): key by index
+            return (f"<bucket {index}>",), [numel]
+        if any(p not in self._keys for p in params):
+            self._keys = self._parameter_keys()
+            for p in params:  # no model or optimizer to name it: valid in this process only
+                self._keys.setdefault(p, f"<parameter {len(self._keys)}>")
+        return tuple(self._keys[p] for p in params), [p.numel() for p in params]
+
+    def _parameter_keys(self) -> dict[torch.Tensor, str]:
+        if self.model is not None:
+            keys = {}
+            for name, p in self.model.named_parameters():
+                while name.startswith(("module.", "_orig_mod.")):  # DDP and torch.compile wrappers
+                    name = name.split(".", 1)[1]
+                keys[p] = name
+            return keys
+        if self.optimizer is not None:
+            params = [p for group in self.optimizer.param_groups for p in group["params"]]
+            return {p: f"param_groups.{i}" for i, p in enumerate(params)}
+        return dict(self._keys)
+
+    def _check_attached(self) -> None:
+        missing = [name for name in self._detached if getattr(self, name) is None]
+        if missing:
+            # Residuals of update directions applied to gradients, or keys that no longer name
+            # parameters, would train worse without saying so.
+            raise RuntimeError(f"ddlcomm hook: this CompressionState was pickled with {' and '.join(missing)}= and "
+                               f"loaded without; set state.{missing[0]} (to the loaded "
+                               f"{'ddlcomm.optim optimizer' if missing[0] == 'optimizer' else 'model'}) before training")
+        self._detached = ()
+
+    def _check_world(self) -> None:
+        if self._saved_world is None:
+            return
+        rank, world = self._world()
+        saved_rank, saved_world = self._saved_world
+        if (rank, world) != (saved_rank, saved_world):
+            raise ValueError(f"ddlcomm hook: this state was saved by rank {saved_rank} of {saved_world} and is loaded "
+                             f"on rank {rank} of {world}. Error-feedback memory is per rank: each rank must load the "
+                             f"state_dict() it saved itself; to change the world size, start a fresh CompressionState")
+        self.memory.check_server_sizes(rank, world)
+        self._saved_world = None
 
     def state_dict(self) -> dict[str, Any]:
-        """Everything needed to resume: iteration, residuals, momenta and statistics."""
+        """Everything this rank needs to resume exactly: iteration, error-feedback memory keyed
+        by parameter, the bucket layout, statistics, and the rank and world size it belongs to.
+
+        Each rank saves and loads its own: the memory differs between ranks.
+        """
+        if self.memory and self._key_scheme() == "process":
+            raise ValueError("ddlcomm hook: state_dict() needs CompressionState(model=...) or optimizer=: the "
+                             "error-feedback memory is saved against parameter names (or optimizer positions), "
+                             "so that it comes back to the same parameters whatever DDP's bucket layout")
+        rank, world = self._world() if dist.is_initialized() else (None, None)
         return {
             "version": _STATE_VERSION,
+            "rank": rank,
+            "world_size": world,
+            "keys": self._key_scheme(),
             "iter": self.iter,
-            "worker_residuals": {k: v.clone() for k, v in self.worker_residuals.items()},
-            "server_residuals": {k: v.clone() for k, v in self.server_residuals.items()},
-            "momenta": {k: v.clone() for k, v in self.momenta.items()},
             "stats": vars(self.stats).copy(),
+            **self.memory.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restores what ``state_dict`` returned (tensors are copied).
+        """Restores what ``state_dict`` returned on this rank (tensors are copied).
 
-        A state from version 1 (saved before the compressed all-reduce ran in segments) keeps
-        everything but its server residuals, which start again from zero; a state from a newer
-        version raises ValueError.
+        Raises ValueError for a state saved by another rank or world size (checked here when
+        the process group exists, else on first use) or for another model. States from
+        versions before 3 (memory keyed by bucket index) keep their iteration and statistics;
+        their error-feedback memory restarts from zero (logged). A newer version is refused.
         """
         version = int(state.get("version", 1))
         if version > _STATE_VERSION:
             raise ValueError(f"hook state version {version} is newer than this ddlcomm's ({_STATE_VERSION})")
         self.iter = int(state["iter"])
-        for name in ("worker_residuals", "server_residuals", "momenta"):
-            tensors = state.get(name, {})
-            if name == "server_residuals" and version < 2 and tensors:
-                # Version 1 laid a bucket's server residual out unsegmented; starting it from
-                # zero costs one step's quantization error of the chunk this rank reduces.
-                logger.warning("ddlcomm hook: the state is from version %d; its server residuals are reset", version)
-                tensors = {}
-            for index, tensor in tensors.items():
-                if tensor.dtype != torch.float32 or tensor.dim() != 1:
-                    raise ValueError(f"{name}[{index}] must be a 1-D float32 tensor, got {tensor.dtype} {tuple(tensor.shape)}")
-            setattr(self, name, {int(k): v.clone() for k, v in tensors.items()})
         self.stats = CompressionStats(**state.get("stats", {}))
+        self.memory = FeedbackMemory()
+        self._replay, self._replay_left = [], 0
+        self._saved_world = None
+        if version < 3:
+            logger.warning("ddlcomm hook: the state is from version %d, whose error-feedback memory was keyed by "
+                           "bucket index; it restarts from zero", version)
+            return
+        if state["keys"] != "process" and self._key_scheme() != state["keys"]:
+            want = "model=" if state["keys"] == "names" else "optimizer="
+            raise ValueError(f"ddlcomm hook: the state's memory is keyed by {state['keys']}; construct this "
+                             f"CompressionState with {want} as well")
+        self.memory.load_state_dict(state)
+        if state["rank"] is not None:
+            self._saved_world = (int(state["rank"]), int(state["world_size"]))
+            if dist.is_initialized():
+                self._check_world()
+        self._replay_left = _REPLAY_ITERATIONS if self.memory.layout else 0
 
     def __getstate__(self) -> dict[str, Any]:
-        # Process groups do not pickle, and the optimizer is saved by its owner (the hook
-        # refuses to run until it is set again); the rest does (for torch.save of a whole state).
-        state = {k: v for k, v in self.__dict__.items() if k not in ("process_group", "optimizer")}
-        state["_optimizer_detached"] = self.optimizer is not None or getattr(self, "_optimizer_detached", False)
+        # Process groups do not pickle, and the model and optimizer are saved by their owner
+        # (the hook refuses to run until they are set again); the rest does (torch.save of a
+        # whole state).
+        if self.memory and self._key_scheme() == "process":
+            self.state_dict()  # raises the reason
+        state = {k: v for k, v in self.__dict__.items()
+                 if k not in ("process_group", "optimizer", "model", "_keys", "_inflight")}
+        state["_detached"] = tuple(n for n in ("optimizer", "model") if getattr(self, n) is not None) + self._detached
+        if dist.is_initialized() and self._saved_world is None:
+            state["_saved_world"] = self._world()
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self.process_group = None
-        self.optimizer = None
-
-
-def _allreduce_average(state: CompressionState, buffer: torch.Tensor) -> torch.futures.Future:
-    rank, world = state._world()
-    state.stats.uncompressed_buckets += 1
-    nbytes = buffer.numel() * buffer.element_size()
-    ring = 2 * (world - 1) * nbytes // max(world, 1)
-    state.stats.bytes_sent += ring
-    state.stats.bytes_uncompressed += ring
-    fut = dist.all_reduce(buffer, group=state.process_group, async_op=True).get_future()
-    return fut.then(lambda f: f.value()[0].div_(world))
+        self.process_group = self.optimizer = self.model = None
+        self._keys, self._inflight = {}, []
+        self._replay, self._replay_left = [], _REPLAY_ITERATIONS if self.memory.layout else 0  # as after a load
 
 
 def compressed_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Averages ``bucket`` over the ranks through ``state.compressor`` (see the module docs)."""
-    buffer = bucket.buffer()
-    nbytes = buffer.numel() * buffer.element_size()
-    compress = (
-        state.iter >= state.start_compress_iter
-        and nbytes >= state.min_compression_bytes
-        and buffer.dtype in (torch.float32, torch.float16, torch.bfloat16)
-        and buffer.device.type == "cpu"
-    )
-    if not compress:
-        fut = _allreduce_average(state, buffer)
-        state.maybe_increase_iter(bucket)
-        return fut
+    state._check_attached()
+    state._check_world()
+    if state._replay_left:
+        return _replay_iteration(state, bucket)
+    return _reduce(state, bucket.buffer(), bucket.parameters(), bucket.index(), bucket.is_last())
 
-    if state.optimizer is None and getattr(state, "_optimizer_detached", False):
-        # Its residuals hold errors of update directions: compressing gradients now would
-        # apply them to the wrong quantity, and train worse without saying so.
-        raise RuntimeError("ddlcomm hook: this CompressionState was saved with optimizer= and loaded without it; "
-                           "set state.optimizer to the (loaded) ddlcomm.optim optimizer before training")
+
+def _replay_iteration(state: CompressionState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """An iteration right after a load: collects every bucket, then reduces them in the saved
+    layout (the one the uninterrupted run used), so a resumed run trains exactly like it. A new
+    DDP wrapper rebuilds its buckets after its first iteration (its second with static_graph);
+    a layout still different after that (another bucket_cap_mb) takes its memory parameter by
+    parameter instead (FeedbackMemory)."""
+    done: torch.futures.Future = torch.futures.Future()
+    state._replay.append((bucket.buffer(), bucket.parameters(), done))
+    if not bucket.is_last():
+        return done
+    buckets, state._replay = state._replay, []
+    try:
+        current = [state._signature(params, buffer.numel(), i)[0] for i, (buffer, params, _) in enumerate(buckets)]
+        views = {}
+        for signature, (buffer, params, _) in zip(current, buckets):
+            if len(signature) == len(params):
+                views.update(zip(signature, zip(params, _gradients(buffer, params))))
+        saved = state.memory.layout
+        state._replay_left = 0 if current == saved else state._replay_left - 1
+        if current == saved or sorted(k for s in saved for k in s) != sorted(views):
+            groups = [(buffer, params) for buffer, params, _ in buckets]
+        else:
+            groups = [(torch.cat([views[k][1].reshape(-1) for k in signature]), [views[k][0] for k in signature])
+                      for signature in saved]
+        futures = [_reduce(state, buffer, params, i, i == len(groups) - 1) for i, (buffer, params) in enumerate(groups)]
+        for (buffer, params), fut in zip(groups, futures):
+            result = fut.wait()
+            if buffer is not result:
+                buffer.copy_(result)
+            if not any(buffer is b for b, _, _ in buckets):  # a saved bucket: back to the current ones
+                for view, part in zip(_gradients(buffer, params), params):
+                    views[state._keys[part]][1].copy_(view)
+    except BaseException as error:  # every bucket's future fails, as a failed all-reduce would
+        for _, _, fut in buckets:
+            fut.set_exception(error)
+        raise
+    for buffer, _, fut in buckets:
+        fut.set_result(buffer)
+    return done
+
+
+def _reduce(state: CompressionState, buffer: torch.Tensor, params: list[torch.Tensor], index: int,
+            last: bool) -> torch.futures.Future[torch.Tensor]:
+    """One bucket of one iteration: compressed or plain all-reduce, averaged."""
+    signature, numels = state._signature(params, buffer.numel(), index)
+    state.memory.note_bucket(index, signature, numels)
+    nbytes = buffer.numel() * buffer.element_size()
+    reason = _uncompressed_reason(state, buffer, nbytes)
     rank, world = state._world()
-    quantizer_on_gradients = state.optimizer is None and not state.momentum and not isinstance(state.compressor, (FP16, BF16))
-    if quantizer_on_gradients and not getattr(state, "_advised", False):
-        state._advised = True
-        logger.warning("ddlcomm hook: compressing gradients with %r and no optimizer=: with momentum SGD or Adam "
-                       "this loses accuracy; pass optimizer=ddlcomm.optim.SGD/Adam/AdamW(...) to average update "
-                       "directions instead (docs/choosing-a-compressor.md)", state.compressor)
-    index, numel = bucket.index(), buffer.numel()
-    worker = server = None
-    if state.error_feedback:
-        worker = state._memory(state.worker_residuals, index, numel, "worker residual")
-        server = state._memory(state.server_residuals, index, server_residual_numel(numel, rank, world), "server residual")
+    ring = 2 * (world - 1) * nbytes // max(world, 1)
+    state.stats.bytes_uncompressed += ring
+    if reason is not None:
+        state.stats.uncompressed_buckets += 1
+        state.stats.bytes_sent += ring
+        raw = dist.all_reduce(buffer, group=state.process_group, async_op=True).get_future()
+        fut = raw.then(lambda f: f.value()[0].div_(world))
+    else:
+        raw, fut = _compress(state, buffer, params, signature, index, rank, world, nbytes)
+    if last:
+        state.memory.end_iteration()
+    return _end_bucket(state, raw, fut, last)
+
+
+def _uncompressed_reason(state: CompressionState, buffer: torch.Tensor, nbytes: int) -> Optional[str]:
+    if state.iter < state.start_compress_iter:
+        return "warm-up"
+    if buffer.device.type != "cpu":
+        state._log_once("device", "ddlcomm hook: buckets on %s go uncompressed: the compressors run on CPU tensors",
+                        buffer.device)
+        return "device"
+    if buffer.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        state._log_once("dtype", "ddlcomm hook: %s buckets go uncompressed: the compressors take float32, float16 "
+                        "and bfloat16", buffer.dtype)
+        return "dtype"
+    if nbytes < state.min_compression_bytes:
+        state._log_once("small", "ddlcomm hook: buckets smaller than min_compression_bytes=%d go uncompressed "
+                        "(the first had %d bytes); lower it to compress them", state.min_compression_bytes, nbytes)
+        return "small"
+    return None
+
+
+def _end_bucket(state: CompressionState, raw: torch.futures.Future, fut: torch.futures.Future,
+                last: bool) -> torch.futures.Future:
+    """Counts the iteration; at its last bucket waits for all of its communication, so that a
+    failure raises its own exception (DistBackendError) from the hook: torch would report it
+    through ``Future.then`` as a RuntimeError. DDP waits for every bucket right after the last
+    one, so nothing is lost by waiting here."""
+    state._inflight.append(raw)
+    if not last:
+        return fut
+    state.iter += 1
+    inflight, state._inflight = state._inflight, []
+    for f in inflight:
+        f.wait()
+    return fut
+
+
+def _compress(state: CompressionState, buffer: torch.Tensor, params: list[torch.Tensor], signature: Signature,
+              index: int, rank: int, world: int, nbytes: int) -> tuple[torch.futures.Future, torch.futures.Future]:
+    if state.optimizer is None and not state.momentum and not isinstance(state.compressor, (FP16, BF16)):
+        state._log_once("advice", "ddlcomm hook: compressing gradients with %r and no optimizer=: with momentum SGD "
+                        "or Adam this loses accuracy; pass optimizer=ddlcomm.optim.SGD/Adam/AdamW(...) to average "
+                        "update directions instead (docs/choosing-a-compressor.md)", state.compressor)
+    worker = server = momentum = None
     sparse = isinstance(state.compressor, (TopK, RandomK))
+    if state.error_feedback:
+        worker, server, momentum = state.memory.buffers(signature, rank, world, bool(state.momentum and sparse))
     if state.clip_norm is not None:
         limit = state.clip_norm / math.sqrt(world)
         norm = buffer.norm()
         if torch.isfinite(norm) and norm > limit:
             buffer.mul_(limit / norm)
     if state.optimizer is not None:
-        params = bucket.parameters()
         state.optimizer.local_directions(params, _gradients(buffer, params))
-    momentum = None
-    if state.momentum and sparse:
-        momentum = state._memory(state.momenta, index, numel, "momentum")
-        momentum.mul_(state.momentum).add_(buffer)
+    if momentum is not None:
+        # Momentum factor masking: entries sent last time (zero residual) restart from zero.
+        momentum.masked_fill_(worker == 0, 0.0).mul_(state.momentum).add_(buffer)
         buffer.copy_(momentum)
-
-    ring = 2 * (world - 1) * nbytes // max(world, 1)
-    sent = wire_bytes(state.compressor, numel, world, rank)
+    sent = wire_bytes(state.compressor, buffer.numel(), world, rank)
     state.stats.compressed_buckets += 1
     state.stats.bytes_sent += sent
-    state.stats.bytes_uncompressed += ring
     state.stats.compressed_bytes_sent += sent
-    state.stats.compressed_bytes_uncompressed += ring
-    fut = compressed_all_reduce(
-        buffer, state.compressor, worker, server, group=state.process_group, average=True,
-        stream=state.iter * 65536 + index,
-    )
-    if momentum is not None and worker is not None:
-        # Momentum factor masking: entries that were sent leave a zero residual.
-        def mask(f: torch.futures.Future) -> torch.Tensor:
-            momentum.masked_fill_(worker == 0, 0.0)
-            return f.value()
-
-        fut = fut.then(mask)
-    state.maybe_increase_iter(bucket)
-    return fut
+    state.stats.compressed_bytes_uncompressed += 2 * (world - 1) * nbytes // max(world, 1)
+    # DDP has checked that every rank has the same buckets; the compressor is checked once.
+    verify = signature not in state._verified
+    state._verified.add(signature)
+    return start_compressed_all_reduce(buffer, state.compressor, worker, server, group=state.process_group,
+                                       average=True, stream=state.iter * 65536 + index, verify=verify)
 
 
 def _gradients(buffer: torch.Tensor, params: list[torch.Tensor]) -> list[torch.Tensor]:

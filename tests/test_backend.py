@@ -3,9 +3,34 @@ against direct computations and against gloo."""
 
 from __future__ import annotations
 
+import importlib.machinery
+import os
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
 import pytest
 
 from harness import assert_all_ok, launch
+
+ROOT = Path(__file__).resolve().parent.parent
+# A one-rank group on a FileStore: enough for whatever a rank does on its own.
+ONE_RANK = """
+import os, tempfile, torch, torch.distributed as dist, ddlcomm
+def init(backend="ddlcomm"):
+    store = dist.FileStore(tempfile.mktemp(dir=os.getcwd()), 1)
+    dist.init_process_group(backend, store=store, rank=0, world_size=1)
+"""
+
+
+def run_python(code: str, tmp_path: Path, *args: str, env: dict[str, str] | None = None,
+               timeout: float = 120) -> subprocess.CompletedProcess:
+    """Runs `python -c code args` (or `python args` without code) in tmp_path, off the source tree."""
+    command = [sys.executable, *(["-c", code] if code else []), *args]
+    return subprocess.run(command, cwd=tmp_path, env={**os.environ, **(env or {})}, capture_output=True, text=True,
+                          timeout=timeout)
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
@@ -48,3 +73,124 @@ def test_ddp_matches_gloo(world_size: int) -> None:
 
 def test_pytorch_comm_hooks_powersgd_and_fp16() -> None:
     assert_all_ok(launch("collectives", "torch_hooks", 2, timeout=120))
+
+
+BAD_ENVIRONMENT = {
+    "DDLCOMM_SEGMENT_BYTES": "-5",  # crashed in vector::_M_default_append
+    "DDLCOMM_SMALL_MESSAGE_BYTES": "-1",  # was taken as 2**64 - 1
+    "DDLCOMM_SOCKETS_PER_PEER": "0",
+    "DDLCOMM_STRIPE_MIN_BYTES": "1MB",
+    "DDLCOMM_SOCKET_BUFFER_BYTES": "99999999999999999999",
+    "DDLCOMM_HANDSHAKE_TIMEOUT_MS": " 100",
+    "DDLCOMM_NUM_THREADS": "two",
+    "DDLCOMM_ALLREDUCE_ALGO": "tree",
+}
+
+
+def test_bad_environment_values_fail_at_init_naming_the_variable(tmp_path: Path) -> None:
+    code = ONE_RANK + """
+import sys
+for name, value in zip(sys.argv[1::2], sys.argv[2::2]):
+    os.environ[name] = value
+    try:
+        init()
+        print(f"{name}={value!r} accepted")
+    except ValueError as e:
+        print(e)
+    del os.environ[name]
+os.environ["DDLCOMM_SEGMENT_BYTES"] = "4096"  # in range
+init()
+print("valid setting accepted")
+"""
+    result = run_python(code, tmp_path, *[item for pair in BAD_ENVIRONMENT.items() for item in pair])
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert len(lines) == len(BAD_ENVIRONMENT) + 1 and lines[-1] == "valid setting accepted", result.stdout
+    for (name, value), line in zip(BAD_ENVIRONMENT.items(), lines):
+        assert f"{name}='{value}' is invalid: expected " in line, line
+
+
+def test_unsupported_dtype_messages_use_torch_names(tmp_path: Path) -> None:
+    code = ONE_RANK + """
+init()
+for dtype, op in ((torch.int16, dist.ReduceOp.SUM), (torch.int32, dist.ReduceOp.AVG)):
+    try:
+        dist.all_reduce(torch.ones(4, dtype=dtype), op=op)
+    except TypeError as e:
+        print(e)
+dist.destroy_process_group()
+"""
+    result = run_python(code, tmp_path)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert len(lines) == 2, result.stdout
+    assert "dtype torch.int16; supported: torch.float32, torch.float64," in lines[0]
+    assert "AVG needs a floating-point tensor, got torch.int32" in lines[1]
+    assert "Short" not in result.stdout and "Int" not in result.stdout
+
+
+def test_cpu_prefixed_backend_is_the_default_and_shuts_down_quietly(tmp_path: Path) -> None:
+    """torch leaves a "cpu:ddlcomm" group without a default backend (ddlcomm/__init__.py), which
+    made destroy_process_group warn "No backend of type 0 found"."""
+    code = ONE_RANK + """
+init("cpu:ddlcomm")
+t = torch.ones(3)
+dist.all_reduce(t)
+print(dist.group.WORLD.name(), t.tolist())
+dist.destroy_process_group()
+"""
+    result = run_python(code, tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["custom", "[1.0,", "1.0,", "1.0]"]
+    assert "No backend of type" not in result.stderr and "Warning" not in result.stderr, result.stderr
+
+
+def test_version_is_the_pyproject_version() -> None:
+    import ddlcomm
+
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        assert ddlcomm.__version__ == tomllib.load(f)["project"]["version"]
+
+
+def test_source_tree_without_the_extension_explains_itself(tmp_path: Path) -> None:
+    """From a clone's root after a non-editable install, ./ddlcomm (no _C) shadows the installed
+    package; Python's own message blamed a circular import."""
+    shutil.copytree(ROOT / "ddlcomm", tmp_path / "ddlcomm", ignore=shutil.ignore_patterns("*.so", "__pycache__"))
+    # The editable install's finders would redirect `ddlcomm` to the real package: drop them, as
+    # a non-editable install has none.
+    code = """
+import sys
+sys.meta_path[:] = [f for f in sys.meta_path if not type(f).__name__.startswith("ScikitBuild")]
+sys.path.insert(0, "")
+import ddlcomm
+"""
+    result = run_python(code, tmp_path)
+    assert result.returncode != 0
+    message = result.stderr.strip().splitlines()[-1]
+    assert message.startswith("ImportError: ddlcomm was imported from ") and "no compiled extension" in message
+    assert "circular import" not in result.stderr and "pip install --no-build-isolation -e ." in message
+    # An extension that is there but does not load keeps its own message.
+    (tmp_path / "ddlcomm" / f"_C{importlib.machinery.EXTENSION_SUFFIXES[0]}").write_bytes(b"not a library")
+    result = run_python(code, tmp_path)
+    assert result.returncode != 0 and "no compiled extension" not in result.stderr
+    assert "ImportError" in result.stderr, result.stderr
+
+
+def test_the_checkout_root_imports_the_built_package() -> None:
+    """scripts/setup.sh installs in editable mode: Python run in the clone's root (the README's
+    `-m ddlcomm.bench...` commands) imports the checkout, with its extension."""
+    code = "import ddlcomm, ddlcomm._C, ddlcomm.hooks; print(ddlcomm.__file__, ddlcomm.is_available())"
+    result = run_python(code, ROOT)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == [str(ROOT / "ddlcomm" / "__init__.py"), "True"], result.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--ops", "allreduce"), "unknown collective 'allreduce': choose from all_reduce, all_gather, reduce_scatter, "
+                             "broadcast"),
+    (("--sizes", "1k"), "argument --sizes: '1k' is not"),
+    (("--budget", "0"), "argument --budget: '0' is not"),
+])
+def test_collectives_benchmark_refuses_bad_arguments_before_running(tmp_path: Path, args: tuple, message: str) -> None:
+    result = run_python("", tmp_path, "-m", "ddlcomm.bench.collectives", *args, timeout=60)
+    assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr, result.stderr

@@ -589,7 +589,7 @@ def test_invalid_arguments_raise_clear_errors() -> None:
         compressor.encode(x[::2])
     with pytest.raises(ValueError, match="contiguous"):
         compressor.encode(x.view(8, 8), residual.view(8, 8).t())
-    with pytest.raises(ValueError, match="float32"):
+    with pytest.raises(TypeError, match="float32"):
         compressor.encode(x, residual.half())
     with pytest.raises(ValueError, match="elements"):
         compressor.encode(x, residual[:63])
@@ -608,6 +608,84 @@ def test_invalid_arguments_raise_clear_errors() -> None:
                 lambda: TopK(ratio=1.5), lambda: RandomK(k=0)):
         with pytest.raises(ValueError):
             bad()
+
+
+def test_wrong_argument_types_raise_plain_type_errors() -> None:
+    """Each mistake is named in plain words, not with the native function's signature."""
+    compressor = OneBit()
+    x, residual = make_input(64, torch.float32)
+    payload = compressor.encode(x)
+    mistakes = {
+        "stream must be an integer, got float 1.5": lambda: compressor.encode(x, stream=1.5),
+        "stream must be an integer, got str '3'": lambda: compressor.encode(x, stream="3"),
+        "stream must be an integer, got NoneType": lambda: compressor.encode(x, stream=None),
+        "tensor must be a torch.Tensor, got list": lambda: compressor.encode([1.0, 2.0]),
+        "tensor must be torch.float32, torch.float16 or torch.bfloat16, got torch.int64":
+            lambda: compressor.encode(torch.arange(4)),
+        "residual must be a torch.Tensor, got ndarray": lambda: compressor.encode(x, residual.numpy()),
+        "residual must be a torch.float32 tensor, got torch.float64": lambda: compressor.encode(x, residual.double()),
+        "out must be a torch.Tensor, got bytearray": lambda: compressor.encode(x, out=bytearray(100)),
+        "payload must be a torch.Tensor, got bytes": lambda: compressor.decode(bytes(payload.tolist())),
+        "numel must be an integer, got float 64.0": lambda: compressor.decode(payload, numel=64.0),
+        "dtype must be torch.float32, torch.float16 or torch.bfloat16, got 'float32'":
+            lambda: compressor.decode(payload, dtype="float32"),
+        "dtype=torch.float16 but out is torch.float32": lambda: compressor.decode(payload, torch.zeros(64),
+                                                                                  dtype=torch.float16),
+        "out must be a torch.float32 tensor, got torch.bfloat16":
+            lambda: compressor.decode_accumulate(payload, torch.zeros(64, dtype=torch.bfloat16)),
+        "numel must be an integer, got float 10.0": lambda: compressor.compressed_nbytes(10.0),
+        "block_size must be an integer, got float 256.0": lambda: OneBit(block_size=256.0),
+        "seed must be an integer, got float 1.5": lambda: RandomK(seed=1.5),
+        "k must be an integer, got bool True": lambda: TopK(k=True),
+    }
+    out_of_range = {
+        "stream must be an integer in [0, 2**64), got -1": lambda: compressor.encode(x, stream=-1),
+        "seed must be an integer in [0, 2**64), got -1": lambda: RandomK(seed=-1),
+        "numel must be an integer in [0, 2**63), got -1": lambda: TopK().kept_entries(-1),
+    }
+    for error_type, cases in ((TypeError, mistakes), (ValueError, out_of_range)):
+        for message, call in cases.items():
+            with pytest.raises(error_type) as error:
+                call()
+            assert str(error.value).startswith(message), (message, str(error.value))
+    # Integers of other types than int are integers.
+    assert torch.equal(compressor.encode(x, stream=np.uint64(2**64 - 1)), compressor.encode(x, stream=2**64 - 1))
+    assert torch.equal(compressor.decode(payload, numel=torch.tensor(64)), compressor.decode(payload))
+
+
+def test_options_that_a_compressor_would_ignore_are_refused() -> None:
+    for cls in (TopK, RandomK):
+        with pytest.raises(ValueError, match="ratio or k, not both"):
+            cls(ratio=0.1, k=3)
+        assert cls().kept_entries(1000) == 10 and cls(k=3).kept_entries(1000) == 3
+        assert cls(ratio=0.2).kept_entries(1000) == 200
+        assert cls() == cls(ratio=0.01)  # the default is the stated one
+    for cls in (FP16, BF16):
+        with pytest.raises(TypeError, match="block_size"):
+            cls(block_size=128)
+    with pytest.raises(TypeError, match="base class"):
+        Compressor()
+
+
+def test_star_import_binds_only_public_names() -> None:
+    """`from ddlcomm.compress import *` used to bind the module's imports and shadow the standard
+    library's inspect module with ddlcomm's inspect()."""
+    import ddlcomm.compress
+
+    namespace: dict = {}
+    exec("from ddlcomm.compress import *", namespace)
+    names = set(namespace) - {"__builtins__"}
+    assert names == set(ddlcomm.compress.__all__)
+    assert "inspect" not in names and not any(name.startswith("_") for name in names)
+    assert all(getattr(ddlcomm.compress, name).__module__ == "ddlcomm.compress" for name in names)
+
+
+def test_invalid_thread_count_is_refused_naming_the_variable(monkeypatch) -> None:
+    x, _ = make_input(64, torch.float32)
+    for value in ("0", "-2", "four", "3 "):
+        monkeypatch.setenv("DDLCOMM_NUM_THREADS", value)
+        with pytest.raises(ValueError, match=f"DDLCOMM_NUM_THREADS='{value}' is invalid: expected an integer from 1"):
+            OneBit().encode(x)
 
 
 @pytest.mark.parametrize("name", COMPRESSORS)

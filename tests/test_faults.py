@@ -28,6 +28,16 @@ def test_compressor_mismatch_is_refused(kind: str) -> None:
     assert_all_ok(launch("faults", "compressor_mismatch", 2, timeout=60, args=(kind,)))
 
 
+def test_compressed_mismatch_on_gloo_is_refused_on_every_rank() -> None:
+    assert_all_ok(launch("faults", "compressed_mismatch_on_gloo", 2, timeout=60))
+
+
+def test_hook_raises_distbackenderror_when_a_peer_dies() -> None:
+    results = launch("faults", "hook_peer_killed", 4, timeout=90)
+    assert results[1].returncode == -signal.SIGKILL, results[1].output
+    assert_all_ok([r for r in results if r.rank != 1])
+
+
 @pytest.mark.parametrize(
     "when, trial", [("before", 0), ("during", 0), ("during", 1), ("during", 2), ("after", 0)]
 )

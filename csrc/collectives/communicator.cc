@@ -1,8 +1,9 @@
 #include "collectives/communicator.h"
 
 #include <algorithm>
-#include <cstdlib>
 #include <thread>
+
+#include "common/env.h"
 
 namespace ddlcomm {
 namespace {
@@ -13,28 +14,22 @@ constexpr char kWaitingKey[] = "ddlcomm/failed_while_waiting/";
 // A healthy store answers in milliseconds; one that takes this long is treated as gone.
 constexpr std::chrono::milliseconds kStoreCallBound{2000};
 
-size_t envSize(const char* name, size_t fallback) {
-  const char* v = std::getenv(name);
-  if (!v || !*v) return fallback;
-  char* end = nullptr;
-  unsigned long long parsed = std::strtoull(v, &end, 10);
-  DDLCOMM_CHECK(end && *end == '\0', ErrorKind::InvalidArgument, name, "='", v, "' is not a byte count");
-  return size_t(parsed);
-}
-
 }  // namespace
 
 CollectiveOptions CollectiveOptions::fromEnvironment(std::chrono::milliseconds timeout) {
   CollectiveOptions o;
   o.timeout = timeout;
-  o.smallMessageBytes = envSize("DDLCOMM_SMALL_MESSAGE_BYTES", o.smallMessageBytes);
-  o.segmentBytes = std::max<size_t>(4096, envSize("DDLCOMM_SEGMENT_BYTES", o.segmentBytes));
-  if (const char* algo = std::getenv("DDLCOMM_ALLREDUCE_ALGO")) {
-    std::string a = algo;
+  o.smallMessageBytes = size_t(envInteger("DDLCOMM_SMALL_MESSAGE_BYTES", int64_t(o.smallMessageBytes), 0));
+  // Below 4 KiB per-message overhead dominates; above 1 GiB nothing is pipelined any more, and
+  // the bound keeps the segment arithmetic (bytes + segment - 1) far from overflow.
+  o.segmentBytes = size_t(envInteger("DDLCOMM_SEGMENT_BYTES", int64_t(o.segmentBytes), 4096, int64_t(1) << 30));
+  if (const char* algo = envString("DDLCOMM_ALLREDUCE_ALGO")) {
+    const std::string a = algo;
     if (a == "ring") o.allreduceAlgorithm = AllreduceAlgorithm::Ring;
     else if (a == "rd" || a == "recursive_doubling") o.allreduceAlgorithm = AllreduceAlgorithm::RecursiveDoubling;
-    else if (a.empty() || a == "auto") o.allreduceAlgorithm = AllreduceAlgorithm::Auto;
-    else fail(ErrorKind::InvalidArgument, "DDLCOMM_ALLREDUCE_ALGO='", a, "': expected auto, ring or recursive_doubling");
+    else if (a == "auto") o.allreduceAlgorithm = AllreduceAlgorithm::Auto;
+    else fail(ErrorKind::InvalidArgument, "environment variable DDLCOMM_ALLREDUCE_ALGO='", a,
+              "' is invalid: expected auto, ring or recursive_doubling");
   }
   return o;
 }

@@ -21,15 +21,15 @@ size_t elementSize(DataType type) {
 
 const char* dataTypeName(DataType type) {
   switch (type) {
-    case DataType::Float32: return "float32";
-    case DataType::Float64: return "float64";
-    case DataType::Float16: return "float16";
-    case DataType::BFloat16: return "bfloat16";
-    case DataType::Int8: return "int8";
-    case DataType::UInt8: return "uint8";
-    case DataType::Int32: return "int32";
-    case DataType::Int64: return "int64";
-    case DataType::Bool: return "bool";
+    case DataType::Float32: return "torch.float32";
+    case DataType::Float64: return "torch.float64";
+    case DataType::Float16: return "torch.float16";
+    case DataType::BFloat16: return "torch.bfloat16";
+    case DataType::Int8: return "torch.int8";
+    case DataType::UInt8: return "torch.uint8";
+    case DataType::Int32: return "torch.int32";
+    case DataType::Int64: return "torch.int64";
+    case DataType::Bool: return "torch.bool";
   }
   return "unknown";
 }

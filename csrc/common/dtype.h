@@ -33,6 +33,7 @@ enum class ReduceOp : uint8_t {
 constexpr int kNumReduceOps = 8;
 
 size_t elementSize(DataType type);
+// torch's name of the type ("torch.float32"), the one users write, for every message.
 const char* dataTypeName(DataType type);
 const char* reduceOpName(ReduceOp op);
 bool isFloatingPoint(DataType type);

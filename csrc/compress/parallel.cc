@@ -3,24 +3,16 @@
 #include <sched.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <exception>
 #include <system_error>
 #include <thread>
 #include <vector>
 
+#include "common/env.h"
+
 namespace ddlcomm::compress {
 
 namespace {
-
-// A positive integer from the environment, or 0.
-size_t positiveEnv(const char* name) {
-  const char* env = std::getenv(name);
-  if (env == nullptr) return 0;
-  char* end = nullptr;
-  const long value = std::strtol(env, &end, 10);
-  return end != env && *end == '\0' && value > 0 ? size_t(value) : 0;
-}
 
 // The cores this process may run on, shared with the other ranks on the node (torchrun's
 // LOCAL_WORLD_SIZE): four ranks on two cores each spawning a thread per core made the
@@ -29,15 +21,17 @@ size_t coresPerLocalRank() {
   cpu_set_t set;
   size_t cores = sched_getaffinity(0, sizeof set, &set) == 0 ? size_t(CPU_COUNT(&set))
                                                                 : size_t(std::thread::hardware_concurrency());
-  return std::max<size_t>(1, cores / std::max<size_t>(1, positiveEnv("LOCAL_WORLD_SIZE")));
+  return std::max<size_t>(1, cores / size_t(envInteger("LOCAL_WORLD_SIZE", 1, 1)));
 }
 
 }  // namespace
 
+size_t configuredThreads() { return size_t(envInteger("DDLCOMM_NUM_THREADS", 0, 1, kMaxThreads)); }
+
 size_t threadsFor(size_t elements) {
-  const size_t threads = positiveEnv("DDLCOMM_NUM_THREADS");
+  const size_t threads = configuredThreads();
   const size_t useful = elements / kMinElementsPerThread;
-  return std::max<size_t>(1, std::min({threads ? threads : coresPerLocalRank(), useful, size_t(256)}));
+  return std::max<size_t>(1, std::min({threads ? threads : coresPerLocalRank(), useful, kMaxThreads}));
 }
 
 void runParts(size_t parts, size_t items, size_t align, const std::function<void(size_t, size_t, size_t)>& fn) {

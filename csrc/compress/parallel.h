@@ -11,6 +11,12 @@ namespace ddlcomm::compress {
 // Each extra thread gets at least this many elements: below it, spawning costs more than it saves.
 constexpr size_t kMinElementsPerThread = size_t(1) << 20;
 
+// At most this many threads per pass, whatever DDLCOMM_NUM_THREADS or the core count say.
+constexpr size_t kMaxThreads = 256;
+
+// DDLCOMM_NUM_THREADS (1 to kMaxThreads), or 0 when unset; throws InvalidArgument when invalid.
+size_t configuredThreads();
+
 // Threads for a pass over `elements` elements: DDLCOMM_NUM_THREADS (read on every call) or
 // this process's cores divided by LOCAL_WORLD_SIZE, and no more than the input justifies.
 size_t threadsFor(size_t elements);

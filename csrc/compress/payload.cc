@@ -87,7 +87,8 @@ Layout layoutFor(const Config& config, size_t numel) {
 
 void checkFloatType(DataType type, const char* what) {
   DDLCOMM_CHECK(type == DataType::Float32 || type == DataType::Float16 || type == DataType::BFloat16,
-                ErrorKind::UnsupportedType, what, " must be float32, float16 or bfloat16, got ", dataTypeName(type));
+                ErrorKind::UnsupportedType, what, " must be torch.float32, torch.float16 or torch.bfloat16, got ",
+                dataTypeName(type));
 }
 
 // The bits of the last byte of a packed section beyond the last element must be zero.

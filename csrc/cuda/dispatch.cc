@@ -52,7 +52,8 @@ detail::DecodeArgs decodeArgs(const compress::PayloadInfo& info, const uint8_t* 
                               DataType outType, void* out, size_t numel, bool accumulate, cudaStream_t s,
                               const char* what) {
   DDLCOMM_CHECK(outType == DataType::Float32 || outType == DataType::Float16 || outType == DataType::BFloat16,
-                ErrorKind::UnsupportedType, what, ": output must be float32, float16 or bfloat16, got ",
+                ErrorKind::UnsupportedType, what,
+                ": output must be torch.float32, torch.float16 or torch.bfloat16, got ",
                 dataTypeName(outType));
   DDLCOMM_CHECK(info.numel == numel, ErrorKind::InvalidArgument, what, ": the payload holds ", info.numel,
                 " elements, the output has ", numel);
@@ -112,7 +113,8 @@ size_t encodeCuda(const compress::Config& config, DataType xType, const void* x,
                   cudaStream_t cudaStream) {
   checkConfig(config, numel);
   DDLCOMM_CHECK(xType == DataType::Float32 || xType == DataType::Float16 || xType == DataType::BFloat16,
-                ErrorKind::UnsupportedType, "compression input must be float32, float16 or bfloat16, got ",
+                ErrorKind::UnsupportedType,
+                "compression input must be torch.float32, torch.float16 or torch.bfloat16, got ",
                 dataTypeName(xType));
   DDLCOMM_CHECK(x != nullptr || numel == 0, ErrorKind::InvalidArgument, "encodeCuda: null input");
   checkPayloadPointer(payload, "encodeCuda");

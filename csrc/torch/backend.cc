@@ -9,6 +9,7 @@
 
 #include "collectives/collectives.h"
 #include "collectives/compressed_allreduce.h"
+#include "compress/parallel.h"
 #include "transport/tcp/tcp_transport.h"
 
 namespace ddlcomm::torch_glue {
@@ -30,6 +31,9 @@ class StoreAdapter final : public KeyValueStore {
   c10::intrusive_ptr<c10d::Store> store_;
 };
 
+// torch's name of a dtype ("torch.int16"), which users know, rather than c10's ("Short").
+std::string dtypeName(at::ScalarType type) { return c10::str("torch.", c10::getDtypeNames(type).first); }
+
 DataType toDataType(const at::Tensor& t) {
   switch (t.scalar_type()) {
     case at::kFloat: return DataType::Float32;
@@ -43,8 +47,10 @@ DataType toDataType(const at::Tensor& t) {
     case at::kBool: return DataType::Bool;
     default: break;
   }
-  TORCH_CHECK_TYPE(false, "ddlcomm does not support tensors of dtype ", t.scalar_type(),
-                   "; supported: float32, float64, float16, bfloat16, int8, uint8, int32, int64, bool");
+  std::string supported;
+  for (int i = 0; i < kNumDataTypes; ++i) supported += (i ? ", " : "") + std::string(dataTypeName(DataType(i)));
+  TORCH_CHECK_TYPE(false, "ddlcomm does not support tensors of dtype ", dtypeName(t.scalar_type()),
+                   "; supported: ", supported);
 }
 
 ReduceOp toReduceOp(const c10d::ReduceOp& op, DataType dtype) {
@@ -85,8 +91,8 @@ at::Tensor single(std::vector<at::Tensor>& tensors, const char* op) {
 }
 
 void checkSameType(const at::Tensor& a, const at::Tensor& b, const char* op) {
-  TORCH_CHECK_TYPE(a.scalar_type() == b.scalar_type(), "ddlcomm ", op, ": input dtype ", a.scalar_type(),
-                   " differs from output dtype ", b.scalar_type());
+  TORCH_CHECK_TYPE(a.scalar_type() == b.scalar_type(), "ddlcomm ", op, ": input dtype ", dtypeName(a.scalar_type()),
+                   " differs from output dtype ", dtypeName(b.scalar_type()));
 }
 
 // Non-contiguous tensors are handled through a contiguous copy that is written back.
@@ -147,10 +153,13 @@ ProcessGroupDdlcomm::ProcessGroupDdlcomm(const c10::intrusive_ptr<c10d::Store>& 
   prefix_ += "] ";
   auto kv = std::make_shared<StoreAdapter>(store);
   try {
+    // Every setting is read before connecting: a bad value fails at once, not after the peers joined.
     auto tcpOptions = tcp::TcpOptions::fromEnvironment();
     tcpOptions.connectTimeout = timeout;
+    auto collectiveOptions = CollectiveOptions::fromEnvironment(timeout);
+    compress::configuredThreads();  // read again by every compressed call
     auto transport = tcp::TcpTransport::connect(rank, size, *kv, tcpOptions);
-    auto comm = std::make_unique<Communicator>(std::move(transport), kv, CollectiveOptions::fromEnvironment(timeout));
+    auto comm = std::make_unique<Communicator>(std::move(transport), kv, collectiveOptions);
     executor_ = std::make_unique<Executor>(std::move(comm));
   } catch (const Error& e) {
     if (e.kind() == ErrorKind::InvalidArgument) TORCH_CHECK_VALUE(false, prefix_, e.what());
@@ -535,12 +544,13 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDdlcomm::compressedAllreduce(at::Tens
   checkTensor(tensor, "compressed allreduce");
   TORCH_CHECK_TYPE(tensor.scalar_type() == at::kFloat || tensor.scalar_type() == at::kHalf ||
                        tensor.scalar_type() == at::kBFloat16,
-                   "ddlcomm compressed allreduce needs a float32, float16 or bfloat16 tensor, got ",
-                   tensor.scalar_type());
+                   "ddlcomm compressed allreduce needs a torch.float32, torch.float16 or torch.bfloat16 tensor, got ",
+                   dtypeName(tensor.scalar_type()));
   auto checkResidual = [](const std::optional<at::Tensor>& r, int64_t numel, const char* which) {
     if (!r) return;
     checkTensor(*r, which);
-    TORCH_CHECK_TYPE(r->scalar_type() == at::kFloat, "ddlcomm: the ", which, " must be float32");
+    TORCH_CHECK_TYPE(r->scalar_type() == at::kFloat, "ddlcomm: the ", which, " must be torch.float32, got ",
+                     dtypeName(r->scalar_type()));
     TORCH_CHECK_VALUE(r->is_contiguous() && r->numel() == numel, "ddlcomm: the ", which,
                       " must be a contiguous float32 tensor of ", numel, " elements, got ", r->numel());
   };

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 import ddlcomm  # noqa: F401
 
+OPS = ["all_reduce", "all_gather", "reduce_scatter", "broadcast"]
 QUICK_SIZES = [4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20]
 FULL_SIZES = [1 << k for k in range(10, 29, 2)]  # 1 KiB .. 256 MiB, x4 steps
 
@@ -76,10 +77,12 @@ def make_op(name: str, nbytes: int, n: int, group) -> tuple[Callable[[], None], 
     per_rank = max(1, count // n)
     if name == "all_gather":
         inp, out = torch.ones(per_rank), torch.empty(per_rank * n)
-        return (lambda: dist.all_gather_into_tensor(out, inp, group=group)), (n - 1) / n, per_rank * n
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
+        return (lambda: gather(out, inp, group=group)), (n - 1) / n, per_rank * n
     if name == "reduce_scatter":
         inp, out = torch.ones(per_rank * n), torch.empty(per_rank)
-        return (lambda: dist.reduce_scatter_tensor(out, inp, group=group)), (n - 1) / n, per_rank * n
+        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # renamed in torch 2.13
+        return (lambda: scatter(out, inp, group=group)), (n - 1) / n, per_rank * n
     raise ValueError(f"unknown collective {name}")
 
 
@@ -112,28 +115,57 @@ def human(nbytes: int) -> str:
     return f"{nbytes} B"
 
 
+# Argument types: a mistake is reported by argparse before any rank connects or measures.
+def op_list(text: str) -> list[str]:
+    ops = OPS if text == "all" else text.split(",")
+    unknown = [op for op in ops if op not in OPS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown collective {', '.join(map(repr, unknown))}: "
+                                         f"choose from {', '.join(OPS)} (comma-separated) or all")
+    return ops
+
+
+def size_list(text: str) -> list[int]:
+    try:
+        sizes = [int(s) for s in text.split(",")]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of positive byte counts")
+    return sizes
+
+
+def positive_seconds(text: str) -> float:
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = 0.0
+    if not seconds > 0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of seconds")
+    return seconds
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--ops", default="all_reduce,all_gather,reduce_scatter,broadcast",
-                        help="comma-separated: all_reduce, all_gather, reduce_scatter, broadcast (or 'all')")
+    parser.add_argument("--ops", type=op_list, default=OPS,
+                        help=f"comma-separated: {', '.join(OPS)} (or 'all', the default)")
     parser.add_argument("--full", action="store_true", help="sizes 1 KiB .. 256 MiB (default: a quick set)")
-    parser.add_argument("--sizes", default="", help="comma-separated byte counts, overriding the size set")
-    parser.add_argument("--budget", type=float, default=0.6, help="seconds per measurement (per backend)")
+    parser.add_argument("--sizes", type=size_list, help="comma-separated byte counts, overriding the size set")
+    parser.add_argument("--budget", type=positive_seconds, default=0.6, help="seconds per measurement (per backend)")
     args = parser.parse_args()
 
     dist.init_process_group("ddlcomm")
     gloo = dist.new_group(backend="gloo")
     rank, n = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
-    ops = ["all_reduce", "all_gather", "reduce_scatter", "broadcast"] if args.ops == "all" else args.ops.split(",")
-    sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else (FULL_SIZES if args.full else QUICK_SIZES)
+    sizes = args.sizes or (FULL_SIZES if args.full else QUICK_SIZES)
 
     ceiling = raw_tcp_gbps() if n > 1 else 0.0
     if rank == 0:
         print(f"# {n} ranks on this host; raw single-stream TCP loopback: {ceiling:.2f} GB/s")
         print(f"# {'collective':<15}{'size':>10}{'count':>11}  dtype    "
               f"{'gloo us':>10}{'busbw':>8}  {'ddlcomm us':>10}{'algbw':>8}{'busbw':>8}  {'speedup':>7}  {'of TCP':>6}")
-    for op in ops:
+    for op in args.ops:
         for nbytes in sizes:
             times = {}
             for backend, group in (("gloo", gloo), ("ddlcomm", None)):

@@ -96,6 +96,47 @@ def compressor_mismatch(kind: str) -> None:
     print(f"rank {rank}: {text.splitlines()[0][:300]}")
 
 
+def compressed_mismatch_on_gloo() -> None:
+    """On a gloo group (the fallback over standard collectives), ranks that reduce different
+    sizes or compressors get a ValueError naming both, on every rank; gloo would otherwise
+    abort the process on the mismatched payloads."""
+    from ddlcomm import compress
+    from ddlcomm.compressed import compressed_all_reduce
+
+    rank, n = init(timeout_s=30)
+    gloo = dist.new_group(backend="gloo")
+    for numel, comp in ((1000 + rank, compress.OneBit()), (1000, compress.TopK(ratio=0.1 * (rank + 1)))):
+        text = expect(ValueError, lambda: compressed_all_reduce(torch.ones(numel), comp, group=gloo).wait(),
+                      "ranks disagree", f"rank {rank}")
+        print(f"rank {rank}: {text}")
+    out = compressed_all_reduce(torch.ones(1000), compress.OneBit(), group=gloo).wait()
+    assert torch.equal(out, torch.ones(1000)), "the group is unusable after a refused call"
+
+
+def hook_peer_killed() -> None:
+    """A rank dies in the middle of compressed DDP training: every survivor's backward() raises
+    DistBackendError naming it (not torch's RuntimeError wrapper of a future's callback)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from ddlcomm import compress, hooks
+
+    timeout = 20.0
+    rank, n = init(timeout_s=timeout)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
+    ddp = DistributedDataParallel(model, bucket_cap_mb=0.1)
+    ddp.register_comm_hook(hooks.CompressionState(compressor=compress.OneBit(), start_compress_iter=2,
+                                                  min_compression_bytes=0), hooks.onebit_hook)
+
+    def train() -> None:
+        for step in range(1000):
+            if rank == 1 and step == 5:
+                _sigkill_self()
+            ddp(torch.randn(64, 256)).sum().backward()
+
+    _expect_peer_failure(timeout, train)
+
+
 def _sigkill_self() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
@@ -258,5 +299,7 @@ if __name__ == "__main__":
         "connection_reset": connection_reset,
         "init_destroy_cycles": init_destroy_cycles,
         "compressor_mismatch": compressor_mismatch,
+        "compressed_mismatch_on_gloo": compressed_mismatch_on_gloo,
+        "hook_peer_killed": hook_peer_killed,
         "straggler": straggler,
     })

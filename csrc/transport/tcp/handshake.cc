@@ -7,13 +7,13 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <numeric>
 #include <string_view>
 #include <thread>
 #include <vector>
 
+#include "common/env.h"
 #include "common/error.h"
 #include "common/sha256.h"
 
@@ -112,8 +112,8 @@ std::string groupKey(KeyValueStore& store, int rank) {
     store.set(name, std::string(bytesOf(secret)));
   }
   std::string secret = store.get(name);
-  const char* extra = std::getenv("DDLCOMM_AUTH_KEY");
-  if (!extra || !*extra) return secret;
+  const char* extra = envString("DDLCOMM_AUTH_KEY");
+  if (!extra) return secret;
   Digest bound = hmacSha256(extra, {"ddlcomm group key", secret});
   return std::string(bytesOf(bound));
 }

@@ -11,10 +11,10 @@
 #include <unistd.h>
 
 #include <cerrno>
-#include <cstdlib>
 #include <cstring>
 #include <thread>
 
+#include "common/env.h"
 #include "common/error.h"
 
 namespace ddlcomm::tcp {
@@ -34,11 +34,6 @@ bool waitFor(int fd, short events, Deadline deadline) {
     if (rc == 0) return false;
     if (errno != EINTR) fail(ErrorKind::System, systemErrorText("poll", errno));
   }
-}
-
-const char* envOrNull(const char* name) {
-  const char* v = std::getenv(name);
-  return (v && *v) ? v : nullptr;
 }
 
 std::string interfaceAddress(const std::string& ifname) {
@@ -160,9 +155,9 @@ Address Address::fromString(const std::string& text) {
 }
 
 std::string chooseLocalHost() {
-  if (const char* addr = envOrNull("DDLCOMM_SOCKET_ADDR")) return addr;
-  if (const char* ifname = envOrNull("DDLCOMM_SOCKET_IFNAME")) return interfaceAddress(ifname);
-  if (const char* master = envOrNull("MASTER_ADDR")) {
+  if (const char* addr = envString("DDLCOMM_SOCKET_ADDR")) return addr;
+  if (const char* ifname = envString("DDLCOMM_SOCKET_IFNAME")) return interfaceAddress(ifname);
+  if (const char* master = envString("MASTER_ADDR")) {
     std::string local = routeSourceAddress(master);
     if (!local.empty()) return local;
   }

@@ -7,9 +7,10 @@
 
 #include <algorithm>
 #include <cerrno>
-#include <cstdlib>
 #include <cstring>
+#include <limits>
 
+#include "common/env.h"
 #include "transport/tcp/handshake.h"
 
 namespace ddlcomm::tcp {
@@ -17,29 +18,20 @@ namespace {
 
 constexpr uint64_t kWakeToken = ~uint64_t(0);
 
-long envLong(const char* name, long fallback) {
-  const char* v = std::getenv(name);
-  if (!v || !*v) return fallback;
-  char* end = nullptr;
-  long parsed = std::strtol(v, &end, 10);
-  DDLCOMM_CHECK(end && *end == '\0' && parsed >= 0, ErrorKind::InvalidArgument, name, "='", v,
-                "' is not a non-negative integer");
-  return parsed;
-}
-
 std::string humanBytes(size_t bytes) { return detail::concat(bytes, " bytes"); }
 
 }  // namespace
 
 TcpOptions TcpOptions::fromEnvironment() {
+  constexpr int64_t kIntMax = std::numeric_limits<int>::max();
   TcpOptions o;
-  if (const char* host = std::getenv("DDLCOMM_SOCKET_ADDR")) o.host = host;
-  o.connectionsPerPeer = int(std::clamp(envLong("DDLCOMM_SOCKETS_PER_PEER", o.connectionsPerPeer), 1L, 16L));
-  o.stripeMinBytes = size_t(envLong("DDLCOMM_STRIPE_MIN_BYTES", long(o.stripeMinBytes)));
-  o.socketBufferBytes = int(envLong("DDLCOMM_SOCKET_BUFFER_BYTES", o.socketBufferBytes));
+  if (const char* host = envString("DDLCOMM_SOCKET_ADDR")) o.host = host;
+  o.connectionsPerPeer = int(envInteger("DDLCOMM_SOCKETS_PER_PEER", o.connectionsPerPeer, 1, 16));
+  o.stripeMinBytes = size_t(envInteger("DDLCOMM_STRIPE_MIN_BYTES", int64_t(o.stripeMinBytes), 0));
+  o.socketBufferBytes = int(envInteger("DDLCOMM_SOCKET_BUFFER_BYTES", o.socketBufferBytes, 0, kIntMax));
   // At least 1 ms: with 0 every connection would be dropped before its first byte.
-  o.handshakeTimeout =
-      std::chrono::milliseconds(std::max(1L, envLong("DDLCOMM_HANDSHAKE_TIMEOUT_MS", long(o.handshakeTimeout.count()))));
+  o.handshakeTimeout = std::chrono::milliseconds(
+      envInteger("DDLCOMM_HANDSHAKE_TIMEOUT_MS", o.handshakeTimeout.count(), 1, kIntMax));
   return o;
 }
 
