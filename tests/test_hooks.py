@@ -8,7 +8,7 @@ import logging
 import pytest
 import torch
 
-from ddlcomm import hooks
+from ddlcomm import compress, hooks
 from harness import assert_all_ok, launch
 
 
@@ -50,3 +50,17 @@ def test_hook_mechanics() -> None:
 
 def test_uncompressed_buckets_are_logged_once() -> None:
     assert_all_ok(launch("compression", "uncompressed_is_logged_once", 2, timeout=120))
+
+
+@pytest.mark.parametrize("options, error, words", [
+    ({"compressor": compress.OneBit(), "momentum": 0.9}, ValueError, "sparse compressors"),
+    ({"compressor": compress.FP16(), "momentum": 0.9}, ValueError, "sparse compressors"),
+    ({"compressor": "onebit"}, TypeError, "ddlcomm.compress compressor"),
+    ({"min_compression_bytes": -1}, ValueError, "min_compression_bytes"),
+    ({"clip_norm": 0.0}, ValueError, "clip_norm"),
+    ({"model": "net"}, TypeError, "torch.nn.Module"),
+    ({"start_compress_iter": 1}, ValueError, "rebuilds its buckets"),
+])
+def test_state_refuses_options_it_would_ignore_or_misuse(options: dict, error: type, words: str) -> None:
+    with pytest.raises(error, match=words):
+        hooks.CompressionState(**options)
