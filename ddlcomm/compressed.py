@@ -98,6 +98,10 @@ def compressed_all_reduce(
 ) -> torch.futures.Future:
     """All-reduces `tensor` in place through `compressor`; returns a Future of the tensor.
 
+    A communication failure raises from the Future's ``wait()`` as torch's ``Future.then``
+    reports it: a RuntimeError quoting the ``DistBackendError``. To catch the
+    ``DistBackendError`` itself, wait on the first future of ``start_compressed_all_reduce``.
+
     Args:
         tensor: float32, float16 or bfloat16 CPU tensor; overwritten with the result.
         compressor: a ``ddlcomm.compress`` compressor.

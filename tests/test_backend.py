@@ -75,6 +75,17 @@ def test_pytorch_comm_hooks_powersgd_and_fp16() -> None:
     assert_all_ok(launch("collectives", "torch_hooks", 2, timeout=120))
 
 
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_pytorch_comm_hooks_match_gloo(world_size: int) -> None:
+    """allreduce, fp16 compress and PowerSGD hooks: bitwise as on gloo on 2 ranks, close on 4."""
+    assert_all_ok(launch("collectives", "torch_hooks_vs_gloo", world_size, timeout=120))
+
+
+def test_compressed_allreduce_bytes_on_the_wire_match_wire_bytes() -> None:
+    """Bytes measured on the group's sockets (TCP_INFO), not the formula re-checked."""
+    assert_all_ok(launch("collectives", "wire_bytes_measured", 3, timeout=120))
+
+
 BAD_ENVIRONMENT = {
     "DDLCOMM_SEGMENT_BYTES": "-5",  # crashed in vector::_M_default_append
     "DDLCOMM_SMALL_MESSAGE_BYTES": "-1",  # was taken as 2**64 - 1

@@ -308,6 +308,30 @@ def test_random_k_scaled_is_unbiased_and_uniform() -> None:
     assert torch.all((hits - trials * p).abs() <= 5 * (trials * p * (1 - p)) ** 0.5)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("numel,k", [(200, 20), (1000, 3), (4099, 7), (5, 5), (1 << 20, 3)])
+def test_random_k_scaled_values_are_exact(numel: int, k: int, dtype: torch.dtype) -> None:
+    """Each sent value is y * float32(numel / k) in float32 arithmetic (sparse.cc: the scale is
+    float(double(numel) / double(k)), then one float32 multiply), the decoded vector holds exactly
+    those, and the residual is y - decoded everywhere (y where nothing was sent). A scale off by
+    any amount, even one ulp, fails here; the statistical test above cannot see a few percent."""
+    x, residual = make_input(numel, dtype, seed=12)
+    y = x.float() + residual
+    scale = torch.tensor(numel / k, dtype=torch.float32)  # rounds the double quotient to float32
+    compressor = RandomK(k=k, seed=4, scaled=True)
+    payload = compressor.encode(x, residual, stream=6)
+    indices, values = sparse_entries(payload)
+    assert indices.numel() == k
+    assert torch.equal(values, y[indices] * scale)
+    decoded = compressor.decode(payload)
+    expected = torch.zeros(numel)
+    expected[indices] = y[indices] * scale
+    assert torch.equal(decoded, expected)
+    assert torch.equal(residual, y - decoded)
+    unscaled = RandomK(k=k, seed=4).encode(x, stream=6)  # same indices, values y unscaled
+    assert torch.equal(sparse_entries(unscaled)[0], indices)
+
+
 def test_stochastic_ternary_and_random_k_depend_on_stream_and_seed() -> None:
     x, _ = make_input(1000, torch.float32)
     for make in (lambda seed: Ternary(stochastic=True, seed=seed), lambda seed: RandomK(seed=seed)):
@@ -390,14 +414,93 @@ def test_non_finite_input_decodes_non_finite_and_resets_residual(name: str) -> N
     compressor = COMPRESSORS[name]()
     x, residual = make_input(1000, torch.float32, seed=8)
     bad = [3, 300, 301]
-    x[3], x[300], x[301] = float("nan"), float("inf"), float("-inf")
+    if compressor.format == "random_k":  # it sends what it draws: put them where it draws (indices
+        bad = sparse_entries(compressor.encode(x))[0][:3].tolist()  # depend on seed and stream only)
+        assert len(bad) == 3
+    x[bad] = torch.tensor([float("nan"), float("inf"), float("-inf")])
     payload = compressor.encode(x, residual)
     decoded = compressor.decode(payload)
-    if compressor.format == "random_k":  # sends whatever it picks: check only the residual
-        sent = sparse_entries(payload)[0]
-        bad = [i for i in bad if i in sent.tolist()]
     assert not decoded[bad].isfinite().any()
     assert residual.isfinite().all() and torch.all(residual[bad] == 0)
+
+
+@pytest.mark.parametrize("scaled", [False, True], ids=["unscaled", "scaled"])
+def test_random_k_non_finite_sent_and_unsent(scaled: bool) -> None:
+    """What the encoder promises (compress.h, "Residual"): a non-finite entry it sends decodes as
+    itself (NaN stays NaN, +-inf keeps its sign, times the scale), one it does not send decodes as 0
+    (the compressed all-reduce checks for those separately), and the residual is 0 at both (y -
+    decoded is not finite) and y - decoded everywhere else."""
+    numel, k, stream = 1000, 50, 3
+    compressor = RandomK(k=k, seed=11, scaled=scaled)
+    x, residual = make_input(numel, torch.float32, seed=8)
+    sent = sparse_entries(compressor.encode(x, stream=stream))[0]
+    unsent = [i for i in range(numel) if i not in set(sent.tolist())][:2]
+    bad_sent = sent[[0, k // 2, k - 1]].tolist()
+    x[bad_sent] = torch.tensor([float("nan"), float("inf"), float("-inf")])
+    x[unsent] = torch.tensor([float("nan"), float("-inf")])
+    y = x + residual
+    payload = compressor.encode(x, residual, stream=stream)
+    indices, values = sparse_entries(payload)
+    assert torch.equal(indices, sent)
+    decoded = compressor.decode(payload)
+    assert decoded[bad_sent[0]].isnan()
+    assert decoded[bad_sent[1]] == float("inf") and decoded[bad_sent[2]] == -float("inf")
+    assert torch.all(decoded[unsent] == 0)
+    assert torch.all(residual[bad_sent + unsent] == 0)
+    good = torch.ones(numel, dtype=torch.bool)
+    good[bad_sent + unsent] = False
+    assert torch.equal(residual[good], (y - decoded)[good])
+
+
+def float32_grid() -> torch.Tensor:
+    """float32 values at every exponent (zero and subnormals, inf and NaN included), both signs,
+    with mantissas that put a tie (and the values either side of it, with an even or an odd kept
+    bit) at every rounding position, plus random bit patterns."""
+    mantissas = {0, 1, 0x7FFFFF, 0x400000 | 1}
+    for b in range(23):
+        top = (0x7FFFFF >> b) << b  # all ones down to bit b: the largest values of a binade
+        mantissas |= {1 << b, (1 << b) - 1, (1 << b) + 1, (3 << b) & 0x7FFFFF, 0x7FFFFF ^ (1 << b), top,
+                      top | (1 << b) >> 1}
+    exponents = torch.arange(256, dtype=torch.int64)
+    m = torch.tensor(sorted(mantissas), dtype=torch.int64)
+    bits = (exponents[:, None] << 23 | m[None, :]).flatten()
+    noise = torch.randint(0, 1 << 32, (4096,), generator=torch.Generator().manual_seed(3))
+    bits = torch.cat([bits, bits | (1 << 31), noise])
+    return (bits - ((bits >> 31) << 32)).to(torch.int32).view(torch.float32)  # as signed int32
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit for bit, except that any NaN matches any NaN (torch's bfloat16 makes every NaN
+    0xffff; csrc/common/half.h keeps its sign)."""
+    nan = a.isnan()
+    width = torch.int32 if a.dtype == torch.float32 else torch.int16
+    return torch.equal(nan, b.isnan()) and torch.equal(a[~nan].view(width), b[~nan].view(width))
+
+
+@pytest.mark.parametrize("name,dtype", [("fp16", torch.float16), ("bf16", torch.bfloat16)])
+def test_casts_round_as_torch_bit_for_bit(name: str, dtype: torch.dtype) -> None:
+    """decode(encode(y)) == y.to(dtype).float(): round to nearest even (ties both ways, at every
+    exponent), subnormals of the target and of float32, overflow to +-inf, NaN, -0.0; over the
+    float32 grid and over every float16 and bfloat16 bit pattern as input. The residual is
+    y - decoded where that is finite and 0 where it is not (inf, NaN, overflow)."""
+    compressor = COMPRESSORS[name]()
+    every16 = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16)
+    for x in (float32_grid(), every16.view(torch.float16), every16.view(torch.bfloat16)):
+        y = x.float()
+        expected = y.to(dtype)
+        payload = compressor.encode(x)
+        assert same_bits(compressor.decode(payload, dtype=dtype), expected)
+        decoded = compressor.decode(payload)
+        assert same_bits(decoded, expected.float())
+        # With error feedback: a residual of -0.0 leaves y = x + residual equal to x bit for bit.
+        residual = torch.full((x.numel(),), -0.0)
+        assert torch.equal(compressor.encode(x, residual), payload)
+        diff = y - decoded
+        assert torch.equal(residual.view(torch.int32), torch.where(diff.isfinite(), diff, 0.0).view(torch.int32))
+    # The grid holds what it claims, compared as bits (-0.0 == 0.0 as floats): fp16 ties rounding
+    # down and up, half subnormal ties, the tie between 65504 and inf, a bfloat16 tie, -0.0.
+    claimed = torch.tensor([1 + 2.0**-11, 1 + 3 * 2.0**-11, 2.0**-25, 3 * 2.0**-25, 65520.0, 1 + 2.0**-8, -0.0])
+    assert set(claimed.view(torch.int32).tolist()) <= set(float32_grid().view(torch.int32).tolist())
 
 
 def test_fp16_overflow_becomes_inf_with_zero_residual() -> None:
@@ -417,10 +520,18 @@ def test_top_k_with_more_non_finite_entries_than_k_keeps_residual_finite() -> No
 # ---- determinism --------------------------------------------------------------------------------
 
 
+# csrc/compress/parallel.h: each thread beyond the first needs this many elements.
+MIN_ELEMENTS_PER_THREAD = 1 << 20
+
+
 @pytest.mark.parametrize("name", COMPRESSORS)
 def test_encode_is_deterministic_across_calls_and_thread_counts(name: str, monkeypatch) -> None:
     compressor = COMPRESSORS[name]()
-    x, residual = make_input(3_000_000 + 7, torch.bfloat16, seed=9)  # > 2 threads' worth (parallel.h)
+    # threadsFor caps the threads at numel / 2^20: 3 threads need 3 * 2^20 elements (3,000,007
+    # gave 2); the odd remainder makes the last part longer than the others.
+    numel = 3 * MIN_ELEMENTS_PER_THREAD + 7
+    assert min(3, numel // MIN_ELEMENTS_PER_THREAD) == 3
+    x, residual = make_input(numel, torch.bfloat16, seed=9)
     results = []
     for threads in ("1", "3", "3"):
         monkeypatch.setenv("DDLCOMM_NUM_THREADS", threads)

@@ -73,16 +73,24 @@ void bindCompression(py::module_& m) {
   c.def("kept_entries", &compress::keptEntries, py::arg("config"), py::arg("numel"));
   c.def("encoded_bytes", &compress::encodedBytes, py::arg("config"), py::arg("numel"));
 
+  py::class_<compress::TopKStats>(c, "TopKStats",
+                                  "Counts of the paths approximate top-k took in the encodes given it")
+      .def(py::init<>())
+      .def_property_readonly("sampled", [](const compress::TopKStats& s) { return s.sampled.load(); })
+      .def_property_readonly("exact_fallbacks", [](const compress::TopKStats& s) { return s.exactFallbacks.load(); });
+
   c.def(
       "encode",
       [](const Config& config, int xType, uintptr_t x, uintptr_t residual, size_t numel, uint64_t stream,
-         uintptr_t payload, size_t capacity) {
+         uintptr_t payload, size_t capacity, compress::TopKStats* stats) {
         return compress::encode(config, dataType(xType), at<const void>(x), at<float>(residual), numel, stream,
-                                at<uint8_t>(payload), capacity);
+                                at<uint8_t>(payload), capacity, stats);
       },
       py::arg("config"), py::arg("x_dtype"), py::arg("x"), py::arg("residual"), py::arg("numel"), py::arg("stream"),
-      py::arg("payload"), py::arg("capacity"), py::call_guard<py::gil_scoped_release>(),
-      "Encodes numel elements at address x (residual: float32 address or 0); returns the payload size.");
+      py::arg("payload"), py::arg("capacity"), py::arg("top_k_stats") = static_cast<compress::TopKStats*>(nullptr),
+      py::call_guard<py::gil_scoped_release>(),
+      "Encodes numel elements at address x (residual: float32 address or 0); returns the payload size. "
+      "top_k_stats (a TopKStats) counts approximate top-k's paths.");
 
   c.def(
       "decode",

@@ -69,8 +69,10 @@ void allreduce(Communicator& comm, void* data, size_t count, DataType dtype, Red
                                                      : AllreduceAlgorithm::Ring;
     }
     if (algo == AllreduceAlgorithm::Ring) {
+      ++comm.counters().ringAllreduces;
       ringAllreduce(call, static_cast<char*>(data), count, dtype, op);
     } else {
+      ++comm.counters().recursiveDoublingAllreduces;
       recursiveDoubling(call, static_cast<char*>(data), count, dtype, op);
     }
   });

@@ -29,6 +29,19 @@ struct CollectiveOptions {
   static CollectiveOptions fromEnvironment(std::chrono::milliseconds timeout);
 };
 
+// Counts of what this group's collectives did, for tests and diagnostics. Read and written on
+// the executor thread only (like the rest of the Communicator).
+struct CollectiveCounters {
+  uint64_t ringAllreduces = 0;
+  uint64_t recursiveDoublingAllreduces = 0;
+};
+
+// A snapshot of a group's counters and of its transport's connections.
+struct GroupStats {
+  CollectiveCounters collectives;
+  TransportStats transport;
+};
+
 class Communicator;
 class Call;
 
@@ -114,6 +127,9 @@ class Communicator {
   // Reusable scratch buffers (slot 0, 1, ...), grown on demand, never shrunk.
   char* scratch(size_t bytes, int slot = 0);
 
+  CollectiveCounters& counters() { return counters_; }
+  GroupStats stats() const { return GroupStats{counters_, transport_->stats()}; }
+
  private:
   std::unique_ptr<Transport> transport_;
   std::shared_ptr<KeyValueStore> store_;
@@ -121,6 +137,7 @@ class Communicator {
   StoreCourier courier_;  // every store call on the failure path goes through it
   uint64_t nextSeq_ = 0;
   std::vector<std::vector<char>> scratch_;
+  CollectiveCounters counters_;
 
   // After a timeout: the ranks that have not reported failing while waiting in a
   // collective too, as "rank 1, rank 3"; waits a short grace period for their reports.

@@ -32,6 +32,7 @@
 //    selects exactly the same entries (it only finds them faster, see sparse.cc).
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 
@@ -78,11 +79,20 @@ uint64_t keptEntries(const Config& config, size_t numel);
 // Payload size of every encode of numel elements with this config (exact for all formats).
 size_t encodedBytes(const Config& config, size_t numel);
 
+// Which path approximate top-k took, counted per encode (for tests and diagnostics: the
+// path never changes the payload). Owned by the caller, who passes it to encode(); safe to
+// share between threads.
+struct TopKStats {
+  std::atomic<uint64_t> sampled{0};         // the sampled threshold left k to 4k + 2^15 candidates
+  std::atomic<uint64_t> exactFallbacks{0};  // it did not (ties, a poor sample): radix select on y
+};
+
 // x: numel elements of xType (float32, float16 or bfloat16). residual: float32[numel] or
 // null (no error feedback). stream: distinguishes calls for the counter-based randomness
 // (e.g. rank and step). Returns the payload size written into payload[capacity].
+// topKStats: counts approximate top-k's paths when not null.
 size_t encode(const Config& config, DataType xType, const void* x, float* residual, size_t numel, uint64_t stream,
-              uint8_t* payload, size_t capacity);
+              uint8_t* payload, size_t capacity, TopKStats* topKStats = nullptr);
 
 struct PayloadInfo {
   Format format;

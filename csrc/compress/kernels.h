@@ -28,7 +28,7 @@ void checkTernaryCodes(const uint8_t* codes, size_t numel);
 
 // Top-k / random-k (sparse.cc): uint32 indices[k] ascending, then float32 values[k].
 void encodeTopK(const Config& config, const Input& in, uint64_t stream, size_t k, uint8_t* indices,
-                uint8_t* values);
+                uint8_t* values, TopKStats* stats);
 void encodeRandomK(const Config& config, const Input& in, uint64_t stream, size_t k, uint8_t* indices,
                    uint8_t* values);
 void decodeSparse(size_t numel, size_t k, const uint8_t* indices, const uint8_t* values, const Output& out);

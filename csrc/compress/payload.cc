@@ -162,7 +162,7 @@ uint64_t keptEntries(const Config& config, size_t numel) {
 size_t encodedBytes(const Config& config, size_t numel) { return layoutFor(config, numel).total; }
 
 size_t encode(const Config& config, DataType xType, const void* x, float* residual, size_t numel, uint64_t stream,
-              uint8_t* payload, size_t capacity) {
+              uint8_t* payload, size_t capacity, TopKStats* topKStats) {
   const Layout layout = layoutFor(config, numel);
   checkFloatType(xType, "the input");
   DDLCOMM_CHECK(capacity >= layout.total, ErrorKind::InvalidArgument, "payload buffer of ", capacity,
@@ -181,7 +181,7 @@ size_t encode(const Config& config, DataType xType, const void* x, float* residu
   switch (config.format) {
     case Format::OneBit: encodeOneBit(config, in, first, second); break;
     case Format::Ternary: encodeTernary(config, in, stream, first, second); break;
-    case Format::TopK: encodeTopK(config, in, stream, k, first, second); break;
+    case Format::TopK: encodeTopK(config, in, stream, k, first, second, topKStats); break;
     case Format::RandomK: encodeRandomK(config, in, stream, k, first, second); break;
     case Format::Float16:
     case Format::BFloat16: encodeCast(config.format, in, first); break;

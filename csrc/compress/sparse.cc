@@ -292,7 +292,7 @@ DDLCOMM_MULTIVERSION void fillZero(const Output& out, size_t begin, size_t end) 
 }  // namespace
 
 void encodeTopK(const Config& config, const Input& in, uint64_t stream, size_t k, uint8_t* indices,
-                uint8_t* values) {
+                uint8_t* values, TopKStats* stats) {
   if (k == 0) return;
   const size_t limit = 4 * k + kSampleSize;  // candidates worth collecting and selecting among
   std::vector<std::vector<Entry>> parts;
@@ -301,9 +301,13 @@ void encodeTopK(const Config& config, const Input& in, uint64_t stream, size_t k
     const Key t = sampleThreshold(in, k, config.seed, stream);
     if (t > 0) {
       const size_t found = collectParts(in, true, t, SIZE_MAX, limit, parts);
-      if (found >= k && found <= limit) return writeSelected(in, parts, thresholdAmong(parts, k), indices, values);
+      if (found >= k && found <= limit) {
+        if (stats) stats->sampled.fetch_add(1, std::memory_order_relaxed);
+        return writeSelected(in, parts, thresholdAmong(parts, k), indices, values);
+      }
       first = false;
     }
+    if (stats) stats->exactFallbacks.fetch_add(1, std::memory_order_relaxed);
   }
   const RadixResult radix = radixSelect(in, k, first, limit);
   if (radix.exact) {

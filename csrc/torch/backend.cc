@@ -4,6 +4,7 @@
 #include <c10/util/Exception.h>
 #include <pybind11/pybind11.h>
 
+#include <future>
 #include <numeric>
 #include <optional>
 
@@ -184,6 +185,21 @@ c10::intrusive_ptr<DdlcommWork> ProcessGroupDdlcomm::enqueue(c10d::OpType type, 
   ++opsIssued_;
   executor_->submit(std::move(task), [work](std::exception_ptr error) { work->complete(error); });
   return work;
+}
+
+GroupStats ProcessGroupDdlcomm::stats() {
+  auto snapshot = std::make_shared<std::promise<GroupStats>>();
+  auto result = snapshot->get_future();
+  auto taken = std::make_shared<GroupStats>();
+  executor_->submit([taken](Communicator& comm) { *taken = comm.stats(); },
+                    [snapshot, taken](std::exception_ptr error) {
+                      if (error) snapshot->set_exception(error); else snapshot->set_value(*taken);
+                    });
+  try {
+    return result.get();
+  } catch (const Error& e) {
+    C10_THROW_ERROR(DistBackendError, prefix_ + e.what());
+  }
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupDdlcomm::allreduce(std::vector<at::Tensor>& tensors,

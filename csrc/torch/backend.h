@@ -103,6 +103,9 @@ class ProcessGroupDdlcomm : public c10d::Backend {
   c10::intrusive_ptr<DdlcommWork> enqueue(c10d::OpType type, std::vector<at::Tensor> outputs,
                                           std::function<void(Communicator&)> task);
   std::string describe() const { return prefix_; }
+  // The group's counters and its connections as the kernel sees them, taken on the progress
+  // thread after everything submitted before (call without the GIL).
+  GroupStats stats();
 
  private:
   std::unique_ptr<Executor> executor_;

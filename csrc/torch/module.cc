@@ -27,6 +27,25 @@ PYBIND11_MODULE(_C, m) {
            py::arg("worker_residual") = py::none(), py::arg("server_residual") = py::none(),
            py::arg("average") = true, py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>(),
            "Compressed all-reduce with error feedback; returns a Work whose future holds [tensor].")
+      .def(
+          "stats",
+          [](ProcessGroupDdlcomm& pg) {
+            ddlcomm::GroupStats s;
+            {
+              py::gil_scoped_release noGil;
+              s = pg.stats();
+            }
+            py::dict d;
+            d["ring_allreduces"] = s.collectives.ringAllreduces;
+            d["recursive_doubling_allreduces"] = s.collectives.recursiveDoublingAllreduces;
+            d["connections_per_peer"] = s.transport.connectionsPerPeer;
+            d["bytes_sent"] = s.transport.bytesSent;
+            return d;
+          },
+          "This group's counters, taken after everything submitted before: all-reduces per algorithm "
+          "(ring_allreduces, recursive_doubling_allreduces), established TCP connections to each rank "
+          "(connections_per_peer), and bytes_sent on them (TCP_INFO tcpi_bytes_sent: frame headers, the "
+          "connection handshake and retransmissions included).")
       .def_static("encode_stream", &ddlcomm::encodeStream, py::arg("call_stream"), py::arg("rank"), py::arg("phase"),
                   py::arg("chunk"), py::arg("size"), py::arg("segment") = 0)
       .def_property_readonly_static(

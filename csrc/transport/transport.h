@@ -10,6 +10,7 @@
 #include <exception>
 #include <functional>
 #include <string>
+#include <vector>
 
 #include "common/error.h"
 #include "transport/frame.h"
@@ -32,6 +33,12 @@ struct Request {
   int piecesLeft = 0;
   bool failed = false;
   bool done() const { return piecesLeft == 0; }
+};
+
+// What the kernel says about a transport's connections (tests and diagnostics).
+struct TransportStats {
+  std::vector<int> connectionsPerPeer;  // established connections to each rank (0 for itself)
+  uint64_t bytesSent = 0;  // TCP_INFO tcpi_bytes_sent summed over its open sockets (retransmissions too)
 };
 
 class Transport {
@@ -58,6 +65,8 @@ class Transport {
   virtual void abort(ErrorKind kind, const std::string& reason) noexcept = 0;
   // Throws the abort reason if the transport is broken.
   virtual void throwIfBroken() const = 0;
+  // Counted now, from the kernel's view of each connection.
+  virtual TransportStats stats() const = 0;
 
   // Called once, on the first failure, before any connection is closed: peers notice the
   // closed connections, so whatever the hook publishes is there when they look. Returns

@@ -8,7 +8,6 @@
 #include <stdexcept>
 
 #include "common/half.h"
-#include "compress/counter_random.h"
 #include "compress/wire_format.h"
 
 namespace ddlcomm::ref {
@@ -17,6 +16,39 @@ namespace {
 using compress::Format;
 
 bool finite(float v) { return std::isfinite(v); }
+
+// ---- counter-based randomness, from its definition (not compress/counter_random.h) -----------
+// The key (seed, stream, index) folds into one 64-bit word, seed ^ stream * G ^ index * M1, which
+// goes through one step of SplitMix64 (Steele, Lea & Flood 2014; Vigna's splitmix64.c): add the
+// golden-ratio increment G, then the variant-13 finalizer (shifts 30, 27, 31; multipliers M1, M2).
+constexpr uint64_t kGolden = 0x9e3779b97f4a7c15ull;  // 2^64 / phi, odd
+constexpr uint64_t kMix1 = 0xbf58476d1ce4e5b9ull;
+constexpr uint64_t kMix2 = 0x94d049bb133111ebull;
+
+constexpr uint64_t splitmix64(uint64_t state) {
+  uint64_t z = state + kGolden;
+  z = (z ^ (z >> 30)) * kMix1;
+  z = (z ^ (z >> 27)) * kMix2;
+  return z ^ (z >> 31);
+}
+
+constexpr uint64_t randomBits(uint64_t seed, uint64_t stream, uint64_t index) {
+  return splitmix64(seed ^ (stream * kGolden) ^ (index * kMix1));
+}
+
+// SplitMix64 from state 0 yields 0xe220a8397b1dcdaf, 0x6e789e6aa1b965f4, 0x06c45d188009454f
+// (the published sequence; the state advances by G per output).
+static_assert(randomBits(0, 0, 0) == 0xe220a8397b1dcdafull, "splitmix64 known answer");
+static_assert(randomBits(kGolden, 0, 0) == 0x6e789e6aa1b965f4ull, "splitmix64 known answer");
+static_assert(randomBits(0, 2, 0) == 0x06c45d188009454full, "splitmix64 known answer");
+
+// Uniform in [0, 1): the top 24 bits over 2^24 (exact in float).
+float randomUniform(uint64_t seed, uint64_t stream, uint64_t index) {
+  return float(uint32_t(randomBits(seed, stream, index) >> 40)) / 16777216.0f;
+}
+
+// Uniform integer in [0, bound): floor(bits * bound / 2^64), the high word of the 128-bit product.
+uint64_t randomBelow(uint64_t bits, uint64_t bound) { return uint64_t((unsigned __int128)bits * bound >> 64); }
 
 // 32 interleaved lane sums combined as lane[j] += lane[j+16], +8, +4, +2, +1.
 struct LaneSum {
@@ -148,7 +180,7 @@ void ternaryBlock(const float* y, uint32_t count, float clip, uint64_t seed, uin
   }
   scale = s;
   for (uint32_t e = 0; e < count; ++e) {
-    const bool send = !finite(s) || compress::counterUniform(seed, stream, first + e) * s < std::fabs(y[e]);
+    const bool send = !finite(s) || randomUniform(seed, stream, first + e) * s < std::fabs(y[e]);
     const uint8_t code = send ? (y[e] >= 0.f ? 1 : 2) : 0;
     codes[e] = code;
     const float d = code == 1 ? s : (code == 2 ? -s : 0.f);
@@ -280,7 +312,7 @@ std::vector<uint8_t> encode(const compress::Config& c, DataType xType, const voi
       } else {  // Floyd's algorithm, step by step
         std::set<uint64_t> taken;
         for (uint64_t j = n - k; j < n; ++j) {
-          uint64_t t = compress::uniformBelow(compress::counterBits(c.seed, stream, j), j + 1);
+          uint64_t t = randomBelow(randomBits(c.seed, stream, j), j + 1);
           if (taken.count(t)) t = j;
           taken.insert(t);
         }

@@ -1,7 +1,11 @@
 // Scalar host model of the payload contract (compress/wire_format.h, compress/compress.h and
 // the GPU's documented choices in docs/cuda.md), written directly from the text with plain
 // loops. The GPU test compares the CUDA kernels with it byte for byte; it is independent of
-// both the CUDA code and the CPU implementation in csrc/compress.
+// the CUDA code and of the CPU kernels in csrc/compress: it takes only constants and Config
+// from their headers, and has its own counter-based randomness (SplitMix64, reference.cc, not
+// compress/counter_random.h, which the kernels share). Its float16 / bfloat16 conversions are
+// common/half.h, the CPU's: the CUDA kernels convert with their own code (cuda/common.cuh), and
+// tests/test_compress.py holds half.h to torch's conversions bit for bit.
 #pragma once
 
 #include <cstddef>

@@ -2,28 +2,64 @@
 
 from __future__ import annotations
 
+import os
+import time
+
 import torch
 import torch.distributed as dist
 
-from common import ALL_DTYPES, OPS, assert_equal, init, make_input, op_valid, reference, run
+from common import ALL_DTYPES, OPS, assert_equal, ddlcomm_stats, init, make_input, op_valid, reference, run
 
 # 16385 float32 crosses the 64 KiB small-message threshold; 300_007 spans several ring segments.
 SIZES = [0, 1, 3, 7, 1000, 16385]
 LARGE = 300_007
+SMALL_MESSAGE_BYTES = 64 * 1024  # DDLCOMM_SMALL_MESSAGE_BYTES's default
+
+
+def expected_algorithm(numel: int, dtype: torch.dtype, n: int) -> str | None:
+    """The all-reduce algorithm ddlcomm must run (csrc/collectives/allreduce.cc), None for none."""
+    if n == 1 or numel == 0:
+        return None
+    forced = os.environ.get("DDLCOMM_ALLREDUCE_ALGO", "auto")
+    if forced == "ring":
+        return "ring"
+    if forced in ("rd", "recursive_doubling"):
+        return "recursive_doubling"
+    small = numel * dtype.itemsize <= int(os.environ.get("DDLCOMM_SMALL_MESSAGE_BYTES", SMALL_MESSAGE_BYTES))
+    return "recursive_doubling" if small or numel < n else "ring"
+
+
+def algorithm_ran(before: dict, after: dict) -> str | None:
+    """Which all-reduce algorithm ran between two ddlcomm_stats() snapshots (one all-reduce)."""
+    ran = {a: after[f"{a}_allreduces"] - before[f"{a}_allreduces"] for a in ("ring", "recursive_doubling")}
+    assert sum(ran.values()) <= 1 and min(ran.values()) >= 0, ran
+    return next((a for a, count in ran.items() if count), None)
 
 
 def allreduce() -> None:
     rank, n = init()
+    reached: dict[torch.dtype, set] = {dtype: set() for dtype in ALL_DTYPES}
     for dtype in ALL_DTYPES:
+        # The smallest all-reduce over the small-message threshold: the ring, in auto mode.
+        ring_min = SMALL_MESSAGE_BYTES // dtype.itemsize + 1
         for op in OPS:
             if not op_valid(op, dtype):
                 continue
-            sizes = SIZES + ([LARGE] if dtype in (torch.float32, torch.bfloat16, torch.int64, torch.bool) else [])
+            sizes = SIZES + [ring_min] + ([LARGE] if dtype in (torch.float32, torch.bfloat16, torch.int64, torch.bool) else [])
             for numel in sizes:
                 inputs = [make_input(r, numel, dtype, op) for r in range(n)]
                 t = inputs[rank].clone()
+                before = ddlcomm_stats()
                 dist.all_reduce(t, op=OPS[op])
+                ran = algorithm_ran(before, ddlcomm_stats())
                 assert_equal(t, reference(inputs, op), f"all_reduce {op} {dtype} x{numel}")
+                expected = expected_algorithm(numel, dtype, n)
+                assert ran == expected, f"all_reduce {op} {dtype} x{numel} ran {ran}, expected {expected}"
+                reached[dtype].add(ran)
+    if "DDLCOMM_ALLREDUCE_ALGO" not in os.environ and "DDLCOMM_SMALL_MESSAGE_BYTES" not in os.environ:
+        # Auto mode: every dtype goes through both algorithms.
+        for dtype, algorithms in reached.items():
+            assert {"ring", "recursive_doubling"} <= algorithms, f"{dtype} only ran {algorithms}"
     # Real-valued data: every rank must hold the same bits, close to gloo's answer.
     gloo = dist.new_group(backend="gloo")
     for numel in (5000, LARGE):
@@ -133,21 +169,37 @@ def collectives() -> None:
         dist.recv(second, 0, tag=2)
         dist.recv(first, 0, tag=1)
         assert second.tolist() == [2.0, 2.0] and first.tolist() == [1.0], "tag matching"
+    # DDLCOMM_SOCKETS_PER_PEER took effect: the kernel shows that many connections to each peer
+    # (counted before the last barrier, which no rank leaves, to close them, before all are here).
+    k = int(os.environ.get("DDLCOMM_SOCKETS_PER_PEER", "1"))
+    connections = ddlcomm_stats()["connections_per_peer"]
+    assert connections == [0 if r == rank else k for r in range(n)], f"connections per peer {connections}, expected {k}"
     dist.barrier()
 
 
 def async_ops() -> None:
     rank, n = init()
-    # Several ops in flight at once complete in order with the right values and futures.
+    # Several ops in flight at once complete in issue order, and each future holds the
+    # caller's own tensor, reduced. The last rank joins late: every other rank attaches its
+    # completion callbacks while all four operations are still waiting for it.
+    if rank == n - 1:
+        time.sleep(0.5)
     tensors = [torch.full((1000 * (i + 1),), float(rank + i)) for i in range(4)]
-    works = [dist.all_reduce(t, async_op=True) for t in tensors]
+    works, pending_when_attached, completed = [], [], []
+    for i, t in enumerate(tensors):
+        works.append(dist.all_reduce(t, async_op=True))
+        works[-1].get_future().add_done_callback(lambda _, i=i: completed.append(i))
+        pending_when_attached.append(not works[-1].is_completed())
+    if rank != n - 1:
+        assert all(pending_when_attached), f"operations completed before their callbacks: {pending_when_attached}"
     futures = [w.get_future() for w in works]
     for i, (w, f) in enumerate(zip(works, futures)):
         w.wait()
         assert w.is_completed() and w.is_success()
         value = f.wait()[0]
-        assert torch.equal(value, tensors[i])
-        assert torch.all(tensors[i] == sum(r + i for r in range(n)))
+        assert value.data_ptr() == tensors[i].data_ptr(), f"future {i} holds a copy, not the caller's tensor"
+        assert_equal(value, torch.full((1000 * (i + 1),), float(sum(r + i for r in range(n)))), f"async all_reduce {i}")
+    assert completed == [0, 1, 2, 3], f"completed in the order {completed}"
     chained = dist.all_reduce(torch.ones(10), async_op=True).get_future().then(lambda f: f.value()[0] * 2)
     assert torch.all(chained.wait() == 2 * n)
 
@@ -243,6 +295,99 @@ def torch_hooks(backend: str = "ddlcomm") -> None:
         assert all(torch.equal(r, flat) for r in replicas), f"{hook.__name__}: replicas diverged"
 
 
+# Relative tolerance per hook on more than 2 ranks, where ddlcomm and gloo sum in different
+# orders: a few roundings of the hook's wire dtype (float32, float16) over 6 steps.
+HOOK_RTOL = {"allreduce": 1e-5, "fp16_compress": 1e-3, "powerSGD": 1e-4}
+
+
+def torch_hooks_vs_gloo() -> None:
+    """PyTorch's own DDP comm hooks train the same on a ddlcomm group as on a gloo group. On 2
+    ranks bitwise: each reduction is a single correctly rounded addition of two values, the same
+    in either order, for float32 and for the float16 / bfloat16 the compress hooks send
+    (PowerSGD's matrices included). On more ranks the summation orders differ: close.
+    bf16_compress_hook is left out: torch refuses it without CUDA and NCCL (or XPU and XCCL)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    rank, n = init(timeout_s=60)
+    gloo = dist.new_group(backend="gloo")
+    hooks = {
+        "allreduce": (lambda group: group, default_hooks.allreduce_hook),
+        "fp16_compress": (lambda group: group, default_hooks.fp16_compress_hook),
+        "powerSGD": (lambda group: powerSGD_hook.PowerSGDState(group, matrix_approximation_rank=2,
+                                                                 start_powerSGD_iter=2, min_compression_rate=1,
+                                                                 random_seed=0),
+                     powerSGD_hook.powerSGD_hook),
+    }
+
+    def train(group, make_state, hook) -> torch.Tensor:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(32, 48), torch.nn.ReLU(), torch.nn.Linear(48, 4))
+        ddp = torch.nn.parallel.DistributedDataParallel(model, process_group=group, bucket_cap_mb=0.004)
+        ddp.register_comm_hook(make_state(group), hook)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        for step in range(6):
+            opt.zero_grad()
+            g = torch.Generator().manual_seed(step * n + rank)
+            x, y = torch.randn(16, 32, generator=g), torch.randint(0, 4, (16,), generator=g)
+            torch.nn.functional.cross_entropy(ddp(x), y).backward()
+            opt.step()
+        return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+    def allreduces() -> int:
+        s = ddlcomm_stats()
+        return s["ring_allreduces"] + s["recursive_doubling_allreduces"]
+
+    for name, (make_state, hook) in hooks.items():
+        before = allreduces()
+        ours = train(dist.group.WORLD, make_state, hook)
+        ran_on_ddlcomm = allreduces() - before
+        before = allreduces()
+        theirs = train(gloo, make_state, hook)
+        assert ran_on_ddlcomm > 0 and allreduces() == before, f"{name}: the runs used the wrong groups"
+        assert torch.isfinite(ours).all(), f"{name}: non-finite parameters"
+        if n == 2:
+            if not torch.equal(ours, theirs):
+                where = (ours != theirs).nonzero().flatten()
+                raise AssertionError(f"{name}: {where.numel()} parameters differ from gloo's, the first at "
+                                     f"{where[:4].tolist()}: {ours[where[:4]].tolist()} vs {theirs[where[:4]].tolist()}")
+        else:
+            torch.testing.assert_close(ours, theirs, rtol=HOOK_RTOL[name], atol=HOOK_RTOL[name] * 1e-2,
+                                       msg=lambda m, name=name: f"{name}: {m}")
+        print(f"rank {rank} {name}: max |ddlcomm - gloo| = {(ours - theirs).abs().max().item():.3g}", flush=True)
+
+
+FRAME_HEADER_BYTES = 40  # csrc/transport/frame.h
+
+
+def wire_bytes_measured() -> None:
+    """What a compressed all-reduce puts on the group's sockets (TCP_INFO tcpi_bytes_sent, summed
+    over its connections) is ddlcomm.compressed.wire_bytes plus one frame header per message:
+    n - 1 messages for the sparse formats (an all-gather), 2 (n - 1) per segment for the others
+    (an all-to-all, then an all-gather). Random-k is left out: it all-reduces a finiteness flag first."""
+    from ddlcomm import compress
+    from ddlcomm.compressed import compressed_all_reduce, wire_bytes
+
+    rank, n = init(timeout_s=60)
+    gloo = dist.new_group(backend="gloo")  # synchronizes without ddlcomm traffic
+    numel = 100_003
+    for name, comp in (("onebit", compress.OneBit()), ("ternary_b37", compress.Ternary(block_size=37)),
+                       ("topk", compress.TopK(ratio=0.01)), ("topk_approx", compress.TopK(k=5000, approximate=True)),
+                       ("fp16", compress.FP16()), ("bf16", compress.BF16())):
+        x = torch.randn(numel, generator=torch.Generator().manual_seed(rank))
+        dist.barrier(group=gloo)
+        before = ddlcomm_stats()
+        compressed_all_reduce(x, comp).wait()
+        dist.barrier(group=gloo)  # every rank has received everything: it left this rank's sockets
+        after = ddlcomm_stats()
+        dist.barrier(group=gloo)  # every rank has its numbers before any can fail and close its sockets
+        sent = after["bytes_sent"] - before["bytes_sent"]
+        messages = (n - 1) * (1 if comp.format in ("top_k", "random_k") else 2)  # one segment here
+        expected = wire_bytes(comp, numel, n, rank) + FRAME_HEADER_BYTES * messages
+        assert sent == expected, (f"{name}: {sent} bytes left rank {rank}'s sockets, expected {expected} "
+                                  f"(wire_bytes {wire_bytes(comp, numel, n, rank)} + {messages} frame headers)")
+        print(f"rank {rank} {name}: {sent} bytes sent, as wire_bytes says", flush=True)
+
+
 if __name__ == "__main__":
     run({
         "allreduce": allreduce,
@@ -252,4 +397,6 @@ if __name__ == "__main__":
         "single_rank": single_rank,
         "ddp": ddp,
         "torch_hooks": torch_hooks,
+        "torch_hooks_vs_gloo": torch_hooks_vs_gloo,
+        "wire_bytes_measured": wire_bytes_measured,
     })

@@ -36,6 +36,12 @@ OPS = {
 }
 
 
+def ddlcomm_stats(group=None) -> dict:
+    """The ddlcomm group's counters (ProcessGroupDdlcomm.stats(): all-reduces per algorithm,
+    established connections per peer, bytes on its sockets), after everything issued before."""
+    return (group or dist.group.WORLD)._get_backend(torch.device("cpu")).stats()
+
+
 def init(backend: str = "ddlcomm", timeout_s: float = 60.0) -> tuple[int, int]:
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
     return dist.get_rank(), dist.get_world_size()

@@ -77,20 +77,41 @@ def segmented_matches_fallback() -> None:
 
 
 def non_finite() -> None:
-    """inf/NaN in a bucket: the result is non-finite, the residuals stay finite."""
+    """inf/NaN in a bucket on one rank. Quantizers, casts and top-k carry it into the result
+    (non-finite) and keep their residuals finite. Random-k could miss it (it sends a sample), so
+    compressed_all_reduce skips the whole random-k reduction when any rank holds a non-finite
+    value: the result is NaN everywhere on every rank and both residuals are left as they were
+    (bit for bit). The NaN sits where rank 1's random-k sample takes it and the inf where it does
+    not, so neither reason alone explains the result. The next (finite) step is finite."""
     rank, n = init()
+    encode_stream = ProcessGroupDdlcomm.encode_stream
     for name, make in COMPRESSORS.items():
         comp = make()
         numel = 4096
-        wres = torch.zeros(numel)
-        sres = torch.zeros(server_residual_numel(numel, rank, n))
+        g = torch.Generator().manual_seed(rank)
+        wres = torch.randn(numel, generator=g) * 0.1
+        sres = torch.randn(server_residual_numel(numel, rank, n), generator=g) * 0.1
+        nan_at, inf_at = 100, 200
+        if comp.format == "random_k":
+            # Rank 1's sample in this call (stream 0): its indices depend on seed and stream only.
+            probe = torch.arange(1.0, numel + 1)  # nonzero everywhere: decodes nonzero where sent
+            decoded = comp.decode(comp.encode(probe, stream=encode_stream(0, 1, 0, 0, n)))
+            sent = set(decoded.nonzero().flatten().tolist())
+            assert len(sent) == comp.kept_entries(numel)
+            nan_at = min(sent)
+            inf_at = min(set(range(numel)) - sent)
         x = torch.ones(numel)
         if rank == 1:
-            x[100] = float("nan")
-            x[200] = float("inf")
+            x[nan_at] = float("nan")
+            x[inf_at] = float("inf")
+        w_before, s_before = wres.clone(), sres.clone()
         out = compressed_all_reduce(x, comp, wres, sres).wait()
         assert not torch.isfinite(out).all(), f"{name}: non-finite input vanished from the result"
         assert torch.isfinite(wres).all() and torch.isfinite(sres).all(), f"{name}: residual poisoned"
+        if comp.format == "random_k":
+            assert out.isnan().all(), f"{name}: {int((~out.isnan()).sum())} of {numel} results are not NaN"
+            assert torch.equal(wres, w_before), f"{name}: the skipped reduction changed the worker residual"
+            assert torch.equal(sres, s_before), f"{name}: the skipped reduction changed the server residual"
         y = torch.ones(numel)
         out = compressed_all_reduce(y, comp, wres, sres).wait()
         assert torch.isfinite(out).all(), f"{name}: the step after a non-finite one is still non-finite"

@@ -135,6 +135,7 @@ class Pending:
     desc: str
     waits: list = field(default_factory=list)  # Works and Futures
     check: Callable[[], None] = lambda: None
+    kind: str = ""
 
 
 class Soak:
@@ -146,6 +147,9 @@ class Soak:
         self.corrupt_from = corrupt_from
         self.rng = random.Random(seed)  # the shared sequence: same draws on every rank
         self.counts: Counter[str] = Counter()
+        # Per kind, the operations whose check compared at least one result on this rank.
+        self.checked: Counter[str] = Counter()
+        self.comparisons = 0  # calls of expect()
         self.mismatches: list[str] = []
         self.buffer_bytes = 0
         self.step = 0
@@ -163,6 +167,7 @@ class Soak:
     def expect(self, actual: torch.Tensor, expected: torch.Tensor, part: str = "") -> None:
         """Records a mismatch unless `actual` holds exactly `expected`'s dtype, shape and bits."""
         what = f"rank {self.rank} {self.context}" + (f": {part}" if part else "")
+        self.comparisons += 1
         if self.corrupt_from >= 0 and self.step >= self.corrupt_from and actual.numel() > 0:
             actual = actual.clone(memory_format=torch.contiguous_format)  # checker self-test: wrong from here on
             actual.view(-1)[0] = ~actual.view(-1)[0] if actual.dtype == torch.bool else actual.view(-1)[0] + 1
@@ -198,6 +203,7 @@ class Soak:
         `forced` fixes some of them (the warm-up)."""
         p = getattr(self, "_" + kind)(self.step, nbytes, async_op, **forced)
         p.desc = f"step {self.step} {kind} async={async_op} bytes={nbytes} {p.desc}"
+        p.kind = kind
         self.counts[kind] += 1
         self.buffer_bytes += nbytes
         return p
@@ -465,8 +471,15 @@ class Soak:
                 w.wait()
         for p in pending:
             self.step, self.context = p.step, p.desc
-            p.check()
+            self.check(p)
         pending.clear()
+
+    def check(self, p: Pending) -> None:
+        """Runs p's check, counting it as checked if it compared anything."""
+        before = self.comparisons
+        p.check()
+        if self.comparisons > before:
+            self.checked[p.kind] += 1
 
     def run(self, ops: int) -> dict:
         """Runs `ops` operations: the warm-up, then the random sequence. The warm-up runs every
@@ -503,7 +516,7 @@ class Soak:
                         outstanding = self.rng.randint(1, MAX_OUTSTANDING)
                 else:
                     self.context = p.desc
-                    p.check()
+                    self.check(p)
                 del p
             except Exception as e:
                 waiting = "; ".join(p.desc for p in pending)
@@ -523,6 +536,7 @@ class Soak:
         summary = dict(
             rank=self.rank, ops=ops, seed=self.seed, max_bytes=self.max_bytes, mismatches=len(self.mismatches),
             kinds=dict(sorted(self.counts.items())), warmup_kinds=dict(Counter(kind for kind, _ in warmup)),
+            checked=dict(sorted(self.checked.items())), comparisons=self.comparisons,
             buffer_bytes=self.buffer_bytes,
             seconds=round(time.monotonic() - start, 1), rss_warm_mib=round(rss_warm / MiB, 1),
             rss_peak_mib=round(rss_peak / MiB, 1), rss_end_mib=round(rss_end / MiB, 1),

@@ -1,6 +1,9 @@
 #include "transport/tcp/tcp_transport.h"
 
+#include <linux/tcp.h>  // struct tcp_info with the byte counters (glibc's lacks them)
+#include <netinet/in.h>
 #include <sys/epoll.h>
+#include <sys/socket.h>
 #include <sys/eventfd.h>
 #include <sys/uio.h>
 #include <unistd.h>
@@ -458,6 +461,21 @@ void TcpTransport::poll(std::chrono::milliseconds timeout) {
   throwIfBroken();
   if (pumpAll()) return;
   if (waitForEvents(int(timeout.count()))) pumpAll();
+}
+
+TransportStats TcpTransport::stats() const {
+  TransportStats s;
+  s.connectionsPerPeer.assign(size_t(size_), 0);
+  for (const Connection& c : connections_) {
+    if (c.peer == rank_ || !c.fd.valid()) continue;
+    tcp_info info{};
+    socklen_t length = sizeof info;
+    if (getsockopt(c.fd.get(), IPPROTO_TCP, TCP_INFO, &info, &length) != 0) continue;
+    if (info.tcpi_state == 1) ++s.connectionsPerPeer[size_t(c.peer)];  // TCP_ESTABLISHED (uapi names no states)
+    // Kernels before 4.19 return a shorter struct: the counters are then left out (0).
+    if (length >= offsetof(tcp_info, tcpi_bytes_sent) + sizeof info.tcpi_bytes_sent) s.bytesSent += info.tcpi_bytes_sent;
+  }
+  return s;
 }
 
 void TcpTransport::wakeup() {

@@ -48,6 +48,7 @@ class TcpTransport final : public Transport {
   void wakeup() override;
   void abort(ErrorKind kind, const std::string& reason) noexcept override;
   void throwIfBroken() const override;
+  TransportStats stats() const override;
 
   std::string localAddress() const { return localAddress_; }
 
