@@ -26,7 +26,10 @@ import torch.distributed as dist
 from . import _C
 from .compress import Compressor, all_finite
 
-__all__ = ["compressed_all_reduce", "start_compressed_all_reduce", "server_chunks", "server_residual_numel", "native_backend", "wire_bytes"]
+__all__ = [
+    "compressed_all_reduce", "start_compressed_all_reduce", "server_chunks", "server_residual_numel",
+    "native_backend", "wire_bytes",
+]
 
 _SPARSE = {"top_k", "random_k"}
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16]

@@ -213,9 +213,9 @@ class CompressionState:
         if missing:
             # Residuals of update directions applied to gradients, or keys that no longer name
             # parameters, would train worse without saying so.
+            what = "ddlcomm.optim optimizer" if missing[0] == "optimizer" else "model"
             raise RuntimeError(f"ddlcomm hook: this CompressionState was pickled with {' and '.join(missing)}= and "
-                               f"loaded without; set state.{missing[0]} (to the loaded "
-                               f"{'ddlcomm.optim optimizer' if missing[0] == 'optimizer' else 'model'}) before training")
+                               f"loaded without; set state.{missing[0]} (to the loaded {what}) before training")
         self._detached = ()
 
     def _check_world(self) -> None:

@@ -71,10 +71,6 @@ def test_ddp_matches_gloo(world_size: int) -> None:
     assert_all_ok(launch("collectives", "ddp", world_size, timeout=240))
 
 
-def test_pytorch_comm_hooks_powersgd_and_fp16() -> None:
-    assert_all_ok(launch("collectives", "torch_hooks", 2, timeout=120))
-
-
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_pytorch_comm_hooks_match_gloo(world_size: int) -> None:
     """allreduce, fp16 compress and PowerSGD hooks: bitwise as on gloo on 2 ranks, close on 4."""

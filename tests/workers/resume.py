@@ -62,8 +62,8 @@ class Job:
         self.ddp = DistributedDataParallel(self.model, process_group=group, bucket_cap_mb=bucket_cap_mb,
                                            static_graph=static_graph)
         options = {"start_compress_iter": 2, "min_compression_bytes": 0, **options}
-        self.state = hooks.CompressionState(group, make_compressor(), model=self.model,
-                                            optimizer=self.opt if isinstance(self.opt, optim.DirectionOptimizer) else None,
+        direction = self.opt if isinstance(self.opt, optim.DirectionOptimizer) else None
+        self.state = hooks.CompressionState(group, make_compressor(), model=self.model, optimizer=direction,
                                             **options)
         self.ddp.register_comm_hook(self.state, self.hook)
         self.layouts: list[list[tuple[str, ...]]] = []
@@ -89,6 +89,15 @@ class Job:
         self.model.load_state_dict(saved["model"])
         self.opt.load_state_dict(saved["opt"])
         self.state.load_state_dict(saved["hook"])
+
+
+def refuses(error: type, call, what: str) -> str:
+    """The message of the `error` that `call` must raise; `what` says what went wrong if none does."""
+    try:
+        call()
+    except error as e:
+        return str(e)
+    raise AssertionError(what)
 
 
 def _params(model: torch.nn.Module) -> torch.Tensor:
@@ -146,12 +155,8 @@ def pickled_state() -> None:
     state = resumed.state = saved["hook"]
     resumed.ddp = DistributedDataParallel(resumed.model, bucket_cap_mb=0.01)
     resumed.ddp.register_comm_hook(state, hooks.ternary_hook)
-    try:
-        resumed.train(1)
-    except RuntimeError as e:
-        assert "set state.optimizer" in str(e), e
-    else:
-        raise AssertionError("a state pickled with optimizer= and model= ran without them")
+    e = refuses(RuntimeError, lambda: resumed.train(1), "a state pickled with optimizer= and model= ran without")
+    assert "set state.optimizer" in str(e), e
     state.optimizer, state.model = resumed.opt, resumed.model
     resumed.ddp = DistributedDataParallel(resumed.model, bucket_cap_mb=0.01)  # the failed backward left DDP mid-way
     resumed.ddp.register_comm_hook(state, hooks.ternary_hook)
@@ -170,23 +175,17 @@ def refused() -> None:
 
     # Another rank's state.
     other = Job("onebit_sgd")
-    try:
-        other.load(io.BytesIO(everyone[(rank + 1) % n]))
-    except ValueError as e:
-        assert f"saved by rank {(rank + 1) % n} of {n}" in str(e) and f"on rank {rank} of {n}" in str(e), e
-    else:
-        raise AssertionError("rank accepted another rank's hook state")
+    e = refuses(ValueError, lambda: other.load(io.BytesIO(everyone[(rank + 1) % n])),
+                "rank accepted another rank's hook state")
+    assert f"saved by rank {(rank + 1) % n} of {n}" in str(e) and f"on rank {rank} of {n}" in str(e), e
 
     # Another world size: a subgroup of 2 ranks (every rank creates it; ranks 0 and 1 use it).
     pair = dist.new_group([0, 1])
     if rank < 2:
         small = Job("onebit_sgd", group=pair)
-        try:
-            small.state.load_state_dict(torch.load(io.BytesIO(mine))["hook"])
-        except ValueError as e:
-            assert f"of {n}" in str(e) and "of 2" in str(e), e
-        else:
-            raise AssertionError("a state of another world size was accepted")
+        e = refuses(ValueError, lambda: small.state.load_state_dict(torch.load(io.BytesIO(mine))["hook"]),
+                    "a state of another world size was accepted")
+        assert f"of {n}" in str(e) and "of 2" in str(e), e
 
     # Another model: the saved memory names parameters this one does not have.
     wider = Job("onebit_sgd")
@@ -197,21 +196,14 @@ def refused() -> None:
     wider.ddp.register_comm_hook(wider.state, hooks.onebit_hook)
     wider.opt = torch.optim.SGD(wider.model.parameters(), lr=0.05)
     wider.state.load_state_dict(torch.load(io.BytesIO(mine))["hook"])
-    try:
-        wider.train(1)
-    except ValueError as e:
-        assert "saved for another model" in str(e), e
-    else:
-        raise AssertionError("a state of another model was used")
+    e = refuses(ValueError, lambda: wider.train(1), "a state of another model was used")
+    assert "saved for another model" in str(e), e
 
     # Keyed by parameter names, loaded into a state keyed by optimizer positions.
     keyed = hooks.CompressionState(None, compress.OneBit(), optimizer=optim.SGD(_model().parameters(), lr=0.1))
-    try:
-        keyed.load_state_dict(torch.load(io.BytesIO(mine))["hook"])
-    except ValueError as e:
-        assert "model=" in str(e), e
-    else:
-        raise AssertionError("a state keyed by names was loaded into one keyed by optimizer positions")
+    e = refuses(ValueError, lambda: keyed.load_state_dict(torch.load(io.BytesIO(mine))["hook"]),
+                "a state keyed by names was loaded into one keyed by optimizer positions")
+    assert "model=" in str(e), e
 
     # Without model= or optimizer= there is nothing stable to key the memory by.
     anonymous = hooks.CompressionState(None, compress.OneBit(), start_compress_iter=2, min_compression_bytes=0)
@@ -222,12 +214,8 @@ def refused() -> None:
         x, y = _batch(step, rank)
         torch.nn.functional.cross_entropy(ddp(x), y).backward()
     for save in (anonymous.state_dict, lambda: pickle.dumps(anonymous)):
-        try:
-            save()
-        except ValueError as e:
-            assert "model=" in str(e), e
-        else:
-            raise AssertionError("an unkeyed state was saved")
+        e = refuses(ValueError, save, "an unkeyed state was saved")
+        assert "model=" in str(e), e
 
 
 def changed_layout() -> None:
