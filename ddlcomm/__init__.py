@@ -1,6 +1,7 @@
 """ddlcomm: a compiled communication and gradient-compression backend for torch.distributed.
 
-Importing this package registers the ``"ddlcomm"`` backend::
+Importing this package registers the ``"ddlcomm"`` backend. ``import torch`` imports it by
+itself (the ``torch.backends`` entry point in ``ddlcomm_autoload``), so this is optional::
 
     import ddlcomm  # noqa: F401
     import torch.distributed as dist

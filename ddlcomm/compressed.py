@@ -17,6 +17,8 @@ residual; an all-gather of those payloads gives every rank the same bytes. Spars
 
 from __future__ import annotations
 
+import functools
+import logging
 import zlib
 from typing import Optional
 
@@ -30,6 +32,8 @@ __all__ = [
     "compressed_all_reduce", "start_compressed_all_reduce", "server_chunks", "server_residual_numel",
     "native_backend", "wire_bytes",
 ]
+
+logger = logging.getLogger(__name__)
 
 _SPARSE = {"top_k", "random_k"}
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -45,7 +49,21 @@ def native_backend(group: Optional[dist.ProcessGroup]) -> Optional[_C.ProcessGro
         backend = group._get_backend(torch.device("cpu"))
     except RuntimeError:
         return None
-    return backend if isinstance(backend, _C.ProcessGroupDdlcomm) else None
+    # TORCH_DISTRIBUTED_DEBUG=DETAIL wraps every backend in a checking ProcessGroupWrapper.
+    backend = getattr(backend, "wrapped_pg", backend)
+    if isinstance(backend, _C.ProcessGroupDdlcomm):
+        return backend
+    if dist.get_backend(group) == "ddlcomm":
+        _log_python_path(group.group_name)
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _log_python_path(group_name: str) -> None:
+    """Said once per group: a ddlcomm group whose backend cannot be reached takes the slower
+    path over standard collectives."""
+    logger.warning("ddlcomm: process group %s is a ddlcomm group but its backend is not reachable (wrapped by "
+                   "another layer?); compressed all-reduces run over standard collectives, more slowly", group_name)
 
 
 def _chunk_bounds(numel: int, n: int) -> list[int]:

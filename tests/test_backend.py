@@ -183,6 +183,42 @@ import ddlcomm
     assert "ImportError" in result.stderr, result.stderr
 
 
+def test_autoload_registers_the_backend_without_an_import(tmp_path: Path) -> None:
+    """The torch.backends entry point: init_process_group("ddlcomm") in a fresh interpreter that
+    never imports ddlcomm; TORCH_DEVICE_BACKEND_AUTOLOAD=0 turns it off."""
+    code = f"""
+import sys, torch, torch.distributed as dist
+print("ddlcomm" in sys.modules)
+dist.init_process_group("ddlcomm", store=dist.FileStore({str(tmp_path / "store")!r}, 1), rank=0, world_size=1)
+t = torch.ones(3)
+dist.all_reduce(t)
+print(t.tolist())
+dist.destroy_process_group()
+"""
+    result = run_python(code, tmp_path)
+    assert result.returncode == 0 and result.stdout.split("\n")[:2] == ["True", "[1.0, 1.0, 1.0]"], result.stderr
+    result = run_python("import sys, torch; print('ddlcomm' in sys.modules)", tmp_path,
+                        env={"TORCH_DEVICE_BACKEND_AUTOLOAD": "0"})
+    assert result.stdout.strip() == "False", result.stderr
+
+
+def test_autoload_never_breaks_import_torch(tmp_path: Path) -> None:
+    """A ddlcomm that fails to import is logged by the entry point, and `import torch` works."""
+    (tmp_path / "ddlcomm").mkdir()
+    (tmp_path / "ddlcomm" / "__init__.py").write_text("raise ImportError('a broken install')\n")
+    shutil.copytree(ROOT / "ddlcomm_autoload", tmp_path / "ddlcomm_autoload")
+    code = """
+import sys
+sys.meta_path[:] = [f for f in sys.meta_path if not type(f).__name__.startswith("ScikitBuild")]
+sys.path.insert(0, "")
+import torch
+print("torch", torch.__version__)
+"""
+    result = run_python(code, tmp_path)
+    assert result.returncode == 0 and result.stdout.startswith("torch "), result.stderr
+    assert "ddlcomm could not be loaded" in result.stderr and "a broken install" in result.stderr, result.stderr
+
+
 def test_the_checkout_root_imports_the_built_package() -> None:
     """scripts/setup.sh installs in editable mode: Python run in the clone's root (the README's
     `-m ddlcomm.bench...` commands) imports the checkout, with its extension."""

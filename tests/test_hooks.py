@@ -64,3 +64,7 @@ def test_uncompressed_buckets_are_logged_once() -> None:
 def test_state_refuses_options_it_would_ignore_or_misuse(options: dict, error: type, words: str) -> None:
     with pytest.raises(error, match=words):
         hooks.CompressionState(**options)
+
+
+def test_native_backend_is_found_under_the_debug_wrapper() -> None:
+    assert_all_ok(launch("compression", "debug_wrapper", 2, timeout=120, env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}))

@@ -221,6 +221,16 @@ def uncompressed_is_logged_once() -> None:
         assert state.stats.ratio == 1.0
 
 
+def debug_wrapper() -> None:
+    """Under TORCH_DISTRIBUTED_DEBUG=DETAIL torch wraps the backend; the compressed all-reduce
+    still finds the native one (and gives the fallback's bits)."""
+    init()
+    wrapped = dist.group.WORLD._get_backend(torch.device("cpu"))
+    assert not isinstance(wrapped, ProcessGroupDdlcomm), "the debug mode did not wrap the backend: nothing tested"
+    assert isinstance(native_backend(None), ProcessGroupDdlcomm)
+    _assert_native_matches_fallback("onebit", 70_001, dist.new_group(backend="gloo"), stream=3)
+
+
 def direction_mode() -> None:
     """Hooks given a ddlcomm.optim optimizer: every rank holds the same parameters (Adam's
     moments are per rank, its updates are not) and, on 2 ranks, native (ddlcomm) and fallback
@@ -291,4 +301,5 @@ if __name__ == "__main__":
         "hook_mechanics": hook_mechanics,
         "direction_mode": direction_mode,
         "uncompressed_is_logged_once": uncompressed_is_logged_once,
+        "debug_wrapper": debug_wrapper,
     })
