@@ -44,8 +44,6 @@ def test_workloads_match_gloo(ranks: int, tmp_path: Path) -> None:
                 assert mine[name]["params"] == ours[0][name]["params"], f"{name}: rank {rank} holds other parameters"
 
 
-@pytest.mark.xfail(strict=True, reason="ddlcomm has no sparse all-reduce yet: DDP over nn.Embedding(sparse=True) "
-                                       "raises 'only dense (strided) tensors are supported'")
 def test_sparse_embedding_gradients(tmp_path: Path) -> None:
     ours = _results(2, "ddlcomm", ("sparse_embedding",), tmp_path)
     reference = _results(2, "gloo", ("sparse_embedding",), tmp_path)

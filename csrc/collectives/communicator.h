@@ -99,6 +99,8 @@ class Communicator {
   int size() const { return transport_->size(); }
   Transport& transport() { return *transport_; }
   const CollectiveOptions& options() const { return options_; }
+  // The timeout of the operations that start after this call (executor thread).
+  void setTimeout(std::chrono::milliseconds timeout) { options_.timeout = timeout; }
 
   // Runs `body` as the collective `op` (a fresh sequence number). Any failure aborts the
   // communicator: the cause goes into the store first, so ranks that only see a closed

@@ -99,7 +99,8 @@ void Executor::progressPending(std::chrono::milliseconds maxWait) {
       });
       comm_->failed(Error(ErrorKind::Timeout,
                           detail::concat("rank ", rank_, " timed out in ", late.request->signature.describe(),
-                                         " with rank ", late.request->peer)));
+                                         late.request->peer == kAnySource ? std::string(" from any rank")
+                                                                          : " with rank " + std::to_string(late.request->peer))));
     }
     comm_->transport().poll(std::chrono::duration_cast<std::chrono::milliseconds>(earliest - now));
   } catch (const Error& e) {

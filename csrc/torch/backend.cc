@@ -35,6 +35,8 @@ class StoreAdapter final : public KeyValueStore {
 // torch's name of a dtype ("torch.int16"), which users know, rather than c10's ("Short").
 std::string dtypeName(at::ScalarType type) { return c10::str("torch.", c10::getDtypeNames(type).first); }
 
+}  // namespace
+
 DataType toDataType(const at::Tensor& t) {
   switch (t.scalar_type()) {
     case at::kFloat: return DataType::Float32;
@@ -54,6 +56,8 @@ DataType toDataType(const at::Tensor& t) {
                    "; supported: ", supported);
 }
 
+namespace {
+
 ReduceOp toReduceOp(const c10d::ReduceOp& op, DataType dtype) {
   ReduceOp result;
   switch (op.op_) {
@@ -65,7 +69,13 @@ ReduceOp toReduceOp(const c10d::ReduceOp& op, DataType dtype) {
     case c10d::ReduceOp::BAND: result = ReduceOp::BitAnd; break;
     case c10d::ReduceOp::BOR: result = ReduceOp::BitOr; break;
     case c10d::ReduceOp::BXOR: result = ReduceOp::BitXor; break;
-    default: TORCH_CHECK_VALUE(false, "ddlcomm does not support ReduceOp ", int(op.op_), " (PREMUL_SUM)");
+    case c10d::ReduceOp::PREMUL_SUM:  // a sum after premultiplied()
+      TORCH_CHECK_TYPE(dtype == DataType::Float32 || dtype == DataType::Float64 || dtype == DataType::Float16 ||
+                           dtype == DataType::BFloat16,
+                       "ddlcomm: PREMUL_SUM needs a floating-point tensor, got ", dataTypeName(dtype));
+      result = ReduceOp::Sum;
+      break;
+    default: TORCH_CHECK_VALUE(false, "ddlcomm does not support ReduceOp ", int(op.op_));
   }
   try {
     checkReduceOpSupported(result, dtype);
@@ -73,6 +83,18 @@ ReduceOp toReduceOp(const c10d::ReduceOp& op, DataType dtype) {
     TORCH_CHECK_TYPE(false, "ddlcomm: ", e.what());
   }
   return result;
+}
+
+// PREMUL_SUM's factor (a double or a one-element tensor) applied to a copy of `t`; `t`
+// itself for every other op. The sum of the copies is then torch's sum(factor * x_r).
+at::Tensor premultiplied(const c10d::ReduceOp& op, const at::Tensor& t) {
+  if (op.op_ != c10d::ReduceOp::PREMUL_SUM) return t;
+  const auto* supplement = dynamic_cast<const c10d::PreMulSumSupplement*>(op.supplement_.get());
+  TORCH_CHECK_VALUE(supplement, "ddlcomm: PREMUL_SUM without its factor");
+  if (supplement->tensor_factor.defined()) {
+    return at::mul(t, supplement->tensor_factor.to(t.device(), t.scalar_type()).reshape({}));
+  }
+  return at::mul(t, supplement->double_factor);
 }
 
 void checkTensor(const at::Tensor& t, const char* role) {
@@ -146,7 +168,7 @@ void DdlcommWork::complete(std::exception_ptr error) {
 ProcessGroupDdlcomm::ProcessGroupDdlcomm(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                                          std::chrono::milliseconds timeout, std::vector<int64_t> globalRanks,
                                          std::string groupName)
-    : Backend(rank, size) {
+    : Backend(rank, size), store_(store), timeoutMs_(timeout.count()) {
   prefix_ = c10::str("[ddlcomm rank ", rank, "/", size);
   if (!globalRanks.empty() && size_t(rank) < globalRanks.size() && globalRanks[size_t(rank)] != rank) {
     prefix_ += c10::str(" of group '", groupName, "', global rank ", globalRanks[size_t(rank)]);
@@ -179,14 +201,6 @@ ProcessGroupDdlcomm::~ProcessGroupDdlcomm() {
 void ProcessGroupDdlcomm::abort() { executor_->abort("abort() was called"); executor_->shutdown(); }
 void ProcessGroupDdlcomm::shutdown() { executor_->shutdown(); }
 
-c10::intrusive_ptr<DdlcommWork> ProcessGroupDdlcomm::enqueue(c10d::OpType type, std::vector<at::Tensor> outputs,
-                                                             std::function<void(Communicator&)> task) {
-  auto work = c10::make_intrusive<DdlcommWork>(rank_, type, std::move(outputs), prefix_);
-  ++opsIssued_;
-  executor_->submit(std::move(task), [work](std::exception_ptr error) { work->complete(error); });
-  return work;
-}
-
 GroupStats ProcessGroupDdlcomm::stats() {
   auto snapshot = std::make_shared<std::promise<GroupStats>>();
   auto result = snapshot->get_future();
@@ -204,11 +218,12 @@ GroupStats ProcessGroupDdlcomm::stats() {
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupDdlcomm::allreduce(std::vector<at::Tensor>& tensors,
                                                               const c10d::AllreduceOptions& opts) {
+  if (tensors.size() == 1 && tensors[0].defined() && tensors[0].is_sparse()) return allreduceSparse(tensors[0], opts);
   at::Tensor user = single(tensors, "allreduce");
   const DataType dtype = toDataType(user);
   const ReduceOp op = toReduceOp(opts.reduceOp, dtype);
-  return enqueue(c10d::OpType::ALLREDUCE, tensors, [user, dtype, op](Communicator& comm) mutable {
-    at::Tensor work = staged(user);
+  return enqueue(c10d::OpType::ALLREDUCE, tensors, [user, dtype, op, redop = opts.reduceOp](Communicator& comm) mutable {
+    at::Tensor work = premultiplied(redop, staged(user));
     ddlcomm::allreduce(comm, work.data_ptr(), size_t(work.numel()), dtype, op);
     writeBack(user, work);
   });
@@ -223,11 +238,12 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDdlcomm::allreduce_coalesced(
   }
   const DataType dtype = toDataType(tensors[0]);
   const ReduceOp op = toReduceOp(opts.reduceOp, dtype);
-  return enqueue(c10d::OpType::ALLREDUCE_COALESCED, tensors, [tensors, dtype, op](Communicator& comm) mutable {
+  return enqueue(c10d::OpType::ALLREDUCE_COALESCED, tensors,
+                 [tensors, dtype, op, redop = opts.reduceOp](Communicator& comm) mutable {
     // One flat buffer, one collective: a single pipeline instead of many small ones.
     std::vector<at::Tensor> flat;
     for (const auto& t : tensors) flat.push_back(t.reshape({-1}));
-    at::Tensor buffer = at::cat(flat);
+    at::Tensor buffer = premultiplied(redop, at::cat(flat));
     ddlcomm::allreduce(comm, buffer.data_ptr(), size_t(buffer.numel()), dtype, op);
     int64_t offset = 0;
     for (auto& t : tensors) {
@@ -257,8 +273,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDdlcomm::reduce(std::vector<at::Tenso
   const DataType dtype = toDataType(user);
   const ReduceOp op = toReduceOp(opts.reduceOp, dtype);
   const int root = int(opts.rootRank);
-  return enqueue(c10d::OpType::REDUCE, tensors, [user, dtype, op, root](Communicator& comm) mutable {
-    at::Tensor work = staged(user);
+  return enqueue(c10d::OpType::REDUCE, tensors,
+                 [user, dtype, op, root, redop = opts.reduceOp](Communicator& comm) mutable {
+    at::Tensor work = premultiplied(redop, staged(user));
     ddlcomm::reduce(comm, work.data_ptr(), work.data_ptr(), size_t(work.numel()), dtype, op, root);
     if (comm.rank() == root) writeBack(user, work);
   });
@@ -305,27 +322,30 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDdlcomm::allgather(std::vector<std::v
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupDdlcomm::allgather_coalesced(
     std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs, const c10d::AllgatherOptions&) {
-  TORCH_CHECK_VALUE(outputs.size() == inputs.size(), "ddlcomm allgather_coalesced: ", outputs.size(),
-                    " output lists for ", inputs.size(), " inputs");
+  // As in torch's API: outputs[r][i] receives rank r's inputs[i].
+  TORCH_CHECK_VALUE(!inputs.empty(), "ddlcomm allgather_coalesced needs at least one input tensor");
+  TORCH_CHECK_VALUE(outputs.size() == size_t(size_), "ddlcomm allgather_coalesced: ", outputs.size(),
+                    " output lists, expected one per rank (", size_, ")");
   std::vector<at::Tensor> all;
-  for (size_t i = 0; i < inputs.size(); ++i) {
-    checkTensor(inputs[i], "allgather_coalesced input");
-    TORCH_CHECK_VALUE(outputs[i].size() == size_t(size_), "ddlcomm allgather_coalesced: each output list needs ",
-                      size_, " tensors");
-    for (const auto& t : outputs[i]) {
-      checkTensor(t, "allgather_coalesced output");
-      checkSameType(inputs[i], t, "allgather_coalesced");
-      TORCH_CHECK_VALUE(t.numel() == inputs[i].numel(), "ddlcomm allgather_coalesced: output size mismatch");
-      all.push_back(t);
+  for (const auto& list : outputs) {
+    TORCH_CHECK_VALUE(list.size() == inputs.size(), "ddlcomm allgather_coalesced: an output list has ", list.size(),
+                      " tensors, expected one per input (", inputs.size(), ")");
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      checkTensor(inputs[i], "allgather_coalesced input");
+      checkTensor(list[i], "allgather_coalesced output");
+      checkSameType(inputs[i], list[i], "allgather_coalesced");
+      TORCH_CHECK_VALUE(list[i].numel() == inputs[i].numel(), "ddlcomm allgather_coalesced: output tensor ", i,
+                        " has ", list[i].numel(), " elements, its input ", inputs[i].numel());
+      all.push_back(list[i]);
     }
   }
   return enqueue(c10d::OpType::ALLGATHER_COALESCED, all, [outputs, inputs](Communicator& comm) mutable {
     for (size_t i = 0; i < inputs.size(); ++i) {
       at::Tensor in = inputs[i].contiguous();
-      at::Tensor flat = at::empty({int64_t(outputs[i].size()) * in.numel()}, in.options());
+      at::Tensor flat = at::empty({int64_t(outputs.size()) * in.numel()}, in.options());
       ddlcomm::allgather(comm, in.data_ptr(), flat.data_ptr(), size_t(in.numel()), toDataType(in));
-      for (size_t j = 0; j < outputs[i].size(); ++j) {
-        outputs[i][j].copy_(flat.narrow(0, int64_t(j) * in.numel(), in.numel()).view(outputs[i][j].sizes()));
+      for (size_t r = 0; r < outputs.size(); ++r) {
+        outputs[r][i].copy_(flat.narrow(0, int64_t(r) * in.numel(), in.numel()).view(outputs[r][i].sizes()));
       }
     }
   });
@@ -360,8 +380,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDdlcomm::_reduce_scatter_base(at::Ten
                     input.numel(), " elements, expected ", output.numel(), " x ", size_);
   const DataType dtype = toDataType(input);
   const ReduceOp op = toReduceOp(opts.reduceOp, dtype);
-  return enqueue(c10d::OpType::_REDUCE_SCATTER_BASE, {output}, [output, input, dtype, op](Communicator& comm) mutable {
-    at::Tensor out = staged(output), in = input.contiguous();
+  return enqueue(c10d::OpType::_REDUCE_SCATTER_BASE, {output},
+                 [output, input, dtype, op, redop = opts.reduceOp](Communicator& comm) mutable {
+    at::Tensor out = staged(output), in = premultiplied(redop, input.contiguous());
     ddlcomm::reduceScatter(comm, in.data_ptr(), out.data_ptr(), size_t(out.numel()), dtype, op);
     writeBack(output, out);
   });
@@ -382,10 +403,11 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDdlcomm::reduce_scatter(std::vector<a
   const DataType dtype = toDataType(output);
   const ReduceOp op = toReduceOp(opts.reduceOp, dtype);
   std::vector<at::Tensor> ins = inputs[0];
-  return enqueue(c10d::OpType::REDUCE_SCATTER, outputs, [output, ins, dtype, op](Communicator& comm) mutable {
+  return enqueue(c10d::OpType::REDUCE_SCATTER, outputs,
+                 [output, ins, dtype, op, redop = opts.reduceOp](Communicator& comm) mutable {
     std::vector<at::Tensor> flat;
     for (const auto& t : ins) flat.push_back(t.reshape({-1}));
-    at::Tensor in = at::cat(flat);
+    at::Tensor in = premultiplied(redop, at::cat(flat));
     at::Tensor out = staged(output);
     ddlcomm::reduceScatter(comm, in.data_ptr(), out.data_ptr(), size_t(out.numel()), dtype, op);
     writeBack(output, out);
@@ -404,9 +426,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDdlcomm::reduce_scatter_tensor_coales
     TORCH_CHECK_VALUE(inputs[i].numel() == outputs[i].numel() * size_, "ddlcomm reduce_scatter_tensor: size mismatch");
     ops.push_back(toReduceOp(opts.reduceOp, toDataType(inputs[i])));
   }
-  return enqueue(c10d::OpType::COALESCED, outputs, [outputs, inputs, ops](Communicator& comm) mutable {
+  return enqueue(c10d::OpType::COALESCED, outputs,
+                 [outputs, inputs, ops, redop = opts.reduceOp](Communicator& comm) mutable {
     for (size_t i = 0; i < inputs.size(); ++i) {
-      at::Tensor out = staged(outputs[i]), in = inputs[i].contiguous();
+      at::Tensor out = staged(outputs[i]), in = premultiplied(redop, inputs[i].contiguous());
       ddlcomm::reduceScatter(comm, in.data_ptr(), out.data_ptr(), size_t(out.numel()), toDataType(in), ops[i]);
       writeBack(outputs[i], out);
     }
@@ -616,13 +639,22 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDdlcomm::send(std::vector<at::Tensor>
   r.bytes = size_t(p2p->work.nbytes());
   auto work = c10::make_intrusive<DdlcommWork>(rank_, c10d::OpType::SEND, tensors, prefix_);
   executor_->submitPointToPoint(p2p->request, true, [work, p2p](std::exception_ptr error) { work->complete(error); });
+  trackCoalesced(work);
   return work;
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupDdlcomm::recv(std::vector<at::Tensor>& tensors, int srcRank, int tag) {
-  at::Tensor user = single(tensors, "recv");
   TORCH_CHECK_VALUE(srcRank >= 0 && srcRank < size_ && srcRank != rank_, "ddlcomm recv: invalid source rank ",
                     srcRank, " at rank ", rank_, " in a group of ", size_);
+  return postRecv(tensors, srcRank, tag);
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupDdlcomm::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
+  return postRecv(tensors, kAnySource, tag);
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupDdlcomm::postRecv(std::vector<at::Tensor>& tensors, int srcRank, int tag) {
+  at::Tensor user = single(tensors, "recv");
   auto p2p = std::make_shared<PointToPoint>();
   p2p->user = user;
   p2p->work = staged(user);
@@ -636,14 +668,20 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDdlcomm::recv(std::vector<at::Tensor>
   r.bytes = size_t(p2p->work.nbytes());
   auto work = c10::make_intrusive<DdlcommWork>(rank_, c10d::OpType::RECV, tensors, prefix_);
   executor_->submitPointToPoint(p2p->request, false, [work, p2p](std::exception_ptr error) {
-    if (!error) writeBack(p2p->user, p2p->work);
+    if (!error) {
+      writeBack(p2p->user, p2p->work);
+      work->setSourceRank(p2p->request->peer);  // the sender, for a receive from any rank
+    }
     work->complete(error);
   });
+  trackCoalesced(work);
   return work;
 }
 
-c10::intrusive_ptr<c10d::Work> ProcessGroupDdlcomm::recvAnysource(std::vector<at::Tensor>&, int) {
-  TORCH_CHECK_VALUE(false, "ddlcomm does not support recv from any source (src=None); pass the source rank");
+int DdlcommWork::sourceRank() const {
+  const int rank = sourceRank_.load();
+  TORCH_CHECK(rank >= 0, "ddlcomm: the source rank is known once a receive has completed");
+  return rank;
 }
 
 }  // namespace ddlcomm::torch_glue

@@ -5,10 +5,13 @@
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
+#include <ATen/record_function.h>
+#include <c10/util/ThreadLocalDebugInfo.h>
 
 #include <atomic>
 #include <chrono>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -24,6 +27,9 @@ class DdlcommWork : public c10d::Work {
   DdlcommWork(int rank, c10d::OpType type, std::vector<at::Tensor> outputs, std::string prefix);
   std::vector<at::Tensor> result() override { return outputs_; }
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
+  // The sender of a receive from any rank, set before it completes.
+  int sourceRank() const override;
+  void setSourceRank(int rank) { sourceRank_ = rank; }
   // Marks the future and the Work; translates ddlcomm errors into torch's exception types.
   void complete(std::exception_ptr error);
 
@@ -31,7 +37,34 @@ class DdlcommWork : public c10d::Work {
   std::vector<at::Tensor> outputs_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
   std::string prefix_;
+  std::atomic<int> sourceRank_{-1};
 };
+
+// The caller's profiler state, carried to the executor thread so that a collective's span
+// ("ddlcomm:all_reduce", with its tensors as inputs) is recorded where the work runs.
+struct ProfilerContext {
+  ProfilerContext(std::string spanName, std::vector<at::Tensor> tensors);
+  std::string name;
+  std::vector<c10::IValue> inputs;
+  at::RecordFunctionTLS recordFunction;
+  std::shared_ptr<c10::ThreadLocalDebugInfo> debugInfo;
+
+  // Installs the context on the current thread, restores the thread's own on exit.
+  class Scope {
+   public:
+    explicit Scope(const ProfilerContext& context);
+    ~Scope();
+    Scope(const Scope&) = delete;
+    Scope& operator=(const Scope&) = delete;
+
+   private:
+    at::RecordFunctionTLS saved_;
+    c10::DebugInfoGuard debugInfo_;
+  };
+};
+
+// The ddlcomm dtype of a tensor; TypeError for dtypes ddlcomm does not carry.
+DataType toDataType(const at::Tensor& t);
 
 class ProcessGroupDdlcomm : public c10d::Backend {
  public:
@@ -40,12 +73,27 @@ class ProcessGroupDdlcomm : public c10d::Backend {
   ~ProcessGroupDdlcomm() override;
 
   const std::string getBackendName() const override { return "ddlcomm"; }
-  bool supportsCoalescing() const override { return false; }
+  bool supportsCoalescing() const override { return true; }
+  c10::intrusive_ptr<Options> getBackendOptions() override;
+  // Operations issued after this call use `timeout`.
+  void setTimeout(std::chrono::milliseconds timeout) override;
+  // Between the two, every operation runs as issued; endCoalescing returns one Work that
+  // completes when all of them have (with the first error, if any).
+  void startCoalescing() override;
+  c10::intrusive_ptr<c10d::Work> endCoalescing() override;
+  // gloo's semantics: rank 0 waits for every rank within the timeout and raises naming the
+  // first rank that did not arrive (every such rank with waitAllRanks); the others wait for
+  // rank 0's release.
+  void monitoredBarrier(const c10d::BarrierOptions& opts, bool waitAllRanks = false) override;
 
   c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
                                            const c10d::BroadcastOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
                                            const c10d::AllreduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allreduce_sparse(std::vector<at::Tensor>& tensors,
+                                                  const c10d::AllreduceOptions& opts) override {
+    return allreduce(tensors, opts);
+  }
   c10::intrusive_ptr<c10d::Work> allreduce_coalesced(std::vector<at::Tensor>& tensors,
                                                      const c10d::AllreduceCoalescedOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> reduce(std::vector<at::Tensor>& tensors, const c10d::ReduceOptions& opts) override;
@@ -108,7 +156,20 @@ class ProcessGroupDdlcomm : public c10d::Backend {
   GroupStats stats();
 
  private:
+  // A receive from srcRank, or from any rank (kAnySource).
+  c10::intrusive_ptr<c10d::Work> postRecv(std::vector<at::Tensor>& tensors, int srcRank, int tag);
+  // allreduce() of a sparse COO tensor (SUM only).
+  c10::intrusive_ptr<c10d::Work> allreduceSparse(at::Tensor& tensor, const c10d::AllreduceOptions& opts);
+  // Adds `work` to the coalesced Work while coalescing.
+  void trackCoalesced(const c10::intrusive_ptr<c10d::Work>& work);
+
   std::unique_ptr<Executor> executor_;
+  c10::intrusive_ptr<c10d::Store> store_;  // monitoredBarrier's rendezvous
+  std::atomic<int64_t> timeoutMs_;
+  uint64_t monitoredBarriers_ = 0;  // calls so far: the key of the next one
+  std::mutex coalescingMutex_;
+  bool coalescing_ = false;
+  std::vector<c10::intrusive_ptr<c10d::Work>> coalesced_;
   std::string prefix_;  // "[ddlcomm rank 1/4] " for every message
   std::atomic<uint64_t> opsIssued_{0};
 };

@@ -22,6 +22,8 @@ PYBIND11_MODULE(_C, m) {
            py::arg("global_ranks") = std::vector<int64_t>{}, py::arg("group_name") = "",
            py::call_guard<py::gil_scoped_release>())
       .def("__repr__", &ProcessGroupDdlcomm::describe)
+      .def_property_readonly("options", &ProcessGroupDdlcomm::getBackendOptions,
+                             "Backend.Options: the backend name and the timeout of the next operations.")
       .def("server_residual_numel", &ProcessGroupDdlcomm::serverResidualNumel, py::arg("numel"))
       .def("compressed_allreduce", &ProcessGroupDdlcomm::compressedAllreduce, py::arg("tensor"), py::arg("config"),
            py::arg("worker_residual") = py::none(), py::arg("server_residual") = py::none(),

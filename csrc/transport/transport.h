@@ -23,8 +23,12 @@ using Deadline = Clock::time_point;
 // One posted send or receive. The caller owns it and the buffer it points to, and keeps
 // both alive until done() (or until the transport has failed it). Plain data on purpose:
 // collectives keep these on the stack or in small arrays, so nothing is allocated per message.
+// A point-to-point receive from whichever rank sends first with its tag; the transport then
+// sets the request's peer to that rank.
+constexpr int kAnySource = -1;
+
 struct Request {
-  int peer = -1;
+  int peer = -1;  // kAnySource for a point-to-point receive from any rank
   Signature signature;
   char* data = nullptr;
   size_t bytes = 0;

@@ -182,10 +182,19 @@ void TcpTransport::postRecv(Request& r) {
 
 void TcpTransport::postRecvUnguarded(Request& r) {
   throwIfBroken();
-  checkPeer(r.peer, "receive from");
-  const int n = pieceCount(r);
+  const int n = pieceCount(r);  // 1 for point-to-point, whichever the peer
   r.piecesLeft = n;
   r.failed = false;
+  if (r.signature.op == OpCode::PointToPoint && r.peer == kAnySource) {
+    Piece p;
+    p.request = &r;
+    p.data = r.data;
+    p.bytes = r.bytes;
+    anyRecvs_.push_back(p);
+    matchAnySource();
+    return;
+  }
+  checkPeer(r.peer, "receive from");
   if (r.signature.op == OpCode::PointToPoint) {
     PeerState& state = peers_[size_t(r.peer)];
     for (auto it = state.unexpected.begin(); it != state.unexpected.end(); ++it) {
@@ -255,7 +264,8 @@ bool TcpTransport::writeSome(Connection& c) {
 }
 
 bool TcpTransport::wantsHeader(const Connection& c) const {
-  return !c.collectiveRecvs.empty() || (c.index == 0 && !peers_[size_t(c.peer)].p2pRecvs.empty());
+  return !c.collectiveRecvs.empty() ||
+         (c.index == 0 && (!peers_[size_t(c.peer)].p2pRecvs.empty() || !anyRecvs_.empty()));
 }
 
 bool TcpTransport::readSome(Connection& c) {
@@ -327,6 +337,15 @@ bool TcpTransport::matchIncoming(Connection& c) {
         c.target = &p;
         return true;
       }
+      // No receive names this rank: the first receive from any rank with this tag takes it.
+      for (auto p = anyRecvs_.begin(); p != anyRecvs_.end(); ++p) {
+        if (p->request->signature.seq != got.seq) continue;
+        checkP2pMatch(*p, c.peer, got, c.header.bytes);
+        p->request->peer = c.peer;
+        state.p2pRecvs.splice(state.p2pRecvs.end(), anyRecvs_, p);  // the node, and c.target, stay put
+        c.target = &state.p2pRecvs.back();
+        return true;
+      }
     }
     DDLCOMM_CHECK(c.header.bytes <= options_.maxUnexpectedBytes, ErrorKind::Protocol, "rank ", c.peer,
                   " sent an unmatched message of ", c.header.bytes, " bytes, over the limit of ",
@@ -391,6 +410,41 @@ void TcpTransport::completeUnexpected(PeerState& state, std::list<Unexpected>::i
     state.unexpected.erase(it);
     completePiece(r);
     return;
+  }
+  matchAnySource();
+}
+
+void TcpTransport::checkP2pMatch(const Piece& p, int peer, const Signature& got, size_t bytes) {
+  if (p.request->signature != got || p.bytes != bytes) {
+    fail(ErrorKind::Mismatch, "rank ", rank_, " posted a receive for ", p.request->signature.describe(), ", ",
+         humanBytes(p.bytes), " from any rank, but rank ", peer, " sent ", got.describe(), ", ", humanBytes(bytes));
+  }
+}
+
+void TcpTransport::matchAnySource() {
+  for (auto p = anyRecvs_.begin(); p != anyRecvs_.end();) {
+    const uint64_t tag = p->request->signature.seq;
+    bool matched = false;
+    for (int peer = 0; peer < size_ && !matched; ++peer) {
+      PeerState& state = peers_[size_t(peer)];
+      // Only this rank's oldest message with the tag, complete, and wanted by no receive naming the rank.
+      auto it = std::find_if(state.unexpected.begin(), state.unexpected.end(),
+                             [&](const Unexpected& u) { return u.signature.seq == tag; });
+      if (it == state.unexpected.end() || it->done != it->data.size()) continue;
+      if (std::any_of(state.p2pRecvs.begin(), state.p2pRecvs.end(),
+                      [&](const Piece& q) { return q.request->signature.seq == tag; })) {
+        continue;
+      }
+      checkP2pMatch(*p, peer, it->signature, it->data.size());
+      if (!it->data.empty()) std::memcpy(p->data, it->data.data(), it->data.size());
+      Request* r = p->request;
+      r->peer = peer;
+      state.unexpected.erase(it);
+      p = anyRecvs_.erase(p);
+      completePiece(r);
+      matched = true;
+    }
+    if (!matched) ++p;
   }
 }
 
@@ -534,6 +588,7 @@ void TcpTransport::abort(ErrorKind kind, const std::string& reason) noexcept {
     failAll(state.p2pRecvs);
     state.unexpected.clear();
   }
+  failAll(anyRecvs_);
 }
 
 void TcpTransport::throwIfBroken() const {

@@ -88,6 +88,9 @@ class TcpTransport final : public Transport {
     std::list<Piece> p2pRecvs;         // posted, unmatched
     std::list<Unexpected> unexpected;  // arrived, unmatched (in arrival order)
   };
+  // Point-to-point receives from any rank, in posting order: each becomes a receive from the
+  // first rank whose message with its tag arrives, after the receives naming that rank.
+  std::list<Piece> anyRecvs_;
 
   TcpTransport(int rank, int size, const TcpOptions& options);
   void establish(KeyValueStore& store);
@@ -116,6 +119,10 @@ class TcpTransport final : public Transport {
   bool matchIncoming(Connection& c);
   void finishIncoming(Connection& c);
   void completeUnexpected(PeerState& state, std::list<Unexpected>::iterator it);
+  // Hands complete unexpected messages to the posted receives from any rank.
+  void matchAnySource();
+  // Fails unless the receive `p` can take a message `got` of `bytes` from `peer`.
+  void checkP2pMatch(const Piece& p, int peer, const Signature& got, size_t bytes);
   [[noreturn]] void connectionFailed(Connection& c, const std::string& what);
   bool waitForEvents(int timeoutMs);
   [[noreturn]] void timedOut(const Request& request);

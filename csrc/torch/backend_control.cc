@@ -1,0 +1,185 @@
+// How the backend runs operations (the executor, profiler spans) and its group-level
+// controls: timeout, options, coalescing and the monitored barrier. The collectives
+// themselves are in backend.cc.
+#include <ATen/record_function.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <chrono>
+
+#include "torch/backend.h"
+
+namespace ddlcomm::torch_glue {
+namespace {
+
+// torch's names of the collectives, as gloo's profiler spans use them ("gloo:all_reduce").
+const char* profilingName(c10d::OpType type) {
+  switch (type) {
+    case c10d::OpType::BROADCAST: return "broadcast";
+    case c10d::OpType::ALLREDUCE: return "all_reduce";
+    case c10d::OpType::ALLREDUCE_COALESCED: return "all_reduce_coalesced";
+    case c10d::OpType::REDUCE: return "reduce";
+    case c10d::OpType::ALLGATHER: return "all_gather";
+    case c10d::OpType::_ALLGATHER_BASE: return "all_gather_into_tensor";
+    case c10d::OpType::ALLGATHER_COALESCED: return "all_gather_coalesced";
+    case c10d::OpType::GATHER: return "gather";
+    case c10d::OpType::SCATTER: return "scatter";
+    case c10d::OpType::REDUCE_SCATTER: return "reduce_scatter";
+    case c10d::OpType::_REDUCE_SCATTER_BASE: return "reduce_scatter_tensor";
+    case c10d::OpType::ALLTOALL_BASE: return "all_to_all_single";
+    case c10d::OpType::ALLTOALL: return "all_to_all";
+    case c10d::OpType::BARRIER: return "barrier";
+    case c10d::OpType::COALESCED: return "coalesced";
+    default: return "op";
+  }
+}
+
+}  // namespace
+
+ProfilerContext::ProfilerContext(std::string spanName, std::vector<at::Tensor> tensors)
+    : name(std::move(spanName)),
+      recordFunction(at::get_record_function_tls_()),
+      debugInfo(c10::ThreadLocalDebugInfo::current()) {
+  for (auto& t : tensors) inputs.emplace_back(std::move(t));
+}
+
+ProfilerContext::Scope::Scope(const ProfilerContext& context)
+    : saved_(at::get_record_function_tls_()), debugInfo_(context.debugInfo) {
+  at::set_record_function_tls_(context.recordFunction);
+}
+
+ProfilerContext::Scope::~Scope() { at::set_record_function_tls_(saved_); }
+
+c10::intrusive_ptr<DdlcommWork> ProcessGroupDdlcomm::enqueue(c10d::OpType type, std::vector<at::Tensor> outputs,
+                                                             std::function<void(Communicator&)> task) {
+  auto work = c10::make_intrusive<DdlcommWork>(rank_, type, outputs, prefix_);
+  ++opsIssued_;
+  // The profiler span "ddlcomm:<op>" is recorded on the executor thread, which does the work,
+  // under the caller's profiler state (thread-local in torch.profiler).
+  std::optional<ProfilerContext> profiler;
+  if (at::hasCallbacks()) profiler.emplace(c10::str("ddlcomm:", profilingName(type)), std::move(outputs));
+  executor_->submit(
+      [task = std::move(task), profiler = std::move(profiler)](Communicator& comm) {
+        if (!profiler) return task(comm);
+        ProfilerContext::Scope scope(*profiler);
+        RECORD_FUNCTION(profiler->name, profiler->inputs);
+        task(comm);
+      },
+      [work](std::exception_ptr error) { work->complete(error); });
+  trackCoalesced(work);
+  return work;
+}
+
+
+c10::intrusive_ptr<c10d::Backend::Options> ProcessGroupDdlcomm::getBackendOptions() {
+  return c10::make_intrusive<Options>("ddlcomm", std::chrono::milliseconds(timeoutMs_.load()));
+}
+
+void ProcessGroupDdlcomm::setTimeout(std::chrono::milliseconds timeout) {
+  TORCH_CHECK_VALUE(timeout.count() > 0, "ddlcomm setTimeout: the timeout must be positive, got ", timeout.count(),
+                    " ms");
+  timeoutMs_ = timeout.count();
+  // In submission order: what was issued before keeps its deadline, what follows gets the new one.
+  executor_->submit([timeout](Communicator& comm) { comm.setTimeout(timeout); }, [](std::exception_ptr) {});
+}
+
+void ProcessGroupDdlcomm::startCoalescing() {
+  std::lock_guard<std::mutex> lock(coalescingMutex_);
+  TORCH_CHECK(!coalescing_, prefix_, "startCoalescing called twice without endCoalescing");
+  coalescing_ = true;
+  coalesced_.clear();
+}
+
+void ProcessGroupDdlcomm::trackCoalesced(const c10::intrusive_ptr<c10d::Work>& work) {
+  std::lock_guard<std::mutex> lock(coalescingMutex_);
+  if (coalescing_) coalesced_.push_back(work);
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupDdlcomm::endCoalescing() {
+  std::vector<c10::intrusive_ptr<c10d::Work>> works;
+  {
+    std::lock_guard<std::mutex> lock(coalescingMutex_);
+    TORCH_CHECK(coalescing_, prefix_, "endCoalescing called without startCoalescing");
+    coalescing_ = false;
+    works.swap(coalesced_);
+  }
+  std::vector<at::Tensor> outputs;
+  for (const auto& w : works) {
+    auto r = w->result();
+    outputs.insert(outputs.end(), r.begin(), r.end());
+  }
+  auto all = c10::make_intrusive<DdlcommWork>(rank_, c10d::OpType::COALESCED, std::move(outputs), prefix_);
+  if (works.empty()) {
+    all->complete(nullptr);
+    return all;
+  }
+  // Completes after the last of them, with the first error seen.
+  struct State {
+    std::mutex mutex;
+    size_t left;
+    std::exception_ptr error;
+  };
+  auto state = std::make_shared<State>();
+  state->left = works.size();
+  for (const auto& w : works) {
+    w->getFuture()->addCallback([state, all](c10::ivalue::Future& f) {
+      bool last;
+      std::exception_ptr error;
+      {
+        std::lock_guard<std::mutex> lock(state->mutex);
+        if (f.hasError() && !state->error) state->error = f.exception_ptr();
+        last = --state->left == 0;
+        error = state->error;
+      }
+      if (last) all->complete(error);
+    });
+  }
+  return all;
+}
+
+void ProcessGroupDdlcomm::monitoredBarrier(const c10d::BarrierOptions& opts, bool waitAllRanks) {
+  using Clock = std::chrono::steady_clock;
+  const auto timeout =
+      opts.timeout == c10d::kUnsetTimeout ? std::chrono::milliseconds(timeoutMs_.load()) : opts.timeout;
+  // Every rank calls it in the same order, so the count names the same call everywhere.
+  const std::string base = c10::str("ddlcomm/monitored_barrier/", monitoredBarriers_++, "/");
+  if (rank_ != 0) {
+    store_->set(base + std::to_string(rank_), std::vector<uint8_t>{1});
+    try {
+      store_->wait({base + "released"}, timeout);
+    } catch (const c10::DistError& e) {
+      C10_THROW_ERROR(DistBackendError, c10::str(prefix_, "monitored barrier: rank 0 did not release rank ", rank_,
+                                                 " within ", timeout.count(), " ms: ", e.what_without_backtrace()));
+    }
+    return;
+  }
+  const auto deadline = Clock::now() + timeout;
+  std::vector<int> missing;
+  for (int r = 1; r < size_; ++r) {
+    const std::string key = base + std::to_string(r);
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+    bool arrived;
+    if (left.count() > 0) {
+      try {
+        store_->wait({key}, left);
+        arrived = true;
+      } catch (const c10::DistError&) {
+        arrived = false;
+      }
+    } else {
+      arrived = store_->check({key});
+    }
+    if (arrived) continue;
+    // gloo's messages, so that code matching them works on either backend.
+    TORCH_CHECK(waitAllRanks, prefix_, "Rank ", r, " failed to pass monitoredBarrier in ", timeout.count(), " ms");
+    missing.push_back(r);
+  }
+  if (!missing.empty()) {
+    std::string ranks;
+    for (size_t i = 0; i < missing.size(); ++i) ranks += (i ? ", " : "") + std::to_string(missing[i]);
+    TORCH_CHECK(false, prefix_, "Ranks ", ranks, " failed to pass monitoredBarrier in ", timeout.count(), " ms");
+  }
+  store_->set(base + "released", std::vector<uint8_t>{1});
+}
+
+}  // namespace ddlcomm::torch_glue
