@@ -11,7 +11,7 @@
 #include "collectives/collectives.h"
 #include "collectives/compressed_allreduce.h"
 #include "compress/parallel.h"
-#include "transport/tcp/tcp_transport.h"
+#include "transport/connect.h"
 
 namespace ddlcomm::torch_glue {
 namespace {
@@ -177,11 +177,10 @@ ProcessGroupDdlcomm::ProcessGroupDdlcomm(const c10::intrusive_ptr<c10d::Store>& 
   auto kv = std::make_shared<StoreAdapter>(store);
   try {
     // Every setting is read before connecting: a bad value fails at once, not after the peers joined.
-    auto tcpOptions = tcp::TcpOptions::fromEnvironment();
-    tcpOptions.connectTimeout = timeout;
+    auto transportOptions = TransportOptions::fromEnvironment(timeout);
     auto collectiveOptions = CollectiveOptions::fromEnvironment(timeout);
     compress::configuredThreads();  // read again by every compressed call
-    auto transport = tcp::TcpTransport::connect(rank, size, *kv, tcpOptions);
+    auto transport = connectTransport(rank, size, *kv, transportOptions);
     auto comm = std::make_unique<Communicator>(std::move(transport), kv, collectiveOptions);
     executor_ = std::make_unique<Executor>(std::move(comm));
   } catch (const Error& e) {
