@@ -37,7 +37,7 @@ except ImportError:
         "which makes it importable as it is."
     ) from None
 
-__all__ = ["BACKEND_NAME", "ProcessGroupDdlcomm", "is_available"]
+__all__ = ["BACKEND_NAME", "ProcessGroupDdlcomm", "is_available", "transports"]
 
 __version__ = importlib.metadata.version("ddlcomm")  # pyproject.toml's version, as installed
 BACKEND_NAME = "ddlcomm"
@@ -68,6 +68,13 @@ def _set_default_backend_type(pg: Any) -> None:
     # `pg` is the group being created, a local of the caller; anything else is left alone.
     if isinstance(pg, dist.ProcessGroup) and pg.name() == "undefined":
         pg._set_default_backend(dist.ProcessGroup.BackendType.CUSTOM)
+
+
+def transports() -> list[str]:
+    """The transports this build can use, as named by ``DDLCOMM_TRANSPORT``: ``tcp`` and ``shm``
+    always, ``ucx`` when UCX was found (pkg-config) when ddlcomm was built. ``auto``, the
+    default, picks among them per pair of ranks (docs/transports.md)."""
+    return list(_C._transports())
 
 
 def is_available() -> bool:

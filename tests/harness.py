@@ -21,6 +21,22 @@ from pathlib import Path
 import pytest
 
 WORKERS = Path(__file__).parent / "workers"
+
+
+def transports() -> list[str]:
+    """The DDLCOMM_TRANSPORT values to run transport-matrix tests over: tcp, shm, and ucx in a
+    build with UCX (over its tcp and shared-memory transports: ``ucx-tcp``, ``ucx-sm``)."""
+    import ddlcomm
+
+    built = ddlcomm.transports()
+    return ["tcp", "shm"] + (["ucx-tcp", "ucx-sm"] if "ucx" in built else [])
+
+
+def transport_env(transport: str) -> dict[str, str]:
+    """The rank environment that selects `transport` (a value of transports())."""
+    if transport.startswith("ucx-"):
+        return {"DDLCOMM_TRANSPORT": "ucx", "UCX_TLS": transport[4:] + ",self"}
+    return {"DDLCOMM_TRANSPORT": transport}
 # Set for every rank, besides the rendezvous variables.
 RANK_ENV = {
     "OMP_NUM_THREADS": "1",
@@ -45,8 +61,10 @@ def launch(
     env: dict[str, str] | None = None,
     rank_env: dict[int, dict[str, str]] | None = None,
     args: tuple[str, ...] = (),
+    rank_prefix: dict[int, list[str]] | None = None,
 ) -> list[RankResult]:
-    """Runs `tests/workers/<worker>.py <scenario> [args]` on `world_size` ranks; returns per-rank results."""
+    """Runs `tests/workers/<worker>.py <scenario> [args]` on `world_size` ranks; returns per-rank
+    results. `rank_prefix` puts a command in front of some ranks (e.g. nsenter)."""
     from torch.distributed import TCPStore
 
     store = TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
@@ -68,7 +86,7 @@ def launch(
             rank_environment.update((rank_env or {}).get(rank, {}))
             procs.append(
                 subprocess.Popen(
-                    [sys.executable, str(WORKERS / f"{worker}.py"), scenario, *args],
+                    [*(rank_prefix or {}).get(rank, []), sys.executable, str(WORKERS / f"{worker}.py"), scenario, *args],
                     cwd=cwd,
                     env=rank_environment,
                     stdout=subprocess.PIPE,

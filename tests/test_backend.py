@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import assert_all_ok, launch
+from harness import assert_all_ok, launch, transport_env, transports
 
 ROOT = Path(__file__).resolve().parent.parent
 # A one-rank group on a FileStore: enough for whatever a rank does on its own.
@@ -33,24 +33,35 @@ def run_python(code: str, tmp_path: Path, *args: str, env: dict[str, str] | None
                           timeout=timeout)
 
 
-@pytest.mark.parametrize("world_size", [2, 3, 4])
-def test_allreduce_every_dtype_and_op(world_size: int) -> None:
-    assert_all_ok(launch("collectives", "allreduce", world_size, timeout=240))
+# Every transport at 4 ranks (oversubscribed on these 2 cores), and smaller groups.
+@pytest.mark.parametrize("transport, world_size", [(t, 4) for t in transports()] + [("shm", 2), ("shm", 3), ("tcp", 2)])
+def test_allreduce_every_dtype_and_op(transport: str, world_size: int) -> None:
+    assert_all_ok(launch("collectives", "allreduce", world_size, timeout=240, env=transport_env(transport)))
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_other_collectives(world_size: int) -> None:
-    assert_all_ok(launch("collectives", "collectives", world_size, timeout=240))
+@pytest.mark.parametrize("transport, world_size", [(t, 4) for t in transports()] + [("shm", 2), ("tcp", 2)])
+def test_other_collectives(transport: str, world_size: int) -> None:
+    assert_all_ok(launch("collectives", "collectives", world_size, timeout=240, env=transport_env(transport)))
+
+
+def test_shared_memory_rings_and_windows_smaller_than_the_messages() -> None:
+    """Rings of 4 KiB (headers split across the wrap, messages many times the ring) and windows
+    of 64 KiB (a large all-reduce in many fills, alternating halves)."""
+    env = {"DDLCOMM_TRANSPORT": "shm", "DDLCOMM_SHM_RING_BYTES": "4096", "DDLCOMM_SHM_WINDOW_BYTES": "65536",
+           "DDLCOMM_SHM_ONESHOT_BYTES": "1024"}
+    assert_all_ok(launch("collectives", "allreduce", 3, timeout=240, env=env))
+    assert_all_ok(launch("collectives", "collectives", 2, timeout=240, env=env))
 
 
 @pytest.mark.parametrize("algorithm", ["ring", "recursive_doubling"])
 def test_forced_allreduce_algorithms(algorithm: str) -> None:
+    # The forced algorithms exchange messages: through the shared-memory rings here (auto).
     env = {"DDLCOMM_ALLREDUCE_ALGO": algorithm, "DDLCOMM_SEGMENT_BYTES": "4096"}
     assert_all_ok(launch("collectives", "allreduce", 3, timeout=240, env=env))
 
 
 def test_striped_connections() -> None:
-    env = {"DDLCOMM_SOCKETS_PER_PEER": "3", "DDLCOMM_STRIPE_MIN_BYTES": "4096"}
+    env = {"DDLCOMM_TRANSPORT": "tcp", "DDLCOMM_SOCKETS_PER_PEER": "3", "DDLCOMM_STRIPE_MIN_BYTES": "4096"}
     assert_all_ok(launch("collectives", "collectives", 2, timeout=240, env=env))
 
 
@@ -79,7 +90,7 @@ def test_pytorch_comm_hooks_match_gloo(world_size: int) -> None:
 
 def test_compressed_allreduce_bytes_on_the_wire_match_wire_bytes() -> None:
     """Bytes measured on the group's sockets (TCP_INFO), not the formula re-checked."""
-    assert_all_ok(launch("collectives", "wire_bytes_measured", 3, timeout=120))
+    assert_all_ok(launch("collectives", "wire_bytes_measured", 3, timeout=120, env=transport_env("tcp")))
 
 
 BAD_ENVIRONMENT = {
@@ -91,6 +102,11 @@ BAD_ENVIRONMENT = {
     "DDLCOMM_HANDSHAKE_TIMEOUT_MS": " 100",
     "DDLCOMM_NUM_THREADS": "two",
     "DDLCOMM_ALLREDUCE_ALGO": "tree",
+    "DDLCOMM_TRANSPORT": "rdma",
+    "DDLCOMM_SHM_RING_BYTES": "5000",  # not a power of two
+    "DDLCOMM_SHM_WINDOW_BYTES": "-1",
+    "DDLCOMM_SHM_SPIN_US": "1e3",
+    "DDLCOMM_INLINE_BYTES": "64k",
 }
 
 

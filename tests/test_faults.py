@@ -6,7 +6,10 @@ import signal
 
 import pytest
 
-from harness import assert_all_ok, launch
+from harness import assert_all_ok, launch, transport_env, transports
+
+# Every transport at 4 ranks (oversubscribed: these machines have 2 cores), tcp and shm at 2.
+MATRIX = [(t, 4) for t in transports()] + [("tcp", 2), ("shm", 2)]
 
 
 def test_bad_arguments_raise_synchronously() -> None:
@@ -14,13 +17,14 @@ def test_bad_arguments_raise_synchronously() -> None:
 
 
 @pytest.mark.parametrize("scenario", ["size_mismatch", "small_size_mismatch", "dtype_mismatch"])
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_mismatch_raises_on_every_rank(scenario: str, world_size: int) -> None:
-    assert_all_ok(launch("faults", scenario, world_size, timeout=60))
+@pytest.mark.parametrize("transport, world_size", MATRIX)
+def test_mismatch_raises_on_every_rank(scenario: str, transport: str, world_size: int) -> None:
+    assert_all_ok(launch("faults", scenario, world_size, timeout=60, env=transport_env(transport)))
 
 
-def test_op_mismatch() -> None:
-    assert_all_ok(launch("faults", "op_mismatch", 2, timeout=60))
+@pytest.mark.parametrize("transport", transports())
+def test_op_mismatch(transport: str) -> None:
+    assert_all_ok(launch("faults", "op_mismatch", 2, timeout=60, env=transport_env(transport)))
 
 
 @pytest.mark.parametrize("kind", ["cast", "block_size"])
@@ -38,22 +42,23 @@ def test_hook_raises_distbackenderror_when_a_peer_dies() -> None:
     assert_all_ok([r for r in results if r.rank != 1])
 
 
-@pytest.mark.parametrize(
-    "when, trial", [("before", 0), ("during", 0), ("during", 1), ("during", 2), ("after", 0)]
-)
-def test_killed_peer_is_named_by_every_survivor(when: str, trial: int) -> None:
-    results = launch("faults", "peer_killed", 4, timeout=90, args=(when,))
+@pytest.mark.parametrize("transport", transports())
+@pytest.mark.parametrize("when, trial", [("before", 0), ("during", 0), ("during", 1), ("after", 0)])
+def test_killed_peer_is_named_by_every_survivor(when: str, trial: int, transport: str) -> None:
+    results = launch("faults", "peer_killed", 4, timeout=90, args=(when,), env=transport_env(transport))
     assert results[1].returncode == -signal.SIGKILL, results[1].output
     assert_all_ok([r for r in results if r.rank != 1])
 
 
 @pytest.mark.parametrize("trial", range(3))
 def test_connection_reset_is_named_by_every_rank(trial: int) -> None:
-    assert_all_ok(launch("faults", "connection_reset", 4, timeout=90))
+    # Resets TCP sockets: meaningful over TCP only.
+    assert_all_ok(launch("faults", "connection_reset", 4, timeout=90, env=transport_env("tcp")))
 
 
-def test_straggler_beyond_timeout() -> None:
-    assert_all_ok(launch("faults", "straggler", 4, timeout=60))
+@pytest.mark.parametrize("transport", transports())
+def test_straggler_beyond_timeout(transport: str) -> None:
+    assert_all_ok(launch("faults", "straggler", 4, timeout=60, env=transport_env(transport)))
 
 
 def test_init_destroy_cycles_release_everything() -> None:

@@ -1,12 +1,24 @@
-// Transport helpers exposed for tests: the handshake's HMAC, checked against Python's hmac.
+// Transport facts and helpers: which transports this build has, and the handshake's HMAC
+// (checked against Python's hmac by the tests).
+#include <pybind11/stl.h>
+
 #include "bindings/bindings.h"
 #include "common/sha256.h"
+#include "transport/connect.h"
 
 namespace py = pybind11;
 
 namespace ddlcomm::bindings {
 
 void bindTransport(py::module_& m) {
+  m.def(
+      "_transports",
+      [] {
+        std::vector<std::string> names{"tcp", "shm"};
+        if (ucxBuilt()) names.push_back("ucx");
+        return names;
+      },
+      "The DDLCOMM_TRANSPORT values this build supports besides auto.");
   m.def(
       "_hmac_sha256",
       [](py::bytes key, py::bytes message) {

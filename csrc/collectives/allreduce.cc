@@ -62,6 +62,12 @@ void allreduce(Communicator& comm, void* data, size_t count, DataType dtype, Red
   comm.run(OpCode::Allreduce, dtype, count, [&](Call& call) {
     if (comm.size() == 1 || count == 0) return;
     AllreduceAlgorithm algo = comm.options().allreduceAlgorithm;
+    SharedWindows* windows = comm.transport().sharedWindows();
+    if (algo == AllreduceAlgorithm::Auto && windows) {
+      ++comm.counters().sharedMemoryAllreduces;
+      shared::allreduceInWindows(call, *windows, static_cast<char*>(data), count, dtype, op);
+      return;
+    }
     if (algo == AllreduceAlgorithm::Auto) {
       const bool small = count * elementSize(dtype) <= comm.options().smallMessageBytes;
       // The ring needs at least one element per chunk to be worth its 2(n-1) steps.

@@ -54,4 +54,9 @@ void reduceScatterInPlace(Call& call, char* data, const Chunks& chunks, DataType
 void allgatherInPlace(Call& call, char* data, const Chunks& chunks, DataType dtype);
 }  // namespace ring
 
+namespace shared {
+// All-reduce through the windows of a shared-memory group (shared_allreduce.cc).
+void allreduceInWindows(Call& call, SharedWindows& windows, char* data, size_t count, DataType dtype, ReduceOp op);
+}  // namespace shared
+
 }  // namespace ddlcomm

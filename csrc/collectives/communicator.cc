@@ -23,6 +23,7 @@ CollectiveOptions CollectiveOptions::fromEnvironment(std::chrono::milliseconds t
   // Below 4 KiB per-message overhead dominates; above 1 GiB nothing is pipelined any more, and
   // the bound keeps the segment arithmetic (bytes + segment - 1) far from overflow.
   o.segmentBytes = size_t(envInteger("DDLCOMM_SEGMENT_BYTES", int64_t(o.segmentBytes), 4096, int64_t(1) << 30));
+  o.sharedOneShotBytes = size_t(envInteger("DDLCOMM_SHM_ONESHOT_BYTES", int64_t(o.sharedOneShotBytes), 0));
   if (const char* algo = envString("DDLCOMM_ALLREDUCE_ALGO")) {
     const std::string a = algo;
     if (a == "ring") o.allreduceAlgorithm = AllreduceAlgorithm::Ring;

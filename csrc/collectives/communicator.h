@@ -25,6 +25,8 @@ struct CollectiveOptions {
   // Ring pipelining granularity: a segment is reduced and forwarded while the next arrives.
   size_t segmentBytes = 512 * 1024;  // DDLCOMM_SEGMENT_BYTES
   AllreduceAlgorithm allreduceAlgorithm = AllreduceAlgorithm::Auto;  // DDLCOMM_ALLREDUCE_ALGO
+  // With shared-memory windows: at or below this, one synchronisation and every rank reduces all.
+  size_t sharedOneShotBytes = 64 * 1024;  // DDLCOMM_SHM_ONESHOT_BYTES
 
   static CollectiveOptions fromEnvironment(std::chrono::milliseconds timeout);
 };
@@ -34,6 +36,7 @@ struct CollectiveOptions {
 struct CollectiveCounters {
   uint64_t ringAllreduces = 0;
   uint64_t recursiveDoublingAllreduces = 0;
+  uint64_t sharedMemoryAllreduces = 0;
 };
 
 // A snapshot of a group's counters and of its transport's connections.

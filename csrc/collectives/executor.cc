@@ -12,7 +12,7 @@ Executor::Executor(std::unique_ptr<Communicator> communicator)
 Executor::~Executor() { shutdown(); }
 
 void Executor::submit(std::function<void(Communicator&)> task, Done done) {
-  if (std::this_thread::get_id() == thread_.get_id()) {
+  if (onOwningThread()) {  // issued by a completion callback: run it now, in order
     runNow(task, done);
     return;
   }
@@ -26,6 +26,28 @@ void Executor::submit(std::function<void(Communicator&)> task, Done done) {
   }
   cv_.notify_one();
   comm_->transport().wakeup();
+}
+
+bool Executor::onOwningThread() {
+  const std::thread::id me = std::this_thread::get_id();
+  if (me == thread_.get_id()) return true;
+  std::lock_guard<std::mutex> lock(mutex_);
+  return me == inlineThread_;
+}
+
+bool Executor::runInlineIfIdle(std::function<void(Communicator&)>& task, Done& done) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (stopping_ || busy_ || !queue_.empty() || !pending_.empty() || inlineThread_ != std::thread::id()) return false;
+    inlineThread_ = std::this_thread::get_id();
+  }
+  runNow(task, done);
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    inlineThread_ = std::thread::id();
+  }
+  cv_.notify_one();  // whatever was queued meanwhile, or requests left pending, are the executor's again
+  return true;
 }
 
 void Executor::submitPointToPoint(std::shared_ptr<Request> request, bool isSend, Done done) {
@@ -118,9 +140,12 @@ void Executor::loop() {
     std::string abortReason;
     {
       std::unique_lock<std::mutex> lock(mutex_);
-      if (pending_.empty()) {
-        cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
-      }
+      busy_ = false;
+      // An inline operation owns the communicator until it returns.
+      cv_.wait(lock, [&] {
+        return inlineThread_ == std::thread::id() && (stopping_ || !queue_.empty() || !pending_.empty());
+      });
+      busy_ = true;
       abortReason = abortReason_;
       if (!abortReason.empty()) {
         std::deque<Item> dropped;

@@ -32,6 +32,10 @@ class Executor {
   // hook does), and every rank then runs it at the same point, right after the operation
   // whose callback issued it.
   void submit(std::function<void(Communicator&)> task, Done done);
+  // Runs `task` and `done` on the calling thread instead when the group is idle (nothing
+  // queued, running or pending), and returns true; otherwise does nothing and returns false.
+  // A small collective then pays no thread hand-off, which is most of its latency.
+  bool runInlineIfIdle(std::function<void(Communicator&)>& task, Done& done);
   // Posts a send or receive in submission order; `done` fires when it completes, while
   // later operations already proceed. `request` must stay alive until then.
   void submitPointToPoint(std::shared_ptr<Request> request, bool isSend, Done done);
@@ -55,6 +59,7 @@ class Executor {
     Deadline deadline;
   };
   void loop();
+  bool onOwningThread();
   void runNow(std::function<void(Communicator&)>& task, Done& done);
   void progressPending(std::chrono::milliseconds maxWait);
   void completePending();
@@ -66,8 +71,11 @@ class Executor {
   std::condition_variable cv_;
   std::deque<Item> queue_;
   bool stopping_ = false;
+  bool busy_ = false;  // the executor thread is running an item or progressing pending requests
+  std::thread::id inlineThread_;  // the caller running an operation inline; the executor waits
   std::string abortReason_;
-  std::vector<Pending> pending_;  // executor thread only
+  // Touched by the executor thread, or by the inline thread while the executor waits.
+  std::vector<Pending> pending_;
   std::thread thread_;
 };
 

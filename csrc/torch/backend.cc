@@ -9,6 +9,7 @@
 #include <optional>
 
 #include "collectives/collectives.h"
+#include "common/env.h"
 #include "collectives/compressed_allreduce.h"
 #include "compress/parallel.h"
 #include "transport/connect.h"
@@ -179,6 +180,7 @@ ProcessGroupDdlcomm::ProcessGroupDdlcomm(const c10::intrusive_ptr<c10d::Store>& 
     // Every setting is read before connecting: a bad value fails at once, not after the peers joined.
     auto transportOptions = TransportOptions::fromEnvironment(timeout);
     auto collectiveOptions = CollectiveOptions::fromEnvironment(timeout);
+    inlineBytes_ = size_t(envInteger("DDLCOMM_INLINE_BYTES", int64_t(inlineBytes_), 0));
     compress::configuredThreads();  // read again by every compressed call
     auto transport = connectTransport(rank, size, *kv, transportOptions);
     auto comm = std::make_unique<Communicator>(std::move(transport), kv, collectiveOptions);

@@ -172,6 +172,7 @@ class ProcessGroupDdlcomm : public c10d::Backend {
   std::vector<c10::intrusive_ptr<c10d::Work>> coalesced_;
   std::string prefix_;  // "[ddlcomm rank 1/4] " for every message
   std::atomic<uint64_t> opsIssued_{0};
+  size_t inlineBytes_ = 64 * 1024;  // DDLCOMM_INLINE_BYTES: larger operations always go to the progress thread
 };
 
 }  // namespace ddlcomm::torch_glue

@@ -58,14 +58,18 @@ c10::intrusive_ptr<DdlcommWork> ProcessGroupDdlcomm::enqueue(c10d::OpType type, 
   // under the caller's profiler state (thread-local in torch.profiler).
   std::optional<ProfilerContext> profiler;
   if (at::hasCallbacks()) profiler.emplace(c10::str("ddlcomm:", profilingName(type)), std::move(outputs));
-  executor_->submit(
-      [task = std::move(task), profiler = std::move(profiler)](Communicator& comm) {
-        if (!profiler) return task(comm);
-        ProfilerContext::Scope scope(*profiler);
-        RECORD_FUNCTION(profiler->name, profiler->inputs);
-        task(comm);
-      },
-      [work](std::exception_ptr error) { work->complete(error); });
+  std::function<void(Communicator&)> run = [task = std::move(task), profiler = std::move(profiler)](Communicator& comm) {
+    if (!profiler) return task(comm);
+    ProfilerContext::Scope scope(*profiler);
+    RECORD_FUNCTION(profiler->name, profiler->inputs);
+    task(comm);
+  };
+  Executor::Done done = [work](std::exception_ptr error) { work->complete(error); };
+  size_t bytes = 0;
+  for (const auto& t : work->result()) bytes += t.defined() ? size_t(t.numel()) * t.element_size() : 0;
+  // A small operation on an idle group runs on this thread: the hand-off to the progress
+  // thread and back would cost more than the operation.
+  if (bytes > inlineBytes_ || !executor_->runInlineIfIdle(run, done)) executor_->submit(std::move(run), std::move(done));
   trackCoalesced(work);
   return work;
 }

@@ -40,14 +40,18 @@ PYBIND11_MODULE(_C, m) {
             py::dict d;
             d["ring_allreduces"] = s.collectives.ringAllreduces;
             d["recursive_doubling_allreduces"] = s.collectives.recursiveDoublingAllreduces;
+            d["shared_memory_allreduces"] = s.collectives.sharedMemoryAllreduces;
             d["connections_per_peer"] = s.transport.connectionsPerPeer;
             d["bytes_sent"] = s.transport.bytesSent;
+            d["shared_memory_peers"] = s.transport.sharedMemoryPeers;
+            d["shared_memory_bytes_sent"] = s.transport.sharedMemoryBytesSent;
             return d;
           },
           "This group's counters, taken after everything submitted before: all-reduces per algorithm "
-          "(ring_allreduces, recursive_doubling_allreduces), established TCP connections to each rank "
-          "(connections_per_peer), and bytes_sent on them (TCP_INFO tcpi_bytes_sent: frame headers, the "
-          "connection handshake and retransmissions included).")
+          "(ring_allreduces, recursive_doubling_allreduces, shared_memory_allreduces), established TCP "
+          "connections to each rank (connections_per_peer), bytes_sent on them (TCP_INFO tcpi_bytes_sent: frame "
+          "headers, the connection handshake and retransmissions included), the ranks reached through shared "
+          "memory (shared_memory_peers) and the message bytes written to their rings (shared_memory_bytes_sent).")
       .def_static("encode_stream", &ddlcomm::encodeStream, py::arg("call_stream"), py::arg("rank"), py::arg("phase"),
                   py::arg("chunk"), py::arg("size"), py::arg("segment") = 0)
       .def_property_readonly_static(

@@ -3,6 +3,7 @@
 #include <cstring>
 
 #include "common/env.h"
+#include "transport/shm/shm_transport.h"
 #include "transport/tcp/tcp_transport.h"
 #ifdef DDLCOMM_WITH_UCX
 #include "transport/ucx/ucx_transport.h"
@@ -50,14 +51,25 @@ TransportOptions TransportOptions::fromEnvironment(std::chrono::milliseconds con
 
 std::unique_ptr<Transport> connectTransport(int rank, int size, KeyValueStore& store,
                                             const TransportOptions& options) {
-#ifdef DDLCOMM_WITH_UCX
-  if (options.choice == TransportChoice::Ucx) {
-    return ucx::UcxTransport::connect(rank, size, store, options.connectTimeout);
-  }
-#endif
+  // Every setting is read before connecting: a bad value fails at once, not after the peers joined.
   auto tcpOptions = tcp::TcpOptions::fromEnvironment();
   tcpOptions.connectTimeout = options.connectTimeout;
-  return tcp::TcpTransport::connect(rank, size, store, tcpOptions);
+  auto shmOptions = shm::ShmOptions::fromEnvironment();
+  shmOptions.required = options.choice == TransportChoice::Shm;
+
+  std::unique_ptr<Transport> network;
+#ifdef DDLCOMM_WITH_UCX
+  if (options.choice == TransportChoice::Ucx || (options.choice == TransportChoice::Auto && ucx::rdmaDevicePresent())) {
+    network = ucx::UcxTransport::connect(rank, size, store, options.connectTimeout);
+  }
+#endif
+  if (!network) network = tcp::TcpTransport::connect(rank, size, store, tcpOptions);
+  // The network transport connects first: it proves the group key, so the store entries the
+  // shared-memory layer then reads were written by members of this group.
+  if (options.choice == TransportChoice::Auto || options.choice == TransportChoice::Shm) {
+    return shm::ShmTransport::layer(std::move(network), store, shmOptions);
+  }
+  return network;
 }
 
 }  // namespace ddlcomm

@@ -1,5 +1,6 @@
 // The one transport interface: tagged messages between ranks, progressed by whichever
-// thread waits. Implementations: tcp/ (sockets + epoll). An RDMA one would slot in here.
+// thread waits. Implementations: tcp/ (sockets + epoll), ucx/ (UCP tag matching, for RDMA
+// NICs), and shm/ (shared memory between the ranks of one host, layered over one of those).
 //
 // Threading: a Transport is driven by one thread (the backend's executor). Only wakeup()
 // may be called from other threads.
@@ -43,6 +44,26 @@ struct Request {
 struct TransportStats {
   std::vector<int> connectionsPerPeer;  // established connections to each rank (0 for itself)
   uint64_t bytesSent = 0;  // TCP_INFO tcpi_bytes_sent summed over its open sockets (retransmissions too)
+  int sharedMemoryPeers = 0;           // ranks reached through shared memory
+  uint64_t sharedMemoryBytesSent = 0;  // message bytes (headers included) written to their rings
+};
+
+// Memory that every rank of the group maps: offered by the shared-memory transport when all
+// ranks share one host, so that collectives can read peers' buffers in place instead of
+// exchanging messages. Used by the executor thread only, like the transport.
+class SharedWindows {
+ public:
+  virtual ~SharedWindows() = default;
+  virtual size_t windowBytes() const = 0;
+  // Which of the two windows of every rank the next fill uses. Every rank fills in the same
+  // order and a window is refilled only after the fill in between was synchronised, so a
+  // peer never reads a window that is being overwritten.
+  virtual int nextHalf() = 0;
+  virtual char* window(int rank, int half) = 0;
+  // Returns once every rank has reached the same point of the same call: all windows filled
+  // before it are readable. Throws Mismatch if a rank is in another call or passed other
+  // sizes, Timeout or PeerFailure like a receive.
+  virtual void sync(const Signature& signature, uint64_t bytes, Deadline deadline) = 0;
 };
 
 class Transport {
@@ -71,6 +92,8 @@ class Transport {
   virtual void throwIfBroken() const = 0;
   // Counted now, from the kernel's view of each connection.
   virtual TransportStats stats() const = 0;
+  // Null unless every rank of the group can read every other's memory.
+  virtual SharedWindows* sharedWindows() { return nullptr; }
 
   // Called once, on the first failure, before any connection is closed: peers notice the
   // closed connections, so whatever the hook publishes is there when they look. Returns

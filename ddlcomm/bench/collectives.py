@@ -1,19 +1,23 @@
-"""Collective microbenchmark: ddlcomm and gloo side by side, in the same run.
+"""Collective microbenchmark: gloo and ddlcomm over each of its transports, in the same run.
 
 Run under torchrun, e.g.::
 
     torchrun --standalone --nproc-per-node 4 -m ddlcomm.bench.collectives --ops all_reduce
 
-Rank 0 prints, for each collective and size, what NCCL's tests print (size, count,
-dtype, time, algorithm bandwidth, bus bandwidth) for both backends and the ratio. Bus
-bandwidth normalizes by how much each rank must move: all-reduce 2(n-1)/n,
-all-gather and reduce-scatter (n-1)/n, broadcast 1. The ceiling is a raw single-stream
-TCP transfer over loopback between ranks 0 and 1, measured first in the same run.
+Every transport gets its own ddlcomm group (DDLCOMM_TRANSPORT is read when a group is
+created), so gloo, tcp, shm and ucx (in a build with UCX; its own transports as UCX_TLS
+says) are measured side by side. Rank 0 prints, for each collective and size, the time
+and bus bandwidth of each: bus bandwidth normalizes by how much each rank must move
+(all-reduce 2(n-1)/n, all-gather and reduce-scatter (n-1)/n, broadcast 1), as NCCL's
+tests do. Two ceilings are measured first in the same run: a raw single-stream TCP
+transfer over loopback between ranks 0 and 1 (for tcp and ucx), and a single-thread
+memcpy of each size on rank 0 (for shm).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import socket
 import statistics
 import time
@@ -26,7 +30,7 @@ import ddlcomm  # noqa: F401
 
 OPS = ["all_reduce", "all_gather", "reduce_scatter", "broadcast"]
 QUICK_SIZES = [4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20]
-FULL_SIZES = [1 << k for k in range(10, 29, 2)]  # 1 KiB .. 256 MiB, x4 steps
+FULL_SIZES = [1 << k for k in range(12, 29, 2)]  # 4 KiB .. 256 MiB, x4 steps
 
 
 def raw_tcp_gbps(nbytes: int = 256 << 20) -> float:
@@ -145,41 +149,83 @@ def positive_seconds(text: str) -> float:
     return seconds
 
 
+def memcpy_gbps(nbytes: int) -> float:
+    """Single-thread copy of `nbytes` between two buffers of this process, in GB/s."""
+    src, dst = torch.ones(max(1, nbytes // 4)), torch.empty(max(1, nbytes // 4))
+    dst.copy_(src)
+    iters = max(3, min(1000, (256 << 20) // max(nbytes, 1)))
+    start = time.perf_counter()
+    for _ in range(iters):
+        dst.copy_(src)
+    return src.numel() * 4 * iters / (time.perf_counter() - start) / 1e9
+
+
+def ddlcomm_groups(names: list[str]) -> dict:
+    """One ddlcomm group per transport name, created with DDLCOMM_TRANSPORT set to it."""
+    groups = {}
+    saved = os.environ.get("DDLCOMM_TRANSPORT")
+    try:
+        for name in names:
+            os.environ["DDLCOMM_TRANSPORT"] = name
+            groups[name] = dist.new_group(backend="ddlcomm")
+    finally:
+        if saved is None:
+            os.environ.pop("DDLCOMM_TRANSPORT", None)
+        else:
+            os.environ["DDLCOMM_TRANSPORT"] = saved
+    return groups
+
+
+def transport_list(text: str) -> list[str]:
+    names = text.split(",")
+    unknown = [t for t in names if t not in ddlcomm.transports()]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"transport {', '.join(map(repr, unknown))} is not in this build: "
+                                         f"choose from {', '.join(ddlcomm.transports())} (comma-separated)")
+    return names
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ops", type=op_list, default=OPS,
                         help=f"comma-separated: {', '.join(OPS)} (or 'all', the default)")
-    parser.add_argument("--full", action="store_true", help="sizes 1 KiB .. 256 MiB (default: a quick set)")
+    parser.add_argument("--transports", type=transport_list, default=ddlcomm.transports(),
+                        help=f"ddlcomm transports to measure (default: all of this build's, {','.join(ddlcomm.transports())})")
+    parser.add_argument("--full", action="store_true", help="sizes 4 KiB .. 256 MiB (default: a quick set)")
     parser.add_argument("--sizes", type=size_list, help="comma-separated byte counts, overriding the size set")
     parser.add_argument("--budget", type=positive_seconds, default=0.6, help="seconds per measurement (per backend)")
     args = parser.parse_args()
 
-    dist.init_process_group("ddlcomm")
-    gloo = dist.new_group(backend="gloo")
+    dist.init_process_group("gloo")  # the world group only times and agrees; it is measured too
+    backends = {"gloo": dist.group.WORLD, **ddlcomm_groups(args.transports)}
     rank, n = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
     sizes = args.sizes or (FULL_SIZES if args.full else QUICK_SIZES)
 
     ceiling = raw_tcp_gbps() if n > 1 else 0.0
     if rank == 0:
-        print(f"# {n} ranks on this host; raw single-stream TCP loopback: {ceiling:.2f} GB/s")
-        print(f"# {'collective':<15}{'size':>10}{'count':>11}  dtype    "
-              f"{'gloo us':>10}{'busbw':>8}  {'ddlcomm us':>10}{'algbw':>8}{'busbw':>8}  {'speedup':>7}  {'of TCP':>6}")
+        cores = len(os.sched_getaffinity(0))
+        print(f"# {n} ranks on this host ({cores} cores); raw single-stream TCP loopback: {ceiling:.2f} GB/s; "
+              f"times in us, busbw in GB/s")
+        print("# " + f"{'collective':<13}{'size':>9}" + "".join(f"{b + ' us':>11}{'busbw':>7}" for b in backends)
+              + "".join(f"{t + '/gloo':>10}" for t in args.transports)
+              + ("   shm/tcp  memcpy  shm/memcpy" if {"shm", "tcp"} <= set(args.transports) else ""))
     for op in args.ops:
         for nbytes in sizes:
             times = {}
-            for backend, group in (("gloo", gloo), ("ddlcomm", None)):
+            for backend, group in backends.items():
                 call, factor, count = make_op(op, nbytes, n, group)
                 times[backend] = time_op(call, nbytes, args.budget)
+            copy = memcpy_gbps(count * 4) if rank == 0 else 0.0
+            dist.barrier()
             if rank == 0:
                 actual = count * 4
-                algbw = {b: actual / t / 1e9 for b, t in times.items()}
-                busbw = {b: v * factor for b, v in algbw.items()}
-                of_tcp = f"{busbw['ddlcomm'] / ceiling:6.0%}" if ceiling else "     -"
-                print(f"  {op:<15}{human(actual):>10}{count:>11}  float32  "
-                      f"{times['gloo'] * 1e6:>10.1f}{busbw['gloo']:>8.2f}  "
-                      f"{times['ddlcomm'] * 1e6:>10.1f}{algbw['ddlcomm']:>8.2f}{busbw['ddlcomm']:>8.2f}  "
-                      f"{times['gloo'] / times['ddlcomm']:>6.2f}x  {of_tcp}", flush=True)
+                busbw = {b: actual / t / 1e9 * factor for b, t in times.items()}
+                row = f"  {op:<13}{human(actual):>9}" + "".join(f"{times[b] * 1e6:>11.1f}{busbw[b]:>7.2f}" for b in backends)
+                row += "".join(f"{times['gloo'] / times[t]:>9.2f}x" for t in args.transports)
+                if {"shm", "tcp"} <= set(args.transports):
+                    row += f"{times['tcp'] / times['shm']:>9.2f}x{copy:>8.2f}{busbw['shm'] / copy:>11.0%}"
+                print(row, flush=True)
     dist.destroy_process_group()
 
 

@@ -21,6 +21,8 @@ def expected_algorithm(numel: int, dtype: torch.dtype, n: int) -> str | None:
     if n == 1 or numel == 0:
         return None
     forced = os.environ.get("DDLCOMM_ALLREDUCE_ALGO", "auto")
+    if forced == "auto" and shared_windows():
+        return "shared_memory"
     if forced == "ring":
         return "ring"
     if forced in ("rd", "recursive_doubling"):
@@ -29,9 +31,17 @@ def expected_algorithm(numel: int, dtype: torch.dtype, n: int) -> str | None:
     return "recursive_doubling" if small or numel < n else "ring"
 
 
+def shared_windows() -> bool:
+    """Whether all-reduce goes through shared-memory windows: the tests start every rank on
+    this host, and DDLCOMM_TRANSPORT auto (the default) or shm uses them there."""
+    transport = os.environ.get("DDLCOMM_TRANSPORT", "auto")
+    return transport in ("auto", "shm") and os.environ.get("DDLCOMM_SHM_WINDOW_BYTES") != "0"
+
+
 def algorithm_ran(before: dict, after: dict) -> str | None:
     """Which all-reduce algorithm ran between two ddlcomm_stats() snapshots (one all-reduce)."""
-    ran = {a: after[f"{a}_allreduces"] - before[f"{a}_allreduces"] for a in ("ring", "recursive_doubling")}
+    ran = {a: after[f"{a}_allreduces"] - before[f"{a}_allreduces"]
+           for a in ("ring", "recursive_doubling", "shared_memory")}
     assert sum(ran.values()) <= 1 and min(ran.values()) >= 0, ran
     return next((a for a, count in ran.items() if count), None)
 
@@ -56,8 +66,9 @@ def allreduce() -> None:
                 expected = expected_algorithm(numel, dtype, n)
                 assert ran == expected, f"all_reduce {op} {dtype} x{numel} ran {ran}, expected {expected}"
                 reached[dtype].add(ran)
-    if "DDLCOMM_ALLREDUCE_ALGO" not in os.environ and "DDLCOMM_SMALL_MESSAGE_BYTES" not in os.environ:
-        # Auto mode: every dtype goes through both algorithms.
+    if "DDLCOMM_ALLREDUCE_ALGO" not in os.environ and "DDLCOMM_SMALL_MESSAGE_BYTES" not in os.environ \
+            and not shared_windows():
+        # Auto mode over the network: every dtype goes through both algorithms.
         for dtype, algorithms in reached.items():
             assert {"ring", "recursive_doubling"} <= algorithms, f"{dtype} only ran {algorithms}"
     # Real-valued data: every rank must hold the same bits, close to gloo's answer.
@@ -308,7 +319,7 @@ def torch_hooks_vs_gloo() -> None:
 
     def allreduces() -> int:
         s = ddlcomm_stats()
-        return s["ring_allreduces"] + s["recursive_doubling_allreduces"]
+        return s["ring_allreduces"] + s["recursive_doubling_allreduces"] + s["shared_memory_allreduces"]
 
     for name, (make_state, hook) in hooks.items():
         before = allreduces()

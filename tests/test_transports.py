@@ -1,0 +1,71 @@
+"""Which transport carries what: shared memory between the ranks of one host, the network
+between hosts (emulated by pid namespaces), and nothing left behind. The collective,
+compressed, fault and soak tests run over every transport (see their parametrizations)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from harness import assert_all_ok, launch
+
+
+def dev_shm() -> set[str]:
+    return set(os.listdir("/dev/shm"))
+
+
+def test_collectives_use_shared_memory_and_leave_nothing() -> None:
+    before = dev_shm()
+    assert_all_ok(launch("transports", "shared_memory_used", 4, env={"DDLCOMM_TRANSPORT": "shm"}))
+    assert dev_shm() == before
+
+
+def test_nothing_is_left_after_sigkill() -> None:
+    """Segments are anonymous (memfd): a rank killed mid-collective leaves no file anywhere."""
+    before = dev_shm()
+    results = launch("faults", "peer_killed", 4, timeout=90, args=("during",), env={"DDLCOMM_TRANSPORT": "shm"})
+    assert results[1].returncode == -signal.SIGKILL, results[1].output
+    assert_all_ok([r for r in results if r.rank != 1])
+    assert dev_shm() == before
+
+
+@contextlib.contextmanager
+def pid_namespaces(count: int) -> Iterator[list[list[str]]]:
+    """`count` pid namespaces (each with its own /proc), as nsenter prefixes that start a
+    command inside one: what a rank sees of another host, short of another kernel."""
+    if os.geteuid() != 0 or not shutil.which("unshare") or not shutil.which("nsenter"):
+        pytest.skip("needs root, unshare and nsenter (util-linux)")
+    holders = [subprocess.Popen(["unshare", "--pid", "--fork", "--mount-proc", "sleep", "600"]) for _ in range(count)]
+    try:
+        prefixes = []
+        for holder in holders:
+            for _ in range(100):  # the namespace's init is unshare's child, once forked
+                children = subprocess.run(["pgrep", "-P", str(holder.pid)], capture_output=True, text=True).stdout.split()
+                if children:
+                    break
+                time.sleep(0.05)
+            assert children, "unshare did not start its namespace"
+            prefixes.append(["nsenter", "--target", children[0], "--pid", "--mount", "--"])
+        yield prefixes
+    finally:
+        for holder in holders:
+            holder.kill()
+            holder.wait()
+
+
+def test_two_hosts_mix_shared_memory_and_tcp() -> None:
+    with pid_namespaces(2) as (a, b):
+        assert_all_ok(launch("transports", "mixed_hosts", 4, timeout=120, rank_prefix={0: a, 1: a, 2: b, 3: b}))
+
+
+def test_shm_alone_is_refused_across_hosts() -> None:
+    with pid_namespaces(2) as (a, b):
+        assert_all_ok(launch("transports", "shm_refused_across_hosts", 2, timeout=60, rank_prefix={0: a, 1: b},
+                             env={"DDLCOMM_TRANSPORT": "shm"}))

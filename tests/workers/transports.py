@@ -1,0 +1,135 @@
+"""Scenarios for tests/test_transports.py: which transport carries what, and what the
+shared-memory transport leaves behind."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from common import assert_equal, ddlcomm_stats, init, run
+
+
+def memfd_links() -> list[str]:
+    """This process's open file descriptors that are ddlcomm segments."""
+    links = []
+    for fd in Path("/proc/self/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if "memfd:ddlcomm" in target:
+            links.append(target)
+    return links
+
+
+def mapped_segments() -> int:
+    """Distinct ddlcomm segments mapped into this process."""
+    inodes = set()
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split()
+        if len(fields) >= 6 and "memfd:ddlcomm" in fields[5]:
+            inodes.add(fields[4])
+    return len(inodes)
+
+
+def totals(values: list[int]) -> list[int]:
+    """Sums over ranks, through gloo (ddlcomm's counters must not move while they are read)."""
+    t = torch.tensor(values, dtype=torch.int64)
+    dist.all_reduce(t, group=GLOO)
+    return t.tolist()
+
+
+GLOO = None
+
+
+def shared_memory_used() -> None:
+    """Every byte of every collective between ranks of one host goes through shared memory;
+    the sockets carry nothing; nothing can open the segments any more."""
+    global GLOO
+    rank, n = init()
+    GLOO = dist.new_group(backend="gloo")
+    before = ddlcomm_stats()
+    assert before["shared_memory_peers"] == n - 1, before
+    big = torch.full((4 << 20,), float(rank + 1))
+    dist.all_reduce(big)
+    assert_equal(big, torch.full_like(big, n * (n + 1) / 2), "all_reduce 16 MiB")
+    block = torch.arange(1 << 18, dtype=torch.float32) if rank == 0 else torch.zeros(1 << 18)
+    dist.broadcast(block, 0)
+    assert_equal(block, torch.arange(1 << 18, dtype=torch.float32), "broadcast 1 MiB")
+    after = ddlcomm_stats()
+    assert after["shared_memory_allreduces"] == before["shared_memory_allreduces"] + 1, (before, after)
+    tcp, shm = totals([after["bytes_sent"] - before["bytes_sent"],
+                       after["shared_memory_bytes_sent"] - before["shared_memory_bytes_sent"]])
+    # The all-reduce reads the peers' windows; the broadcast's 1 MiB reaches n - 1 ranks through the rings.
+    assert tcp == 0, f"{tcp} bytes went over TCP"
+    assert (n - 1) << 20 <= shm < (n - 1) * (2 << 20), f"{shm} bytes through the rings"
+    assert not memfd_links(), f"segment file descriptors still open: {memfd_links()}"
+    assert mapped_segments() == n, f"{mapped_segments()} segments mapped, expected this rank's and {n - 1} peers'"
+    # Point-to-point messages go through the network transport underneath.
+    peer = rank ^ 1
+    if peer < n:
+        x = torch.full((1000,), float(rank))
+        y = torch.empty(1000)
+        ops = [dist.P2POp(dist.isend, x, peer), dist.P2POp(dist.irecv, y, peer)]
+        for w in dist.batch_isend_irecv(ops):
+            w.wait()
+        assert_equal(y, torch.full((1000,), float(peer)), "send/recv")
+        assert ddlcomm_stats()["bytes_sent"] - after["bytes_sent"] >= 4000
+
+
+def mixed_hosts() -> None:
+    """Ranks 0-1 and 2-3 in two pid namespaces ("hosts"): shared memory inside each, TCP
+    between them; results as gloo's, the same bits on every rank."""
+    global GLOO
+    rank, n = init()
+    GLOO = dist.new_group(backend="gloo")
+    stats = ddlcomm_stats()
+    assert stats["shared_memory_peers"] == 1, stats  # only the rank in the same namespace
+    for numel in (1, 1000, 70_000, 1_000_003):
+        x = torch.randn(numel, generator=torch.Generator().manual_seed(rank * 7 + numel))
+        ours, theirs = x.clone(), x.clone()
+        dist.all_reduce(ours)
+        dist.all_reduce(theirs, group=GLOO)
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+        everyone = [torch.empty_like(ours) for _ in range(n)]
+        dist.all_gather(everyone, ours, group=GLOO)
+        for other in everyone:
+            assert_equal(other, ours, f"all_reduce x{numel}: ranks disagree")
+        ints = torch.randint(-50, 50, (numel,), generator=torch.Generator().manual_seed(rank + numel))
+        expect = ints.clone()
+        dist.all_reduce(expect, group=GLOO)
+        dist.all_reduce(ints)
+        assert_equal(ints, expect, f"all_reduce int64 x{numel}")
+        gathered = torch.empty(numel * n)
+        dist.all_gather_into_tensor(gathered, x)
+        reference = torch.empty(numel * n)
+        dist.all_gather_into_tensor(reference, x, group=GLOO)
+        assert_equal(gathered, reference, f"all_gather x{numel}")
+    after = ddlcomm_stats()
+    tcp, shm = totals([after["bytes_sent"] - stats["bytes_sent"],
+                       after["shared_memory_bytes_sent"] - stats["shared_memory_bytes_sent"]])
+    assert tcp > 0 and shm > 0, (tcp, shm)
+
+
+def shm_refused_across_hosts() -> None:
+    """DDLCOMM_TRANSPORT=shm with ranks on two "hosts": every rank refuses at init, naming why."""
+    try:
+        init(timeout_s=30)
+    except ValueError as e:
+        assert "DDLCOMM_TRANSPORT=shm needs every rank on this host" in str(e), e
+        print(f"rank {os.environ['RANK']}: {str(e)[:300]}")
+        return
+    raise AssertionError("init succeeded")
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(__file__))
+    run({
+        "shared_memory_used": shared_memory_used,
+        "mixed_hosts": mixed_hosts,
+        "shm_refused_across_hosts": shm_refused_across_hosts,
+    })
