@@ -37,7 +37,10 @@ bool Executor::onOwningThread() {
 
 bool Executor::runInlineIfIdle(std::function<void(Communicator&)>& task, Done& done) {
   {
-    std::lock_guard<std::mutex> lock(mutex_);
+    std::unique_lock<std::mutex> lock(mutex_);
+    // The executor is completing its last item (whose completion may be what woke this
+    // caller): it is idle in a moment.
+    if (finishing_) idle_.wait_for(lock, std::chrono::milliseconds(10), [&] { return !finishing_; });
     if (stopping_ || busy_ || !queue_.empty() || !pending_.empty() || inlineThread_ != std::thread::id()) return false;
     inlineThread_ = std::this_thread::get_id();
   }
@@ -141,6 +144,10 @@ void Executor::loop() {
     {
       std::unique_lock<std::mutex> lock(mutex_);
       busy_ = false;
+      if (finishing_) {
+        finishing_ = false;
+        idle_.notify_all();
+      }
       // An inline operation owns the communicator until it returns.
       cv_.wait(lock, [&] {
         return inlineThread_ == std::thread::id() && (stopping_ || !queue_.empty() || !pending_.empty());
@@ -171,16 +178,20 @@ void Executor::loop() {
       progressPending(std::chrono::milliseconds(100));
       continue;
     }
-    runNow(item.task, item.done);
+    runNow(item.task, item.done, /*fromLoop=*/true);
   }
 }
 
-void Executor::runNow(std::function<void(Communicator&)>& task, Done& done) {
+void Executor::runNow(std::function<void(Communicator&)>& task, Done& done, bool fromLoop) {
   std::exception_ptr error;
   try {
     task(*comm_);
   } catch (...) {
     error = std::current_exception();
+  }
+  if (fromLoop) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    finishing_ = queue_.empty();
   }
   done(error);
   completePending();

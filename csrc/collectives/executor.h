@@ -60,7 +60,7 @@ class Executor {
   };
   void loop();
   bool onOwningThread();
-  void runNow(std::function<void(Communicator&)>& task, Done& done);
+  void runNow(std::function<void(Communicator&)>& task, Done& done, bool fromLoop = false);
   void progressPending(std::chrono::milliseconds maxWait);
   void completePending();
 
@@ -69,9 +69,11 @@ class Executor {
   const int size_;
   std::mutex mutex_;
   std::condition_variable cv_;
+  std::condition_variable idle_;  // signalled when the executor leaves finishing_
   std::deque<Item> queue_;
   bool stopping_ = false;
   bool busy_ = false;  // the executor thread is running an item or progressing pending requests
+  bool finishing_ = false;  // it ran its last queued item and is completing it
   std::thread::id inlineThread_;  // the caller running an operation inline; the executor waits
   std::string abortReason_;
   // Touched by the executor thread, or by the inline thread while the executor waits.

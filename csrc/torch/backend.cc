@@ -223,7 +223,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDdlcomm::allreduce(std::vector<at::Te
   at::Tensor user = single(tensors, "allreduce");
   const DataType dtype = toDataType(user);
   const ReduceOp op = toReduceOp(opts.reduceOp, dtype);
-  return enqueue(c10d::OpType::ALLREDUCE, tensors, [user, dtype, op, redop = opts.reduceOp](Communicator& comm) mutable {
+  return enqueue(c10d::OpType::ALLREDUCE, !opts.asyncOp, tensors, [user, dtype, op, redop = opts.reduceOp](Communicator& comm) mutable {
     at::Tensor work = premultiplied(redop, staged(user));
     ddlcomm::allreduce(comm, work.data_ptr(), size_t(work.numel()), dtype, op);
     writeBack(user, work);
@@ -260,7 +260,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDdlcomm::broadcast(std::vector<at::Te
   checkRoot(opts.rootRank, size_);
   const DataType dtype = toDataType(user);
   const int root = int(opts.rootRank);
-  return enqueue(c10d::OpType::BROADCAST, tensors, [user, dtype, root](Communicator& comm) mutable {
+  return enqueue(c10d::OpType::BROADCAST, !opts.asyncOp, tensors, [user, dtype, root](Communicator& comm) mutable {
     at::Tensor work = staged(user);
     ddlcomm::broadcast(comm, work.data_ptr(), size_t(work.numel()), dtype, root);
     writeBack(user, work);
@@ -274,7 +274,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDdlcomm::reduce(std::vector<at::Tenso
   const DataType dtype = toDataType(user);
   const ReduceOp op = toReduceOp(opts.reduceOp, dtype);
   const int root = int(opts.rootRank);
-  return enqueue(c10d::OpType::REDUCE, tensors,
+  return enqueue(c10d::OpType::REDUCE, !opts.asyncOp, tensors,
                  [user, dtype, op, root, redop = opts.reduceOp](Communicator& comm) mutable {
     at::Tensor work = premultiplied(redop, staged(user));
     ddlcomm::reduce(comm, work.data_ptr(), work.data_ptr(), size_t(work.numel()), dtype, op, root);
@@ -283,14 +283,14 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDdlcomm::reduce(std::vector<at::Tenso
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupDdlcomm::_allgather_base(at::Tensor& output, at::Tensor& input,
-                                                                    const c10d::AllgatherOptions&) {
+                                                                    const c10d::AllgatherOptions& opts) {
   checkTensor(output, "all_gather_into_tensor output");
   checkTensor(input, "all_gather_into_tensor input");
   checkSameType(input, output, "all_gather_into_tensor");
   TORCH_CHECK_VALUE(output.numel() == input.numel() * size_, "ddlcomm all_gather_into_tensor: output has ",
                     output.numel(), " elements, expected ", input.numel(), " x ", size_);
   const DataType dtype = toDataType(input);
-  return enqueue(c10d::OpType::_ALLGATHER_BASE, {output}, [output, input, dtype](Communicator& comm) mutable {
+  return enqueue(c10d::OpType::_ALLGATHER_BASE, !opts.asyncOp, {output}, [output, input, dtype](Communicator& comm) mutable {
     at::Tensor out = staged(output), in = input.contiguous();
     ddlcomm::allgather(comm, in.data_ptr(), out.data_ptr(), size_t(in.numel()), dtype);
     writeBack(output, out);
@@ -299,7 +299,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDdlcomm::_allgather_base(at::Tensor& 
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupDdlcomm::allgather(std::vector<std::vector<at::Tensor>>& outputs,
                                                               std::vector<at::Tensor>& inputs,
-                                                              const c10d::AllgatherOptions&) {
+                                                              const c10d::AllgatherOptions& opts) {
   at::Tensor input = single(inputs, "allgather");
   TORCH_CHECK_VALUE(outputs.size() == 1 && outputs[0].size() == size_t(size_), "ddlcomm allgather needs one output list of ",
                     size_, " tensors");
@@ -311,7 +311,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDdlcomm::allgather(std::vector<std::v
   }
   const DataType dtype = toDataType(input);
   std::vector<at::Tensor> outs = outputs[0];
-  return enqueue(c10d::OpType::ALLGATHER, outs, [outs, input, dtype](Communicator& comm) mutable {
+  return enqueue(c10d::OpType::ALLGATHER, !opts.asyncOp, outs, [outs, input, dtype](Communicator& comm) mutable {
     at::Tensor in = input.contiguous();
     at::Tensor flat = at::empty({int64_t(outs.size()) * in.numel()}, in.options());
     ddlcomm::allgather(comm, in.data_ptr(), flat.data_ptr(), size_t(in.numel()), dtype);
@@ -381,7 +381,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDdlcomm::_reduce_scatter_base(at::Ten
                     input.numel(), " elements, expected ", output.numel(), " x ", size_);
   const DataType dtype = toDataType(input);
   const ReduceOp op = toReduceOp(opts.reduceOp, dtype);
-  return enqueue(c10d::OpType::_REDUCE_SCATTER_BASE, {output},
+  return enqueue(c10d::OpType::_REDUCE_SCATTER_BASE, !opts.asyncOp, {output},
                  [output, input, dtype, op, redop = opts.reduceOp](Communicator& comm) mutable {
     at::Tensor out = staged(output), in = premultiplied(redop, input.contiguous());
     ddlcomm::reduceScatter(comm, in.data_ptr(), out.data_ptr(), size_t(out.numel()), dtype, op);
@@ -404,7 +404,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDdlcomm::reduce_scatter(std::vector<a
   const DataType dtype = toDataType(output);
   const ReduceOp op = toReduceOp(opts.reduceOp, dtype);
   std::vector<at::Tensor> ins = inputs[0];
-  return enqueue(c10d::OpType::REDUCE_SCATTER, outputs,
+  return enqueue(c10d::OpType::REDUCE_SCATTER, !opts.asyncOp, outputs,
                  [output, ins, dtype, op, redop = opts.reduceOp](Communicator& comm) mutable {
     std::vector<at::Tensor> flat;
     for (const auto& t : ins) flat.push_back(t.reshape({-1}));
@@ -440,7 +440,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDdlcomm::reduce_scatter_tensor_coales
 c10::intrusive_ptr<c10d::Work> ProcessGroupDdlcomm::alltoall_base(at::Tensor& output, at::Tensor& input,
                                                                   std::vector<int64_t>& outputSplitSizes,
                                                                   std::vector<int64_t>& inputSplitSizes,
-                                                                  const c10d::AllToAllOptions&) {
+                                                                  const c10d::AllToAllOptions& opts) {
   checkTensor(output, "all_to_all_single output");
   checkTensor(input, "all_to_all_single input");
   checkSameType(input, output, "all_to_all_single");
@@ -465,7 +465,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDdlcomm::alltoall_base(at::Tensor& ou
   std::vector<size_t> sendCounts = counts(input, inputSplitSizes, "input");
   std::vector<size_t> recvCounts = counts(output, outputSplitSizes, "output");
   const DataType dtype = toDataType(input);
-  return enqueue(c10d::OpType::ALLTOALL_BASE, {output},
+  return enqueue(c10d::OpType::ALLTOALL_BASE, !opts.asyncOp, {output},
                  [output, input, sendCounts, recvCounts, dtype](Communicator& comm) mutable {
                    at::Tensor out = staged(output), in = input.contiguous();
                    ddlcomm::allToAll(comm, in.data_ptr(), sendCounts, out.data_ptr(), recvCounts, dtype);

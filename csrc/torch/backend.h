@@ -147,9 +147,14 @@ class ProcessGroupDdlcomm : public c10d::Backend {
   int64_t serverResidualNumel(int64_t numel) const;
 
   // Runs `task` on the executor with `outputs` as the Work's result (used by the ops above
-  // and by the compressed all-reduce).
-  c10::intrusive_ptr<DdlcommWork> enqueue(c10d::OpType type, std::vector<at::Tensor> outputs,
+  // and by the compressed all-reduce). `callerWaits` (the op's asyncOp is false: the caller
+  // waits at once) lets a small op on an idle group run on the calling thread instead.
+  c10::intrusive_ptr<DdlcommWork> enqueue(c10d::OpType type, bool callerWaits, std::vector<at::Tensor> outputs,
                                           std::function<void(Communicator&)> task);
+  c10::intrusive_ptr<DdlcommWork> enqueue(c10d::OpType type, std::vector<at::Tensor> outputs,
+                                          std::function<void(Communicator&)> task) {
+    return enqueue(type, false, std::move(outputs), std::move(task));
+  }
   std::string describe() const { return prefix_; }
   // The group's counters and its connections as the kernel sees them, taken on the progress
   // thread after everything submitted before (call without the GIL).

@@ -50,7 +50,8 @@ ProfilerContext::Scope::Scope(const ProfilerContext& context)
 
 ProfilerContext::Scope::~Scope() { at::set_record_function_tls_(saved_); }
 
-c10::intrusive_ptr<DdlcommWork> ProcessGroupDdlcomm::enqueue(c10d::OpType type, std::vector<at::Tensor> outputs,
+c10::intrusive_ptr<DdlcommWork> ProcessGroupDdlcomm::enqueue(c10d::OpType type, bool callerWaits,
+                                                             std::vector<at::Tensor> outputs,
                                                              std::function<void(Communicator&)> task) {
   auto work = c10::make_intrusive<DdlcommWork>(rank_, type, outputs, prefix_);
   ++opsIssued_;
@@ -67,9 +68,10 @@ c10::intrusive_ptr<DdlcommWork> ProcessGroupDdlcomm::enqueue(c10d::OpType type, 
   Executor::Done done = [work](std::exception_ptr error) { work->complete(error); };
   size_t bytes = 0;
   for (const auto& t : work->result()) bytes += t.defined() ? size_t(t.numel()) * t.element_size() : 0;
-  // A small operation on an idle group runs on this thread: the hand-off to the progress
-  // thread and back would cost more than the operation.
-  if (bytes > inlineBytes_ || !executor_->runInlineIfIdle(run, done)) executor_->submit(std::move(run), std::move(done));
+  // A small operation that the caller waits for anyway runs on this thread when the group is
+  // idle: the hand-off to the progress thread and back would cost more than the operation.
+  // Asynchronous ones never do, so they return before their peers arrive.
+  if (!callerWaits || bytes > inlineBytes_ || !executor_->runInlineIfIdle(run, done)) executor_->submit(std::move(run), std::move(done));
   trackCoalesced(work);
   return work;
 }

@@ -206,11 +206,13 @@ def premul_sum() -> None:
 
 def profiler_spans() -> None:
     """Every collective appears in torch.profiler as "ddlcomm:<op>", with its tensor's shape,
-    on the thread that runs it (not the caller's)."""
+    on the thread that runs it: the progress thread, or the caller's for a small synchronous
+    operation on an idle group (DDLCOMM_INLINE_BYTES)."""
     rank, n = init()
     x, y = torch.ones(1000), torch.ones(6, dtype=torch.float64)
     out = torch.empty(n * 6, dtype=torch.float64)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
+        dist.all_reduce(x, async_op=True).wait()
         dist.all_reduce(x)
         dist.all_gather_into_tensor(out, y)
         dist.broadcast(x, 0)
@@ -222,11 +224,13 @@ def profiler_spans() -> None:
     assert spans["ddlcomm:all_reduce"].input_shapes == [[1000]], spans["ddlcomm:all_reduce"].input_shapes
     assert spans["ddlcomm:all_gather_into_tensor"].input_shapes == [[n * 6]]
     callers = {e.thread for e in events if e.name == "c10d::allreduce_"}
-    assert callers and spans["ddlcomm:all_reduce"].thread not in callers, (callers, spans["ddlcomm:all_reduce"].thread)
-    assert_equal(x, torch.full((1000,), float(n)), "profiled all_reduce")
+    asynchronous, synchronous = [e for e in events if e.name == "ddlcomm:all_reduce"]
+    assert callers and asynchronous.thread not in callers, (callers, asynchronous.thread)
+    assert synchronous.thread in callers, (callers, synchronous.thread)
+    assert_equal(x, torch.full((1000,), float(n * n)), "profiled all_reduce")
     # Without a profiler nothing is recorded, and nothing breaks.
     dist.all_reduce(x)
-    assert_equal(x, torch.full((1000,), float(n * n)), "all_reduce after profiling")
+    assert_equal(x, torch.full((1000,), float(n ** 3)), "all_reduce after profiling")
 
 
 def recv_any_source() -> None:
