@@ -587,9 +587,12 @@ class SlowNet:
         """os.environ plus the env:// rendezvous variables for ``rank``.
 
         All ranks share one physical machine, so LOCAL_RANK=RANK and
-        LOCAL_WORLD_SIZE=WORLD_SIZE (e.g. one GPU per rank).
+        LOCAL_WORLD_SIZE=WORLD_SIZE (e.g. one GPU per rank). They could share memory too,
+        which would bypass the emulated network: ddlcomm is told to use TCP
+        (DDLCOMM_TRANSPORT=tcp) unless the caller chose a transport.
         """
         env = dict(os.environ)
+        env.setdefault("DDLCOMM_TRANSPORT", "tcp")
         env.update(
             MASTER_ADDR=self.address(0), MASTER_PORT=str(master_port),
             RANK=str(rank), WORLD_SIZE=str(self.ranks),

@@ -9,11 +9,12 @@ import pytest
 import torch
 
 from ddlcomm import compress, hooks
-from harness import assert_all_ok, launch
+from harness import assert_all_ok, launch, transport_env, transports
 
 
-def test_native_and_fallback_agree_bitwise() -> None:
-    assert_all_ok(launch("compression", "native_matches_fallback", 4, timeout=180))
+@pytest.mark.parametrize("transport", transports())
+def test_native_and_fallback_agree_bitwise(transport: str) -> None:
+    assert_all_ok(launch("compression", "native_matches_fallback", 4, timeout=180, env=transport_env(transport)))
 
 
 def test_segmented_native_and_fallback_agree_bitwise() -> None:

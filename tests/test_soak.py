@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import re
 
-from harness import RankResult, assert_all_ok, launch, soak_summary
+import pytest
+
+from harness import RankResult, assert_all_ok, launch, soak_summary, transport_env, transports
 
 OPS = 500
 MAX_BYTES = 8 << 20
@@ -22,9 +24,10 @@ CHECKED_BY_EVERY_RANK = {"all_reduce", "broadcast", "reduce", "all_gather", "all
                          "reduce_scatter_tensor", "all_to_all_single", "all_to_all", "scatter", "compressed_all_reduce"}
 
 
-def test_soak_random_collectives() -> None:
+@pytest.mark.parametrize("transport", transports())
+def test_soak_random_collectives(transport: str) -> None:
     # About 20 s on 2 busy cores; the timeout turns a hang into a failure.
-    results = launch("soak", "soak", 4, timeout=180, args=(str(OPS), "1", str(MAX_BYTES)))
+    results = launch("soak", "soak", 4, timeout=180, args=(str(OPS), "1", str(MAX_BYTES)), env=transport_env(transport))
     assert_all_ok(results)
     summaries = [summary(r) for r in results]
     # Exit 0 says no check failed; this says the checks ran: every operation issued was compared
