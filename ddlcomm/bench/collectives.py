@@ -6,7 +6,9 @@ Run under torchrun, e.g.::
 
 Every transport gets its own ddlcomm group (DDLCOMM_TRANSPORT is read when a group is
 created), so gloo, tcp, shm and ucx (in a build with UCX; its own transports as UCX_TLS
-says) are measured side by side. Rank 0 prints, for each collective and size, the time
+says) are measured side by side, and with --deepspeed DeepSpeed's shared-memory all-reduce
+too (DS_ACCELERATOR=cpu LOCAL_SIZE=<ranks>; "x" in the shm/deepspeed column is how many
+times faster ddlcomm's shm is). Rank 0 prints, for each collective and size, the time
 and bus bandwidth of each: bus bandwidth normalizes by how much each rank must move
 (all-reduce 2(n-1)/n, all-gather and reduce-scatter (n-1)/n, broadcast 1), as NCCL's
 tests do. Two ceilings are measured first in the same run: a raw single-stream TCP
@@ -69,9 +71,19 @@ def raw_tcp_gbps(nbytes: int = 256 << 20) -> float:
     return float(result.item())
 
 
-def make_op(name: str, nbytes: int, n: int, group) -> tuple[Callable[[], None], float, int]:
-    """Returns (call, bus-bandwidth factor, element count)."""
+DEEPSPEED = "deepspeed"  # stands for DeepSpeed's shared-memory all-reduce among the groups
+
+
+def make_op(name: str, nbytes: int, n: int, group) -> tuple[Callable[[], None], float, int] | None:
+    """Returns (call, bus-bandwidth factor, element count), None if `group` cannot run it."""
     count = max(1, nbytes // 4)
+    if group is DEEPSPEED:
+        if name != "all_reduce":
+            return None
+        import deepspeed.comm as dscomm  # noqa: PLC0415
+
+        t = torch.ones(count)
+        return (lambda: dscomm.inference_all_reduce(t)), 2 * (n - 1) / n, count
     if name == "all_reduce":
         t = torch.ones(count)
         return (lambda: dist.all_reduce(t, group=group)), 2 * (n - 1) / n, count
@@ -194,10 +206,18 @@ def main() -> None:
     parser.add_argument("--full", action="store_true", help="sizes 4 KiB .. 256 MiB (default: a quick set)")
     parser.add_argument("--sizes", type=size_list, help="comma-separated byte counts, overriding the size set")
     parser.add_argument("--budget", type=positive_seconds, default=0.6, help="seconds per measurement (per backend)")
+    parser.add_argument("--deepspeed", action="store_true",
+                        help="also measure DeepSpeed's shared-memory all-reduce (deepspeed.comm.inference_all_reduce; "
+                             "needs deepspeed installed, DS_ACCELERATOR=cpu and LOCAL_SIZE set)")
     args = parser.parse_args()
 
     dist.init_process_group("gloo")  # the world group only times and agrees; it is measured too
     backends = {"gloo": dist.group.WORLD, **ddlcomm_groups(args.transports)}
+    if args.deepspeed:
+        import deepspeed  # noqa: PLC0415  (optional, and heavy)
+
+        deepspeed.init_distributed(dist_backend="gloo")  # adopts the initialized default group
+        backends["deepspeed"] = DEEPSPEED
     rank, n = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
     sizes = args.sizes or (FULL_SIZES if args.full else QUICK_SIZES)
@@ -209,12 +229,17 @@ def main() -> None:
               f"times in us, busbw in GB/s")
         print("# " + f"{'collective':<13}{'size':>9}" + "".join(f"{b + ' us':>11}{'busbw':>7}" for b in backends)
               + "".join(f"{t + '/gloo':>10}" for t in args.transports)
-              + ("   shm/tcp  memcpy  shm/memcpy" if {"shm", "tcp"} <= set(args.transports) else ""))
+              + ("   shm/tcp  memcpy  shm/memcpy" if {"shm", "tcp"} <= set(args.transports) else "")
+              + ("  shm/deepspeed" if args.deepspeed and "shm" in args.transports else ""))
     for op in args.ops:
         for nbytes in sizes:
             times = {}
             for backend, group in backends.items():
-                call, factor, count = make_op(op, nbytes, n, group)
+                made = make_op(op, nbytes, n, group)
+                if made is None:
+                    times[backend] = float("nan")
+                    continue
+                call, factor, count = made
                 times[backend] = time_op(call, nbytes, args.budget)
             copy = memcpy_gbps(count * 4) if rank == 0 else 0.0
             dist.barrier()
@@ -225,6 +250,8 @@ def main() -> None:
                 row += "".join(f"{times['gloo'] / times[t]:>9.2f}x" for t in args.transports)
                 if {"shm", "tcp"} <= set(args.transports):
                     row += f"{times['tcp'] / times['shm']:>9.2f}x{copy:>8.2f}{busbw['shm'] / copy:>11.0%}"
+                if args.deepspeed and "shm" in args.transports:
+                    row += f"{times['deepspeed'] / times['shm']:>14.2f}x"
                 print(row, flush=True)
     dist.destroy_process_group()
 

@@ -54,7 +54,7 @@ ShmOptions ShmOptions::fromEnvironment() {
                 "environment variable DDLCOMM_SHM_RING_BYTES='", o.ringBytes, "' is invalid: expected a power of two");
   o.windowBytes = size_t(envInteger("DDLCOMM_SHM_WINDOW_BYTES", int64_t(o.windowBytes), 0, int64_t(1) << 32));
   o.windowBytes &= ~size_t(63);
-  o.spin = std::chrono::microseconds(envInteger("DDLCOMM_SHM_SPIN_US", o.spin.count(), 0, 1000000));
+  o.spin = std::chrono::microseconds(envInteger("DDLCOMM_SHM_SPIN_US", -1, 0, 1000000));
   return o;
 }
 
@@ -150,6 +150,13 @@ std::unique_ptr<Transport> ShmTransport::layer(std::unique_ptr<Transport> networ
                                : problem + "; using the network with it");
   }
   if (t->peers_.empty()) return std::move(t->network_);
+  cpu_set_t cpus;
+  const int cores = sched_getaffinity(0, sizeof cpus, &cpus) == 0 ? CPU_COUNT(&cpus) : 1;
+  t->oversubscribed_ = int(local.size()) > cores;
+  if (t->options_.spin.count() < 0) {
+    t->options_.spin = std::chrono::microseconds(t->oversubscribed_ ? 5 : 50);
+  }
+  t->spin_ = t->options_.spin;
   t->windowed_ = everyPair && t->layout_.windowBytes > 0 && int(t->peers_.size()) + 1 == size;
   t->mixed_ = int(t->peers_.size()) + 1 < size;
   return t;
@@ -291,7 +298,8 @@ bool ShmTransport::shmBusy() const {
 template <typename Done>
 void ShmTransport::progressUntil(Done&& done, Deadline deadline, int waitedPeer, const Signature& signature) {
   SegmentHeader& mine = own_.header();
-  Clock::time_point spinUntil = Clock::now() + options_.spin;
+  Clock::time_point spinUntil = Clock::now() + spin_;
+  bool slept = false;
   Clock::time_point nextCheck = Clock::now() + kLivenessPeriod, nextProbe = Clock::now() + std::chrono::seconds(1);
   bool published = false;
   unsigned spins = 0;
@@ -305,12 +313,16 @@ void ShmTransport::progressUntil(Done&& done, Deadline deadline, int waitedPeer,
     if (done()) break;
     Clock::time_point now = Clock::now();
     if (moved) {
-      spinUntil = now + options_.spin;
+      spinUntil = now + spin_;
       nextProbe = now + std::chrono::seconds(1);
       continue;
     }
     if (now < spinUntil) {
-      cpuRelax();
+      if (oversubscribed_) {
+        sched_yield();
+      } else {
+        cpuRelax();
+      }
       continue;
     }
     if (now >= deadline) timedOut(waitedPeer, signature, "");
@@ -319,6 +331,7 @@ void ShmTransport::progressUntil(Done&& done, Deadline deadline, int waitedPeer,
       published = true;
     }
     sleep(deadline);
+    slept = true;
     now = Clock::now();
     if (now >= nextCheck) {
       checkPeers(waitedPeer, signature);
@@ -331,8 +344,11 @@ void ShmTransport::progressUntil(Done&& done, Deadline deadline, int waitedPeer,
              waitedPeer, ": another rank failed");
       }
     }
-    spinUntil = Clock::now() + options_.spin / 4;  // woken: spin a little before sleeping again
+    spinUntil = Clock::now() + spin_ / 4;  // woken: spin a little before sleeping again
   }
+  // Adaptive, like glibc's adaptive mutexes: spinning pays while peers run on other cores
+  // and only delays them when they wait for this core.
+  spin_ = slept ? std::max(std::chrono::microseconds(1), spin_ / 2) : std::min(options_.spin, spin_ * 2);
   if (published) mine.waitingIn.store(0, std::memory_order_relaxed);
 }
 

@@ -25,7 +25,9 @@ namespace ddlcomm::shm {
 struct ShmOptions {
   size_t ringBytes = 1 << 20;    // DDLCOMM_SHM_RING_BYTES: per pair and direction, a power of two
   size_t windowBytes = 4 << 20;  // DDLCOMM_SHM_WINDOW_BYTES: each of a rank's two windows
-  std::chrono::microseconds spin{50};  // DDLCOMM_SHM_SPIN_US: busy-wait before sleeping
+  // DDLCOMM_SHM_SPIN_US: busy-wait before sleeping. Unset: 50 us, or, with more local ranks
+  // than cores, 5 us with sched_yield (a spinning rank would hold the core its peer needs).
+  std::chrono::microseconds spin{-1};
   bool required = false;  // DDLCOMM_TRANSPORT=shm: every rank must be local, no fallback
 
   static ShmOptions fromEnvironment();
@@ -118,7 +120,7 @@ class ShmTransport final : public Transport, private SharedWindows {
   std::unique_ptr<Transport> network_;
   const int rank_;
   const int size_;
-  const ShmOptions options_;
+  ShmOptions options_;
   Layout layout_;
   Segment own_;
   std::vector<Peer> peers_;
@@ -126,6 +128,8 @@ class ShmTransport final : public Transport, private SharedWindows {
   std::vector<Request*> netPending_;  // posted to the network, not seen done yet
   bool windowed_ = false;
   bool mixed_ = false;  // some peers are reached through the network
+  bool oversubscribed_ = false;  // more local ranks than cores: yield while spinning
+  std::chrono::microseconds spin_{0};  // the current spin budget, up to options_.spin
   bool syncing_ = false;
   uint64_t generation_ = 0;
   uint64_t fills_ = 0;
