@@ -1,0 +1,563 @@
+#include "transport/ucx/ucx_transport.h"
+
+#include <poll.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "common/sha256.h"
+#include "transport/tcp/handshake.h"
+
+namespace ddlcomm::ucx {
+namespace {
+
+constexpr int kKindShift = 62;
+constexpr int kSourceShift = 40;
+constexpr int kMaxRanks = 1 << 22;
+constexpr ucp_tag_t kLowMask = (ucp_tag_t(1) << kSourceShift) - 1;
+constexpr ucp_tag_t kKindMask = ucp_tag_t(3) << kKindShift;
+constexpr ucp_tag_t kSourceMask = ucp_tag_t(kMaxRanks - 1) << kSourceShift;
+enum TagKind : ucp_tag_t { kHelloTag = 0, kCollectiveTag = 1, kPointToPointTag = 2 };
+
+ucp_tag_t makeTag(TagKind kind, int source, uint64_t low) {
+  return (ucp_tag_t(kind) << kKindShift) | (ucp_tag_t(source) << kSourceShift) | (low & kLowMask);
+}
+int tagSource(ucp_tag_t tag) { return int((tag & kSourceMask) >> kSourceShift); }
+
+// The first message on each endpoint: proves the group key for this ordered pair of ranks.
+struct HelloMessage {
+  uint32_t magic;
+  uint32_t version;
+  int32_t rank;
+  int32_t size;
+  Digest mac;
+};
+constexpr uint32_t kHelloMagic = 0x58435544;  // "DUCX"
+constexpr uint32_t kHelloVersion = 1;
+
+Digest helloMac(const std::string& key, int from, int to, int size) {
+  const std::string pair = detail::concat(from, ">", to, "/", size);
+  return hmacSha256(key, {"ddlcomm ucx hello", pair});
+}
+
+std::string toHex(const void* data, size_t bytes) {
+  static const char digits[] = "0123456789abcdef";
+  std::string out;
+  out.reserve(bytes * 2);
+  for (size_t i = 0; i < bytes; ++i) {
+    uint8_t b = static_cast<const uint8_t*>(data)[i];
+    out += digits[b >> 4];
+    out += digits[b & 15];
+  }
+  return out;
+}
+
+std::string fromHex(const std::string& text, int peer) {
+  auto value = [&](char c) -> int {
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    fail(ErrorKind::Protocol, "the UCX address of rank ", peer, " in the store is corrupt");
+  };
+  DDLCOMM_CHECK(text.size() % 2 == 0 && !text.empty(), ErrorKind::Protocol, "the UCX address of rank ", peer,
+                " in the store is corrupt");
+  std::string out(text.size() / 2, '\0');
+  for (size_t i = 0; i < out.size(); ++i) out[i] = char(value(text[2 * i]) << 4 | value(text[2 * i + 1]));
+  return out;
+}
+
+std::string humanBytes(size_t bytes) { return detail::concat(bytes, " bytes"); }
+
+void check(ucs_status_t status, const char* what) {
+  DDLCOMM_CHECK(status == UCS_OK, ErrorKind::System, what, ": ", ucs_status_string(status));
+}
+
+}  // namespace
+
+UcxTransport::Endpoint& UcxTransport::Endpoint::operator=(Endpoint&& o) noexcept {
+  std::swap(ep_, o.ep_);
+  return *this;
+}
+
+UcxTransport::Endpoint::~Endpoint() {
+  if (ep_) {
+    void* request = close(true);
+    if (request) ucp_request_free(request);  // completes in the background
+  }
+}
+
+void* UcxTransport::Endpoint::close(bool force) {
+  ucp_request_param_t param{};
+  param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+  param.flags = force ? UCP_EP_CLOSE_FLAG_FORCE : 0;
+  void* request = ucp_ep_close_nbx(ep_, &param);
+  ep_ = nullptr;
+  return UCS_PTR_IS_PTR(request) ? request : nullptr;
+}
+
+UcxTransport::UcxTransport(int rank, int size) : rank_(rank), size_(size) {
+  endpoints_.resize(size_t(size));
+  failureSlots_.resize(size_t(size));
+  peerStatus_.assign(size_t(size), UCS_OK);
+  for (int p = 0; p < size; ++p) failureSlots_[size_t(p)] = PeerFailureSlot{this, p};
+}
+
+UcxTransport::~UcxTransport() {
+  abort(ErrorKind::Aborted, "transport destroyed");
+  // abort() cancelled what it could; release the rest (UCX then calls no callback for them).
+  for (Op& op : active_) {
+    if (op.ucx) ucp_request_free(op.ucx);
+  }
+}
+
+std::unique_ptr<UcxTransport> UcxTransport::connect(int rank, int size, KeyValueStore& store,
+                                                    std::chrono::milliseconds connectTimeout) {
+  DDLCOMM_CHECK(size >= 1 && rank >= 0 && rank < size, ErrorKind::InvalidArgument, "invalid rank ", rank,
+                " for world size ", size);
+  DDLCOMM_CHECK(size <= kMaxRanks, ErrorKind::InvalidArgument, "the UCX transport supports at most ", kMaxRanks,
+                " ranks, not ", size);
+  std::unique_ptr<UcxTransport> t(new UcxTransport(rank, size));
+  t->establish(store, connectTimeout);
+  return t;
+}
+
+void UcxTransport::establish(KeyValueStore& store, std::chrono::milliseconds connectTimeout) {
+  ucp_config_t* config = nullptr;
+  check(ucp_config_read(nullptr, nullptr, &config), "ucp_config_read");  // honours UCX_* variables
+  ucp_params_t params{};
+  params.field_mask = UCP_PARAM_FIELD_FEATURES;
+  params.features = UCP_FEATURE_TAG | UCP_FEATURE_WAKEUP;
+  ucp_context_h context = nullptr;
+  ucs_status_t status = ucp_init(&params, config, &context);
+  ucp_config_release(config);
+  check(status, "ucp_init");
+  context_.reset(context);
+
+  // Single-threaded: only the executor drives the transport; ucp_worker_signal is the one
+  // call other threads make, and UCX documents it as safe from any thread.
+  ucp_worker_params_t workerParams{};
+  workerParams.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+  workerParams.thread_mode = UCS_THREAD_MODE_SINGLE;
+  ucp_worker_h worker = nullptr;
+  check(ucp_worker_create(context_.get(), &workerParams, &worker), "ucp_worker_create");
+  worker_.reset(worker);
+  check(ucp_worker_get_efd(worker_.get(), &eventFd_), "ucp_worker_get_efd");
+  if (size_ == 1) return;
+
+  const Deadline deadline = Clock::now() + connectTimeout;
+  const std::string key = tcp::groupKey(store, rank_);
+  ucp_address_t* address = nullptr;
+  size_t addressBytes = 0;
+  check(ucp_worker_get_address(worker_.get(), &address, &addressBytes), "ucp_worker_get_address");
+  const std::string published = toHex(address, addressBytes);
+  ucp_worker_release_address(worker_.get(), address);
+  store.set("ddlcomm/ucx/addr/" + std::to_string(rank_), published);
+
+  for (int peer = 0; peer < size_; ++peer) {
+    if (peer == rank_) continue;
+    const std::string remote = fromHex(store.get("ddlcomm/ucx/addr/" + std::to_string(peer)), peer);
+    ucp_ep_params_t ep{};
+    ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                    UCP_EP_PARAM_FIELD_ERR_HANDLER;
+    ep.address = reinterpret_cast<const ucp_address_t*>(remote.data());
+    ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;  // a dead peer fails its endpoint instead of hanging it
+    ep.err_handler.cb = &UcxTransport::endpointFailed;
+    ep.err_handler.arg = &failureSlots_[size_t(peer)];
+    ucp_ep_h handle = nullptr;
+    status = ucp_ep_create(worker_.get(), &ep, &handle);
+    DDLCOMM_CHECK(status == UCS_OK, ErrorKind::PeerFailure, "rank ", rank_, " cannot create a UCX endpoint to rank ",
+                  peer, ": ", ucs_status_string(status));
+    endpoints_[size_t(peer)] = Endpoint(handle);
+  }
+
+  // Every pair exchanges proofs of the group key; this also wires up every endpoint.
+  std::vector<HelloMessage> mine(static_cast<size_t>(size_)), theirs(static_cast<size_t>(size_));
+  std::vector<Request> sends(static_cast<size_t>(size_)), recvs(static_cast<size_t>(size_));
+  guarded([&] {
+    for (int peer = 0; peer < size_; ++peer) {
+      if (peer == rank_) continue;
+      HelloMessage& h = mine[size_t(peer)];
+      h = HelloMessage{kHelloMagic, kHelloVersion, rank_, size_, helloMac(key, rank_, peer, size_)};
+      for (auto [request, buffer, isSend] : {std::tuple{&recvs[size_t(peer)], &theirs[size_t(peer)], false},
+                                             std::tuple{&sends[size_t(peer)], &h, true}}) {
+        request->peer = peer;
+        request->data = reinterpret_cast<char*>(buffer);
+        request->bytes = sizeof(HelloMessage);
+        request->piecesLeft = 1;
+        Op& op = newOp(OpKind::Hello, request, peer);
+        op.iov[0] = {buffer, sizeof(HelloMessage)};
+        op.iovCount = 1;
+        if (isSend) {
+          submitSend(op, makeTag(kHelloTag, rank_, 0));
+        } else {
+          submitRecv(op, makeTag(kHelloTag, peer, 0), ~ucp_tag_t(0));
+        }
+      }
+    }
+    for (int peer = 0; peer < size_; ++peer) {
+      if (peer == rank_) continue;
+      for (Request* r : {&sends[size_t(peer)], &recvs[size_t(peer)]}) {
+        while (!r->done()) {
+          if (progress()) continue;
+          auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
+          if (left <= 0) {
+            std::string missing;
+            for (int p = 0; p < size_; ++p) {
+              if (p != rank_ && !(sends[size_t(p)].done() && recvs[size_t(p)].done())) {
+                missing += (missing.empty() ? "" : ", ") + std::to_string(p);
+              }
+            }
+            fail(ErrorKind::Timeout, "rank ", rank_, " timed out connecting over UCX (still missing rank ", missing,
+                 ")");
+          }
+          waitForEvents(int(std::min<long long>(left + 1, 100)));
+        }
+      }
+      const HelloMessage& h = theirs[size_t(peer)];
+      DDLCOMM_CHECK(h.magic == kHelloMagic && h.version == kHelloVersion, ErrorKind::Protocol, "rank ", peer,
+                    " sent a malformed UCX hello: mixed ddlcomm versions in one job?");
+      DDLCOMM_CHECK(digestEqual(h.mac, helloMac(key, peer, rank_, size_)), ErrorKind::Protocol, "rank ", peer,
+                    "'s UCX endpoint failed to prove the group key: it is not a rank of this group");
+      DDLCOMM_CHECK(h.rank == peer && h.size == size_, ErrorKind::Mismatch, "UCX address of rank ", peer,
+                    " answered as rank ", h.rank, " of ", h.size, "; this rank has world size ", size_);
+    }
+  });
+}
+
+void UcxTransport::checkPeer(int peer, const char* what) const {
+  DDLCOMM_CHECK(peer >= 0 && peer < size_ && peer != rank_, ErrorKind::InvalidArgument, "cannot ", what,
+                " rank ", peer, " from rank ", rank_, " in a group of ", size_);
+}
+
+UcxTransport::Op& UcxTransport::newOp(OpKind kind, Request* request, int peer) {
+  if (free_.empty()) free_.emplace_back();
+  active_.splice(active_.end(), free_, free_.begin());
+  Op& op = active_.back();
+  op = Op{};
+  op.owner = this;
+  op.kind = kind;
+  op.request = request;
+  op.peer = peer;
+  return op;
+}
+
+void UcxTransport::submitSend(Op& op, ucp_tag_t tag) {
+  ucp_request_param_t param{};
+  param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_DATATYPE |
+                       UCP_OP_ATTR_FLAG_NO_IMM_CMPL;  // one completion path: the callback
+  param.cb.send = &UcxTransport::sendDone;
+  param.user_data = &op;
+  param.datatype = ucp_dt_make_iov();
+  void* request = ucp_tag_send_nbx(endpoints_[size_t(op.peer)].get(), op.iov, op.iovCount, tag, &param);
+  if (UCS_PTR_IS_ERR(request)) {
+    op.completed = true;
+    op.status = UCS_PTR_STATUS(request);
+  } else {
+    op.ucx = request;
+  }
+}
+
+void UcxTransport::submitRecv(Op& op, ucp_tag_t tag, ucp_tag_t mask) {
+  ucp_request_param_t param{};
+  param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_DATATYPE |
+                       UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
+  param.cb.recv = &UcxTransport::recvDone;
+  param.user_data = &op;
+  param.datatype = ucp_dt_make_iov();
+  void* request = ucp_tag_recv_nbx(worker_.get(), op.iov, op.iovCount, tag, mask, &param);
+  if (UCS_PTR_IS_ERR(request)) {
+    op.completed = true;
+    op.status = UCS_PTR_STATUS(request);
+  } else {
+    op.ucx = request;
+  }
+}
+
+// Callbacks run inside UCX (progress, or the posting call itself): they only record.
+void UcxTransport::sendDone(void*, ucs_status_t status, void* user) {
+  Op* op = static_cast<Op*>(user);
+  op->completed = true;
+  op->status = status;
+}
+
+void UcxTransport::recvDone(void*, ucs_status_t status, const ucp_tag_recv_info_t* info, void* user) {
+  Op* op = static_cast<Op*>(user);
+  op->completed = true;
+  op->status = status;
+  if (info) {
+    op->senderTag = info->sender_tag;
+    op->length = info->length;
+  }
+}
+
+void UcxTransport::endpointFailed(void* arg, ucp_ep_h, ucs_status_t status) {
+  auto* slot = static_cast<PeerFailureSlot*>(arg);
+  slot->owner->peerStatus_[size_t(slot->peer)] = status == UCS_OK ? UCS_ERR_CONNECTION_RESET : status;
+}
+
+void UcxTransport::postSend(Request& r) {
+  guarded([&] {
+    throwIfBroken();
+    checkPeer(r.peer, "send to");
+    if (peerStatus_[size_t(r.peer)] != UCS_OK) peerLost(r.peer, nullptr, peerStatus_[size_t(r.peer)]);
+    r.piecesLeft = 1;
+    r.failed = false;
+    Op& op = newOp(OpKind::Send, &r, r.peer);
+    op.header = makeFrameHeader(r.signature, 0, r.bytes);
+    op.iov[0] = {&op.header, sizeof(FrameHeader)};
+    op.iov[1] = {r.data, r.bytes};
+    op.iovCount = r.bytes ? 2 : 1;
+    const bool p2p = r.signature.op == OpCode::PointToPoint;
+    submitSend(op, p2p ? makeTag(kPointToPointTag, rank_, r.signature.seq) : makeTag(kCollectiveTag, rank_, 0));
+  });
+}
+
+void UcxTransport::postRecv(Request& r) {
+  guarded([&] {
+    throwIfBroken();
+    const bool p2p = r.signature.op == OpCode::PointToPoint;
+    const bool any = p2p && r.peer == kAnySource;
+    if (!any) checkPeer(r.peer, "receive from");
+    r.piecesLeft = 1;
+    r.failed = false;
+    Op& op = newOp(any ? OpKind::AnySourceRecv : p2p ? OpKind::PointToPointRecv : OpKind::CollectiveRecv, &r, r.peer);
+    op.iov[0] = {&op.header, sizeof(FrameHeader)};
+    op.iov[1] = {r.data, r.bytes};
+    op.iovCount = r.bytes ? 2 : 1;
+    // A peer whose endpoint failed may still have delivered this message: the receive is
+    // posted anyway (UCX matches what already arrived), and fails only if it stays pending.
+    if (any) {
+      submitRecv(op, makeTag(kPointToPointTag, 0, r.signature.seq), kKindMask | kLowMask);
+    } else if (p2p) {
+      submitRecv(op, makeTag(kPointToPointTag, r.peer, r.signature.seq), ~ucp_tag_t(0));
+    } else {
+      submitRecv(op, makeTag(kCollectiveTag, r.peer, 0), kKindMask | kSourceMask);
+    }
+  });
+}
+
+bool UcxTransport::progress() {
+  bool moved = false;
+  while (ucp_worker_progress(worker_.get()) != 0) moved = true;
+  for (auto it = active_.begin(); it != active_.end();) {
+    auto next = std::next(it);
+    if (it->completed) {
+      moved = true;
+      if (it->ucx) ucp_request_free(it->ucx);
+      it->ucx = nullptr;
+      Op& op = *it;
+      free_.splice(free_.begin(), active_, it);  // op stays valid: splice moves no element
+      if (op.request && !broken_) finish(op);
+    }
+    it = next;
+  }
+  checkFailedPeers();
+  return moved;
+}
+
+void UcxTransport::finish(Op& op) {
+  Request& r = *op.request;
+  op.request = nullptr;
+  if (op.kind == OpKind::Hello) {
+    DDLCOMM_CHECK(op.status == UCS_OK, ErrorKind::PeerFailure, "rank ", rank_, " could not reach rank ", op.peer,
+                  " over UCX: ", ucs_status_string(op.status), " (did rank ", op.peer, " exit or crash?)");
+    --r.piecesLeft;
+    return;
+  }
+  if (op.kind == OpKind::Send) {
+    if (op.status != UCS_OK) peerLost(op.peer, &op, op.status);
+    bytesSent_ += sizeof(FrameHeader) + r.bytes;
+    --r.piecesLeft;
+    return;
+  }
+  finishRecv(op, r);
+}
+
+void UcxTransport::finishRecv(Op& op, Request& r) {
+  const bool any = op.kind == OpKind::AnySourceRecv;
+  const bool truncated = op.status == UCS_ERR_MESSAGE_TRUNCATED;
+  if (op.status != UCS_OK && !truncated) peerLost(op.peer, &op, op.status);
+  const int from = any ? tagSource(op.senderTag) : op.peer;
+  // What the sender sent: its header, which a message too long for the receive may lack.
+  std::string sent;
+  bool matches = false;
+  if (!truncated) {
+    DDLCOMM_CHECK(op.length >= sizeof(FrameHeader), ErrorKind::Protocol, "corrupt frame from rank ", from,
+                  ": a message of ", op.length, " bytes");
+    Signature got = parseFrameHeader(op.header, from);
+    matches = got == r.signature && op.header.bytes == r.bytes && op.length == sizeof(FrameHeader) + r.bytes &&
+              op.header.piece == 0;
+    sent = got.describe() + (op.kind == OpKind::CollectiveRecv ? " with " : ", ") + humanBytes(op.header.bytes);
+  } else if (op.header.magic == kFrameMagic && op.header.bytes > r.bytes) {
+    Signature got = parseFrameHeader(op.header, from);
+    sent = got.describe() + (op.kind == OpKind::CollectiveRecv ? " with " : ", ") + humanBytes(op.header.bytes);
+  } else {
+    sent = "a longer message";
+    if (op.length > sizeof(FrameHeader) + r.bytes) sent += " of " + humanBytes(op.length - sizeof(FrameHeader));
+  }
+  if (!matches) {
+    if (op.kind == OpKind::CollectiveRecv) {
+      fail(ErrorKind::Mismatch, "collective mismatch between rank ", rank_, " and rank ", from, ": rank ", rank_,
+           " is in ", r.signature.describe(), " expecting ", humanBytes(r.bytes), ", but rank ", from, " sent ", sent,
+           ". All ranks must call the same collectives in the same order with the same sizes and dtypes");
+    }
+    fail(ErrorKind::Mismatch, "rank ", rank_, " posted a receive for ", r.signature.describe(), ", ",
+         humanBytes(r.bytes), any ? " from any rank" : "", ", but rank ", from, " sent ", sent);
+  }
+  if (any) r.peer = from;
+  --r.piecesLeft;
+}
+
+void UcxTransport::checkFailedPeers() {
+  if (broken_) return;
+  for (int p = 0; p < size_; ++p) {
+    if (peerStatus_[size_t(p)] == UCS_OK) continue;
+    for (const Op& op : active_) {
+      if (!op.completed && op.request && (op.peer == p || op.kind == OpKind::AnySourceRecv)) {
+        peerLost(p, &op, peerStatus_[size_t(p)]);
+      }
+    }
+  }
+}
+
+void UcxTransport::peerLost(int peer, const Op* op, ucs_status_t status) {
+  std::string context;
+  if (op && op->request && op->kind != OpKind::Hello) {
+    context = (op->kind == OpKind::Send ? " while sending " : " while receiving ") + op->request->signature.describe();
+  }
+  fail(ErrorKind::PeerFailure, "rank ", rank_, " lost its connection to rank ", peer, context, ": UCX reports ",
+       ucs_status_string(status), " (did rank ", peer, " exit or crash?)");
+}
+
+bool UcxTransport::waitForEvents(int timeoutMs) {
+  // BUSY: events arrived since the last progress; the caller progresses again.
+  ucs_status_t status = ucp_worker_arm(worker_.get());
+  if (status == UCS_ERR_BUSY) return true;
+  if (status != UCS_OK) {
+    abort(ErrorKind::System, detail::concat("ucp_worker_arm: ", ucs_status_string(status)));
+    throwIfBroken();
+  }
+  pollfd fd{eventFd_, POLLIN, 0};
+  int n = ::poll(&fd, 1, timeoutMs);
+  if (n < 0 && errno != EINTR) {
+    abort(ErrorKind::System, systemErrorText("poll", errno));
+    throwIfBroken();
+  }
+  return n > 0;
+}
+
+void UcxTransport::wait(Request& r, Deadline deadline) {
+  while (!r.done()) {
+    throwIfBroken();
+    bool moved = false;
+    guarded([&] { moved = progress(); });
+    if (moved) continue;
+    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
+    if (left <= 0) timedOut(r);
+    if (!waitForEvents(int(std::min<long long>(left + 1, 1000))) && failureProbe_) {
+      if (failureProbe_()) {
+        abort(ErrorKind::PeerFailure, detail::concat("rank ", rank_, " gave up waiting in ", r.signature.describe(),
+                                                     " for rank ", r.peer, ": another rank failed"));
+        throwIfBroken();
+      }
+    }
+  }
+  if (r.failed) throwIfBroken();
+}
+
+void UcxTransport::poll(std::chrono::milliseconds timeout) {
+  throwIfBroken();
+  bool moved = false;
+  guarded([&] { moved = progress(); });
+  if (moved) return;
+  if (waitForEvents(int(timeout.count()))) guarded([&] { progress(); });
+}
+
+void UcxTransport::wakeup() {
+  if (worker_) ucp_worker_signal(worker_.get());
+}
+
+TransportStats UcxTransport::stats() const {
+  TransportStats s;
+  s.connectionsPerPeer.assign(size_t(size_), 0);
+  for (int p = 0; p < size_; ++p) {
+    if (endpoints_[size_t(p)].get() && peerStatus_[size_t(p)] == UCS_OK) s.connectionsPerPeer[size_t(p)] = 1;
+  }
+  s.bytesSent = bytesSent_;
+  return s;
+}
+
+void UcxTransport::timedOut(const Request& r) {
+  const std::string peer = r.peer == kAnySource ? "any rank" : "rank " + std::to_string(r.peer);
+  std::string message = detail::concat("rank ", rank_, " timed out in ", r.signature.describe(), " waiting for ", peer,
+                                       ": ", peer, " may be stuck, slower than the timeout, or in a different collective");
+  abort(ErrorKind::Timeout, message);
+  throwIfBroken();
+  throw Error(ErrorKind::Timeout, message);
+}
+
+void UcxTransport::abort(ErrorKind kind, const std::string& reason) noexcept {
+  if (broken_) return;
+  broken_ = true;
+  brokenKind_ = kind;
+  brokenReason_ = reason;
+  if (failureHook_ && kind != ErrorKind::Aborted) {  // not for a deliberate shutdown
+    try {
+      brokenReason_ = failureHook_(kind, reason);
+    } catch (...) {
+      // Keep the local reason; the hook is best effort.
+    }
+  }
+  bool idle = true;
+  for (Op& op : active_) {
+    if (op.request) {
+      op.request->failed = true;
+      op.request->piecesLeft = 0;
+      op.request = nullptr;
+    }
+    if (op.completed) continue;
+    idle = false;
+    // Receives write into buffers their owners may free once failed: take them back from UCX.
+    if (op.ucx && op.kind != OpKind::Send) ucp_request_cancel(worker_.get(), op.ucx);
+  }
+  if (!worker_) return;
+  // A clean shutdown flushes (messages already sent still reach peers that wait for them);
+  // a failure closes at once, which the peers see as this rank's endpoints failing.
+  closeEndpoints(/*force=*/kind != ErrorKind::Aborted || !idle);
+}
+
+void UcxTransport::closeEndpoints(bool force) noexcept {
+  std::vector<void*> closing;
+  for (Endpoint& ep : endpoints_) {
+    if (!ep.get()) continue;
+    if (void* request = ep.close(force)) closing.push_back(request);
+  }
+  // Bounded: a flush to a peer that died needs its error to be detected.
+  const Deadline until = Clock::now() + std::chrono::milliseconds(force ? 200 : 2000);
+  auto pending = [&] {
+    return std::any_of(closing.begin(), closing.end(),
+                       [](void* r) { return ucp_request_check_status(r) == UCS_INPROGRESS; });
+  };
+  while (pending() && Clock::now() < until) {
+    if (ucp_worker_progress(worker_.get()) == 0) {
+      ucs_status_t armed = ucp_worker_arm(worker_.get());
+      if (armed == UCS_OK) {
+        pollfd fd{eventFd_, POLLIN, 0};
+        ::poll(&fd, 1, 10);
+      }
+    }
+  }
+  // Sends and cancelled receives complete during the closes: mark them done now.
+  for (Op& op : active_) {
+    if (op.completed && op.ucx) {
+      ucp_request_free(op.ucx);
+      op.ucx = nullptr;
+    }
+  }
+  for (void* r : closing) ucp_request_free(r);
+}
+
+void UcxTransport::throwIfBroken() const {
+  if (broken_) throw Error(brokenKind_, brokenReason_);
+}
+
+}  // namespace ddlcomm::ucx
