@@ -131,6 +131,8 @@ class UcxTransport final : public Transport {
   // Fails pending operations that involve a peer whose endpoint failed.
   void checkFailedPeers();
   [[noreturn]] void peerLost(int peer, const Op* op, ucs_status_t status);
+  // For endpoints UCX cannot supervise: fails peers whose process on this host has exited.
+  void checkPeerProcesses();
   // Arms the worker's event fd and waits on it; true if an event (or wakeup) came.
   bool waitForEvents(int timeoutMs);
   [[noreturn]] void timedOut(const Request& request);
@@ -144,6 +146,17 @@ class UcxTransport final : public Transport {
   std::vector<Endpoint> endpoints_;  // [peer]; own slot empty
   std::vector<PeerFailureSlot> failureSlots_;
   std::vector<ucs_status_t> peerStatus_;  // UCS_OK, or the error the endpoint reported
+  // UCX 1.13's shared memory transports (UCX_TLS=sm) cannot report a peer's failure
+  // (UCP_ERR_HANDLING_MODE_PEER makes them unreachable), so those endpoints run without
+  // error handling, and a peer process on this host (same boot and pid namespace, published
+  // with the address) is watched through /proc instead after each idle second.
+  struct PeerProcess {
+    bool watched = false;
+    bool exited = false;
+    long pid = 0;
+    std::string startTime;  // /proc/<pid>/stat field 22: tells a reused pid apart
+  };
+  std::vector<PeerProcess> processes_;
   std::list<Op> active_;
   std::list<Op> free_;
   uint64_t bytesSent_ = 0;
