@@ -365,10 +365,10 @@ void UcxTransport::postSend(Request& r) {
   guarded([&] {
     throwIfBroken();
     checkPeer(r.peer, "send to");
-    if (peerStatus_[size_t(r.peer)] != UCS_OK) peerLost(r.peer, nullptr, peerStatus_[size_t(r.peer)]);
     r.piecesLeft = 1;
     r.failed = false;
     Op& op = newOp(OpKind::Send, &r, r.peer);
+    if (peerStatus_[size_t(r.peer)] != UCS_OK) peerLost(r.peer, &op, peerStatus_[size_t(r.peer)]);
     op.header = makeFrameHeader(r.signature, 0, r.bytes);
     op.iov[0] = {&op.header, sizeof(FrameHeader)};
     op.iov[1] = {r.data, r.bytes};
@@ -402,13 +402,14 @@ void UcxTransport::postRecv(Request& r) {
   });
 }
 
-bool UcxTransport::progress() {
+bool UcxTransport::progress(bool* completed) {
   bool moved = false;
   while (ucp_worker_progress(worker_.get()) != 0) moved = true;
   for (auto it = active_.begin(); it != active_.end();) {
     auto next = std::next(it);
     if (it->completed) {
       moved = true;
+      if (completed) *completed = true;
       if (it->ucx) ucp_request_free(it->ucx);
       it->ucx = nullptr;
       Op& op = *it;
@@ -527,23 +528,31 @@ bool UcxTransport::waitForEvents(int timeoutMs) {
 }
 
 void UcxTransport::wait(Request& r, Deadline deadline) {
+  // UCX's progress counts its own housekeeping too, so "a second without progress" is a
+  // second in which no operation of this transport completed.
+  Clock::time_point lastCompletion = Clock::now();
   while (!r.done()) {
     throwIfBroken();
-    bool moved = false;
-    guarded([&] { moved = progress(); });
-    if (moved) continue;
-    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
+    bool active = false, completed = false;
+    guarded([&] { active = progress(&completed); });
+    if (r.done()) break;
+    const Clock::time_point now = Clock::now();
+    if (completed) lastCompletion = now;
+    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - now).count();
     if (left <= 0) timedOut(r);
-    if (waitForEvents(int(std::min<long long>(left + 1, 1000)))) continue;
-    checkPeerProcesses();
-    guarded([&] { checkFailedPeers(); });
-    if (failureProbe_) {
-      if (failureProbe_()) {
+    auto idle = std::chrono::duration_cast<std::chrono::milliseconds>(now - lastCompletion).count();
+    if (idle >= 1000) {
+      lastCompletion = now;
+      checkPeerProcesses();
+      guarded([&] { checkFailedPeers(); });
+      if (failureProbe_ && failureProbe_()) {
         abort(ErrorKind::PeerFailure, detail::concat("rank ", rank_, " gave up waiting in ", r.signature.describe(),
                                                      " for rank ", r.peer, ": another rank failed"));
         throwIfBroken();
       }
+      continue;
     }
+    if (!active) waitForEvents(int(std::min<long long>({left + 1, 1000 - idle})));
   }
   if (r.failed) throwIfBroken();
 }

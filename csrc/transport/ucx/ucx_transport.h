@@ -124,8 +124,9 @@ class UcxTransport final : public Transport {
   static void recvDone(void* request, ucs_status_t status, const ucp_tag_recv_info_t* info, void* user);
   static void endpointFailed(void* arg, ucp_ep_h ep, ucs_status_t status);
 
-  // Progresses the worker and finishes completed operations; true if anything moved.
-  bool progress();
+  // Progresses the worker and finishes completed operations; true if anything moved, and
+  // *completed set if an operation completed.
+  bool progress(bool* completed = nullptr);
   void finish(Op& op);
   void finishRecv(Op& op, Request& r);
   // Fails pending operations that involve a peer whose endpoint failed.
