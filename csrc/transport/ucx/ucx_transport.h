@@ -6,7 +6,8 @@
 // Tags: [kind:2][source rank:22][low 40 bits]. A collective receive matches the next
 // collective message from its peer (mask on kind and source; UCP matches one sender's
 // messages in send order) into [FrameHeader | user buffer], and the header is compared
-// after completion. A point-to-point receive matches kind, source (unless any-source) and
+// after completion; large ones are split into a header message and a contiguous payload
+// message, received by two receives posted together. A point-to-point receive matches kind, source (unless any-source) and
 // the low 40 bits of the user's tag; the header carries the full tag, so two tags equal in
 // their low 40 bits yield a Mismatch error, never a silent mix-up.
 //
@@ -92,7 +93,9 @@ class UcxTransport final : public Transport {
     int peer = -1;
     FrameHeader header{};  // a send's, or what a receive got
     ucp_dt_iov_t iov[2]{};
-    size_t iovCount = 0;
+    size_t iovCount = 0;     // 1: a contiguous buffer, iov[0]
+    bool headerOnly = false;  // a receive of a split message's header (kSplitBytes)
+    bool payload = false;     // a receive of a split message's payload
     void* ucx = nullptr;  // the UCX request, freed once completed
     bool completed = false;
     ucs_status_t status = UCS_OK;
@@ -141,6 +144,7 @@ class UcxTransport final : public Transport {
 
   const int rank_;
   const int size_;
+  const std::chrono::microseconds spin_;  // DDLCOMM_UCX_SPIN_US: polls this long before blocking
   Context context_;
   Worker worker_;
   int eventFd_ = -1;
