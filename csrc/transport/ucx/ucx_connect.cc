@@ -258,7 +258,8 @@ void UcxTransport::establish(KeyValueStore& store, std::chrono::milliseconds con
       if (peer == rank_) continue;
       for (Request* r : {&sends[size_t(peer)], &recvs[size_t(peer)]}) {
         while (!r->done()) {
-          if (progress()) continue;
+          const bool active = progress();  // may stay true for UCX's housekeeping: check the deadline anyway
+          if (r->done()) break;
           auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
           if (left <= 0) {
             std::string missing;
@@ -270,7 +271,7 @@ void UcxTransport::establish(KeyValueStore& store, std::chrono::milliseconds con
             fail(ErrorKind::Timeout, "rank ", rank_, " timed out connecting over UCX (still missing rank ", missing,
                  ")");
           }
-          waitForEvents(int(std::min<long long>(left + 1, 100)));
+          if (!active) waitForEvents(int(std::min<long long>(left + 1, 100)));
         }
       }
       const HelloMessage& h = theirs[size_t(peer)];

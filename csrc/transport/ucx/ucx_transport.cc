@@ -400,7 +400,7 @@ void UcxTransport::closeEndpoints(bool force) noexcept {
       }
     }
   }
-  // Sends and cancelled receives complete during the closes: mark them done now.
+  // Operations that completed during the closes (sends, cancelled receives) hold UCX requests.
   for (Op& op : active_) {
     if (op.completed && op.ucx) {
       ucp_request_free(op.ucx);
