@@ -154,7 +154,9 @@ class UcxTransport final : public Transport {
   // UCX 1.13's shared memory transports (UCX_TLS=sm) cannot report a peer's failure
   // (UCP_ERR_HANDLING_MODE_PEER makes them unreachable), so those endpoints run without
   // error handling, and a peer process on this host (same boot and pid namespace, published
-  // with the address) is watched through /proc instead after each idle second.
+  // with the address) is watched through /proc instead after each idle second. Without
+  // error handling UCX aborts the process when a CMA copy fails, as it does when the peer
+  // dies mid-transfer: jobs that must outlive a peer use UCX_TLS=posix,sysv,self (or tcp).
   struct PeerProcess {
     bool watched = false;
     bool exited = false;
