@@ -48,3 +48,7 @@ def test_killed_peer_is_named(wire: str) -> None:
 @pytest.mark.parametrize("scenario", ["small_size_mismatch", "size_mismatch"])
 def test_mismatch_raises_on_every_rank(scenario: str) -> None:
     assert_all_ok(launch("faults", scenario, 2, timeout=60, env=ucx("tcp")))
+
+
+def test_point_to_point_size_mismatch_raises() -> None:
+    assert_all_ok(launch("faults", "p2p_size_mismatch", 2, timeout=60, env=ucx("tcp")))

@@ -172,6 +172,17 @@ bool UcxTransport::progress(bool* completed) {
 void UcxTransport::finish(Op& op) {
   Request& r = *op.request;
   op.request = nullptr;
+  try {
+    finishUnguarded(op, r);
+  } catch (...) {
+    // abort() fails the requests operations still point to; this one no longer does.
+    r.failed = true;
+    r.piecesLeft = 0;
+    throw;
+  }
+}
+
+void UcxTransport::finishUnguarded(Op& op, Request& r) {
   if (op.kind == OpKind::Hello) {
     DDLCOMM_CHECK(op.status == UCS_OK, ErrorKind::PeerFailure, "rank ", rank_, " could not reach rank ", op.peer,
                   " over UCX: ", ucs_status_string(op.status), " (did rank ", op.peer, " exit or crash?)");

@@ -131,6 +131,7 @@ class UcxTransport final : public Transport {
   // *completed set if an operation completed.
   bool progress(bool* completed = nullptr);
   void finish(Op& op);
+  void finishUnguarded(Op& op, Request& r);
   void finishRecv(Op& op, Request& r);
   // Fails pending operations that involve a peer whose endpoint failed.
   void checkFailedPeers();
