@@ -5,6 +5,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
+# UCX headers for the optional UCX transport (DDLCOMM_TRANSPORT=ucx): best effort, as root
+# where apt-get exists; without them the build simply leaves the UCX transport out.
+if ! pkg-config --exists ucx 2>/dev/null && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+  { DEBIAN_FRONTEND=noninteractive apt-get install -y -q libucx-dev ucx-utils pkg-config >/dev/null 2>&1 ||
+    { apt-get update -q >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive apt-get install -y -q libucx-dev ucx-utils pkg-config >/dev/null 2>&1; }; } ||
+    echo "setup: libucx-dev could not be installed; building without the UCX transport" >&2
+fi
 if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi

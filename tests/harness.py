@@ -34,6 +34,10 @@ def transports() -> list[str]:
 
 def transport_env(transport: str) -> dict[str, str]:
     """The rank environment that selects `transport` (a value of transports())."""
+    if transport == "ucx-sm":
+        # UCX's shared memory without CMA: a CMA copy from a peer that just died aborts the
+        # process inside UCX 1.13 (docs/transports.md).
+        return {"DDLCOMM_TRANSPORT": "ucx", "UCX_TLS": "posix,sysv,self"}
     if transport.startswith("ucx-"):
         return {"DDLCOMM_TRANSPORT": "ucx", "UCX_TLS": transport[4:] + ",self"}
     return {"DDLCOMM_TRANSPORT": transport}

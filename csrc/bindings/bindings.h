@@ -8,7 +8,7 @@ namespace ddlcomm::bindings {
 
 // Adds the compressor kernels to `m` (csrc/bindings/compress_bindings.cc).
 void bindCompression(pybind11::module_& m);
-// Adds _hmac_sha256 (csrc/bindings/transport_bindings.cc).
+// Adds _transports and _hmac_sha256 (csrc/bindings/transport_bindings.cc).
 void bindTransport(pybind11::module_& m);
 
 }  // namespace ddlcomm::bindings

@@ -73,6 +73,20 @@ def dtype_mismatch() -> None:
     _mismatch(lambda rank: torch.ones(1000, dtype=torch.float64 if rank == 1 else torch.float32))
 
 
+def p2p_size_mismatch() -> None:
+    """A point-to-point receive shorter than the message: the receiver raises naming both sizes
+    instead of hanging or overrunning its buffer."""
+    rank, n = init(timeout_s=30)
+    if rank == 1:
+        try:
+            dist.send(torch.ones(100_000), 0, tag=9)
+        except dist.DistBackendError:
+            pass  # whether the sender learns of it is the transport's business
+    elif rank == 0:
+        text = expect(dist.DistBackendError, lambda: dist.recv(torch.empty(10), 1, tag=9), "40 bytes", "400000 bytes")
+        print(f"rank 0: {text.splitlines()[0][:300]}")
+
+
 def op_mismatch() -> None:
     rank, n = init(timeout_s=30)
     t = torch.ones(1000)
@@ -317,6 +331,7 @@ if __name__ == "__main__":
         "small_size_mismatch": small_size_mismatch,
         "dtype_mismatch": dtype_mismatch,
         "op_mismatch": op_mismatch,
+        "p2p_size_mismatch": p2p_size_mismatch,
         "peer_killed": peer_killed,
         "connection_reset": connection_reset,
         "init_destroy_cycles": init_destroy_cycles,

@@ -1,0 +1,35 @@
+"""What only the UCX transport (DDLCOMM_TRANSPORT=ucx) needs beyond the transport matrix of
+test_backend, test_faults, test_hooks and test_soak (which run over ucx-tcp and ucx-sm, UCX's
+shared memory without CMA): collectives over UCX's full shared memory (CMA included),
+receives from any rank, and a point-to-point size mismatch. Skipped without UCX."""
+
+from __future__ import annotations
+
+import pytest
+
+from harness import assert_all_ok, launch
+
+ddlcomm = pytest.importorskip("ddlcomm")
+if "ucx" not in ddlcomm.transports():
+    pytest.skip("this build of ddlcomm has no UCX transport (pkg-config found no ucx; apt-get install libucx-dev)",
+                allow_module_level=True)
+
+# UCX's own transport choice, spelled as UCX_TLS. "sm" includes CMA (process_vm_readv), which
+# the matrix leaves out because a peer dying during a CMA copy aborts the survivor in UCX 1.13.
+WIRES = {"tcp": "tcp,self", "sm": "sm,self"}
+
+
+def ucx(wire: str) -> dict[str, str]:
+    return {"DDLCOMM_TRANSPORT": "ucx", "UCX_TLS": WIRES[wire]}
+
+
+def test_collectives_over_all_of_ucx_shared_memory() -> None:
+    assert_all_ok(launch("collectives", "collectives", 2, timeout=120, env=ucx("sm")))
+
+
+def test_receive_from_any_rank() -> None:
+    assert_all_ok(launch("conformance", "recv_any_source", 3, timeout=120, env=ucx("tcp")))
+
+
+def test_point_to_point_size_mismatch_raises() -> None:
+    assert_all_ok(launch("faults", "p2p_size_mismatch", 2, timeout=60, env=ucx("tcp")))
