@@ -45,11 +45,15 @@ bool Executor::runInlineIfIdle(std::function<void(Communicator&)>& task, Done& d
     inlineThread_ = std::this_thread::get_id();
   }
   runNow(task, done);
+  bool work;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     inlineThread_ = std::thread::id();
+    work = stopping_ || !queue_.empty() || !pending_.empty();
   }
-  cv_.notify_one();  // whatever was queued meanwhile, or requests left pending, are the executor's again
+  // Whatever was queued meanwhile, or requests left pending, are the executor's again; an
+  // idle executor is not woken (on a busy core that would cost the peers a context switch).
+  if (work) cv_.notify_one();
   return true;
 }
 

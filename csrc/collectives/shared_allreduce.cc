@@ -31,16 +31,20 @@ void twoPhase(Call& call, SharedWindows& w, char* data, size_t count, DataType d
   const int n = call.comm().size(), r = call.comm().rank();
   const size_t es = elementSize(dtype), bytes = count * es;
   const int half = w.nextHalf();
-  std::memcpy(w.window(r, half), data, bytes);
+  // The peers read every slice of this rank's input but its own, which it reads in place.
+  const ring::Chunks slices{count, n};
+  const size_t mineBegin = slices.begin(r) * es, mineEnd = mineBegin + slices.length(r) * es;
+  std::memcpy(w.window(r, half), data, mineBegin);
+  std::memcpy(w.window(r, half) + mineEnd, data + mineEnd, bytes - mineEnd);
   w.sync(call.signature(), bytes, call.deadline());
 
-  const ring::Chunks slices{count, n};
   const size_t blockCount = std::max<size_t>(1, kBlockBytes / es);
   char* block = call.comm().scratch(blockCount * es, 0);
   for (size_t begin = slices.begin(r), end = begin + slices.length(r); begin < end; begin += blockCount) {
     const size_t m = std::min(blockCount, end - begin), offset = begin * es;
-    std::memcpy(block, w.window(0, half) + offset, m * es);
-    for (int p = 1; p < n; ++p) reduceInto(op, dtype, block, w.window(p, half) + offset, m);
+    auto input = [&](int p) { return p == r ? data + offset : w.window(p, half) + offset; };
+    std::memcpy(block, input(0), m * es);
+    for (int p = 1; p < n; ++p) reduceInto(op, dtype, block, input(p), m);
     if (op == ReduceOp::Avg) divideBy(dtype, block, m, double(n));
     std::memcpy(w.window(r, half) + offset, block, m * es);  // read by the others after the sync
     std::memcpy(data + offset, block, m * es);

@@ -156,7 +156,6 @@ std::unique_ptr<Transport> ShmTransport::layer(std::unique_ptr<Transport> networ
   if (t->options_.spin.count() < 0) {
     t->options_.spin = std::chrono::microseconds(t->oversubscribed_ ? 5 : 50);
   }
-  t->spin_ = t->options_.spin;
   t->windowed_ = everyPair && t->layout_.windowBytes > 0 && int(t->peers_.size()) + 1 == size;
   t->mixed_ = int(t->peers_.size()) + 1 < size;
   return t;
@@ -298,8 +297,7 @@ bool ShmTransport::shmBusy() const {
 template <typename Done>
 void ShmTransport::progressUntil(Done&& done, Deadline deadline, int waitedPeer, const Signature& signature) {
   SegmentHeader& mine = own_.header();
-  Clock::time_point spinUntil = Clock::now() + spin_;
-  bool slept = false;
+  Clock::time_point spinUntil = Clock::now() + options_.spin;
   Clock::time_point nextCheck = Clock::now() + kLivenessPeriod, nextProbe = Clock::now() + std::chrono::seconds(1);
   bool published = false;
   unsigned spins = 0;
@@ -313,16 +311,13 @@ void ShmTransport::progressUntil(Done&& done, Deadline deadline, int waitedPeer,
     if (done()) break;
     Clock::time_point now = Clock::now();
     if (moved) {
-      spinUntil = now + spin_;
+      spinUntil = now + options_.spin;
       nextProbe = now + std::chrono::seconds(1);
       continue;
     }
     if (now < spinUntil) {
-      if (oversubscribed_) {
-        sched_yield();
-      } else {
-        cpuRelax();
-      }
+      // Yield rather than pause: if the scheduler put a peer on this core, it runs now.
+      sched_yield();
       continue;
     }
     if (now >= deadline) timedOut(waitedPeer, signature, "");
@@ -331,7 +326,6 @@ void ShmTransport::progressUntil(Done&& done, Deadline deadline, int waitedPeer,
       published = true;
     }
     sleep(deadline);
-    slept = true;
     now = Clock::now();
     if (now >= nextCheck) {
       checkPeers(waitedPeer, signature);
@@ -344,11 +338,8 @@ void ShmTransport::progressUntil(Done&& done, Deadline deadline, int waitedPeer,
              waitedPeer, ": another rank failed");
       }
     }
-    spinUntil = Clock::now() + spin_ / 4;  // woken: spin a little before sleeping again
+    spinUntil = Clock::now() + options_.spin / 4;  // woken: spin a little before sleeping again
   }
-  // Adaptive, like glibc's adaptive mutexes: spinning pays while peers run on other cores
-  // and only delays them when they wait for this core.
-  spin_ = slept ? std::max(std::chrono::microseconds(1), spin_ / 2) : std::min(options_.spin, spin_ * 2);
   if (published) mine.waitingIn.store(0, std::memory_order_relaxed);
 }
 
