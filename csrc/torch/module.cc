@@ -48,9 +48,10 @@ PYBIND11_MODULE(_C, m) {
             return d;
           },
           "This group's counters, taken after everything submitted before: all-reduces per algorithm "
-          "(ring_allreduces, recursive_doubling_allreduces, shared_memory_allreduces), established TCP "
-          "connections to each rank (connections_per_peer), bytes_sent on them (TCP_INFO tcpi_bytes_sent: frame "
-          "headers, the connection handshake and retransmissions included), the ranks reached through shared "
+          "(ring_allreduces, recursive_doubling_allreduces, shared_memory_allreduces), the network transport's "
+          "connections to each rank (connections_per_peer) and bytes_sent on them (TCP: TCP_INFO "
+          "tcpi_bytes_sent, frame headers, the handshake and retransmissions included; UCX: header and payload "
+          "bytes of completed sends), the ranks reached through shared "
           "memory (shared_memory_peers) and the message bytes written to their rings (shared_memory_bytes_sent).")
       .def_static("encode_stream", &ddlcomm::encodeStream, py::arg("call_stream"), py::arg("rank"), py::arg("phase"),
                   py::arg("chunk"), py::arg("size"), py::arg("segment") = 0)

@@ -40,10 +40,12 @@ struct Request {
   bool done() const { return piecesLeft == 0; }
 };
 
-// What the kernel says about a transport's connections (tests and diagnostics).
+// What a transport says about its connections (tests and diagnostics).
 struct TransportStats {
   std::vector<int> connectionsPerPeer;  // established connections to each rank (0 for itself)
-  uint64_t bytesSent = 0;  // TCP_INFO tcpi_bytes_sent summed over its open sockets (retransmissions too)
+  // What the network transport sent: TCP, TCP_INFO tcpi_bytes_sent summed over its open sockets
+  // (retransmissions too); UCX, header and payload bytes of completed sends.
+  uint64_t bytesSent = 0;
   int sharedMemoryPeers = 0;           // ranks reached through shared memory
   uint64_t sharedMemoryBytesSent = 0;  // message bytes (headers included) written to their rings
 };
