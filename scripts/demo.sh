@@ -7,7 +7,7 @@ bash scripts/setup.sh
 cd "$(mktemp -d)"  # run against the installed package
 export OMP_NUM_THREADS=1
 for n in 2 4; do
-  echo "== all-reduce, $n ranks: ddlcomm vs gloo"
+  echo "== all-reduce, $n ranks: gloo and ddlcomm over each of its transports"
   "$OLDPWD/.venv/bin/torchrun" --standalone --nproc-per-node "$n" -m ddlcomm.bench.collectives \
     --ops all_reduce --budget 0.3 2>&1 | grep -v -e "^W[0-9]" -e OMP_NUM_THREADS -e '^\*\*\*'
 done

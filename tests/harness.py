@@ -24,23 +24,20 @@ WORKERS = Path(__file__).parent / "workers"
 
 
 def transports() -> list[str]:
-    """The DDLCOMM_TRANSPORT values to run transport-matrix tests over: tcp, shm, and ucx in a
-    build with UCX (over its tcp and shared-memory transports: ``ucx-tcp``, ``ucx-sm``)."""
+    """The DDLCOMM_TRANSPORT values to run transport-matrix tests over: tcp, shm, and ucx (over
+    UCX's tcp transport) in a build with UCX. test_ucx.py adds UCX's shared memory."""
     import ddlcomm
 
-    built = ddlcomm.transports()
-    return ["tcp", "shm"] + (["ucx-tcp", "ucx-sm"] if "ucx" in built else [])
+    return ["tcp", "shm"] + (["ucx"] if "ucx" in ddlcomm.transports() else [])
 
 
 def transport_env(transport: str) -> dict[str, str]:
     """The rank environment that selects `transport` (a value of transports())."""
-    if transport == "ucx-sm":
-        # UCX's shared memory without CMA: a CMA copy from a peer that just died aborts the
-        # process inside UCX 1.13 (docs/transports.md).
-        return {"DDLCOMM_TRANSPORT": "ucx", "UCX_TLS": "posix,sysv,self"}
-    if transport.startswith("ucx-"):
-        return {"DDLCOMM_TRANSPORT": "ucx", "UCX_TLS": transport[4:] + ",self"}
+    if transport == "ucx":
+        return {"DDLCOMM_TRANSPORT": "ucx", "UCX_TLS": "tcp,self"}
     return {"DDLCOMM_TRANSPORT": transport}
+
+
 # Set for every rank, besides the rendezvous variables.
 RANK_ENV = {
     "OMP_NUM_THREADS": "1",

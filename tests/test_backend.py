@@ -34,12 +34,13 @@ def run_python(code: str, tmp_path: Path, *args: str, env: dict[str, str] | None
 
 
 # Every transport at 4 ranks (oversubscribed on these 2 cores), and smaller groups.
-@pytest.mark.parametrize("transport, world_size", [(t, 4) for t in transports()] + [("shm", 2), ("shm", 3), ("tcp", 2)])
+# Uneven slices (3 ranks) over shared memory: test_shared_memory_rings_and_windows_smaller_than_the_messages.
+@pytest.mark.parametrize("transport, world_size", [(t, 4) for t in transports()] + [("shm", 2)])
 def test_allreduce_every_dtype_and_op(transport: str, world_size: int) -> None:
     assert_all_ok(launch("collectives", "allreduce", world_size, timeout=240, env=transport_env(transport)))
 
 
-@pytest.mark.parametrize("transport, world_size", [(t, 4) for t in transports()] + [("shm", 2), ("tcp", 2)])
+@pytest.mark.parametrize("transport, world_size", [(t, 4) for t in transports()] + [("shm", 2)])
 def test_other_collectives(transport: str, world_size: int) -> None:
     assert_all_ok(launch("collectives", "collectives", world_size, timeout=240, env=transport_env(transport)))
 

@@ -8,8 +8,8 @@ import pytest
 
 from harness import assert_all_ok, launch, transport_env, transports
 
-# Every transport at 4 ranks (oversubscribed: these machines have 2 cores), tcp and shm at 2.
-MATRIX = [(t, 4) for t in transports()] + [("tcp", 2), ("shm", 2)]
+# Every transport at 4 ranks (oversubscribed: these machines have 2 cores), and shm at 2.
+MATRIX = [(t, 4) for t in transports()] + [("shm", 2)]
 
 
 def test_bad_arguments_raise_synchronously() -> None:
@@ -42,21 +42,25 @@ def test_hook_raises_distbackenderror_when_a_peer_dies() -> None:
     assert_all_ok([r for r in results if r.rank != 1])
 
 
-@pytest.mark.parametrize("transport", transports())
-@pytest.mark.parametrize("when, trial", [("before", 0), ("during", 0), ("during", 1), ("after", 0)])
-def test_killed_peer_is_named_by_every_survivor(when: str, trial: int, transport: str) -> None:
+# Every moment over tcp and shm; a kill during traffic over the others.
+KILLS = [(t, when) for t in ("tcp", "shm") for when in ("before", "during", "after")] + [
+    (t, "during") for t in transports() if t not in ("tcp", "shm")]
+
+
+@pytest.mark.parametrize("transport, when", KILLS)
+def test_killed_peer_is_named_by_every_survivor(when: str, transport: str) -> None:
     results = launch("faults", "peer_killed", 4, timeout=90, args=(when,), env=transport_env(transport))
     assert results[1].returncode == -signal.SIGKILL, results[1].output
     assert_all_ok([r for r in results if r.rank != 1])
 
 
-@pytest.mark.parametrize("trial", range(3))
+@pytest.mark.parametrize("trial", range(2))
 def test_connection_reset_is_named_by_every_rank(trial: int) -> None:
     # Resets TCP sockets: meaningful over TCP only.
     assert_all_ok(launch("faults", "connection_reset", 4, timeout=90, env=transport_env("tcp")))
 
 
-@pytest.mark.parametrize("transport", transports())
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
 def test_straggler_beyond_timeout(transport: str) -> None:
     assert_all_ok(launch("faults", "straggler", 4, timeout=60, env=transport_env(transport)))
 

@@ -1,9 +1,11 @@
 """What only the UCX transport (DDLCOMM_TRANSPORT=ucx) needs beyond the transport matrix of
-test_backend, test_faults, test_hooks and test_soak (which run over ucx-tcp and ucx-sm, UCX's
-shared memory without CMA): collectives over UCX's full shared memory (CMA included),
+test_backend, test_faults and test_soak (which run over UCX's tcp): collectives over UCX's
+full shared memory (CMA included), a killed peer over UCX's shared memory without CMA,
 receives from any rank, and a point-to-point size mismatch. Skipped without UCX."""
 
 from __future__ import annotations
+
+import signal
 
 import pytest
 
@@ -16,7 +18,7 @@ if "ucx" not in ddlcomm.transports():
 
 # UCX's own transport choice, spelled as UCX_TLS. "sm" includes CMA (process_vm_readv), which
 # the matrix leaves out because a peer dying during a CMA copy aborts the survivor in UCX 1.13.
-WIRES = {"tcp": "tcp,self", "sm": "sm,self"}
+WIRES = {"tcp": "tcp,self", "sm": "sm,self", "sm-without-cma": "posix,sysv,self"}
 
 
 def ucx(wire: str) -> dict[str, str]:
@@ -25,6 +27,12 @@ def ucx(wire: str) -> dict[str, str]:
 
 def test_collectives_over_all_of_ucx_shared_memory() -> None:
     assert_all_ok(launch("collectives", "collectives", 2, timeout=120, env=ucx("sm")))
+
+
+def test_killed_peer_over_ucx_shared_memory_without_cma() -> None:
+    results = launch("faults", "peer_killed", 3, timeout=90, args=("during",), env=ucx("sm-without-cma"))
+    assert results[1].returncode == -signal.SIGKILL, results[1].output
+    assert_all_ok([r for r in results if r.rank != 1])
 
 
 def test_receive_from_any_rank() -> None:

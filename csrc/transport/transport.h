@@ -111,6 +111,19 @@ class Transport {
   void setFailureProbe(FailureProbe probe) { failureProbe_ = std::move(probe); }
 
  protected:
+  // Runs `body`; an Error aborts the transport before it propagates: callers unwind their
+  // stacks, and with them the Requests the transport still points to.
+  template <typename Body>
+  void guarded(Body&& body) {
+    try {
+      body();
+    } catch (const Error& e) {
+      abort(e.kind(), e.what());
+      throwIfBroken();
+      throw;
+    }
+  }
+
   FailureHook failureHook_;
   FailureProbe failureProbe_;
 };

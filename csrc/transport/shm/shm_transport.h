@@ -84,16 +84,6 @@ class ShmTransport final : public Transport, private SharedWindows {
 
   ShmTransport(std::unique_ptr<Transport> network, const ShmOptions& options);
 
-  template <typename Body>
-  void guarded(Body&& body) {
-    try {
-      body();
-    } catch (const Error& e) {
-      abort(e.kind(), e.what());
-      throwIfBroken();
-      throw;
-    }
-  }
   Peer* local(int rank) { return peerIndex_[size_t(rank)] < 0 ? nullptr : &peers_[size_t(peerIndex_[size_t(rank)])]; }
   bool viaNetwork(const Request& r) const {
     return r.signature.op == OpCode::PointToPoint || r.peer < 0 || peerIndex_[size_t(r.peer)] < 0;

@@ -96,18 +96,6 @@ class TcpTransport final : public Transport {
   void establish(KeyValueStore& store);
   Connection& connection(int peer, int index) { return connections_[size_t(peer) * options_.connectionsPerPeer + index]; }
   int pieceCount(const Request& request) const;
-  // Every failure aborts before it propagates: callers unwind their stacks, and with them
-  // the Requests the connection queues still point to.
-  template <typename Body>
-  void guarded(Body&& body) {
-    try {
-      body();
-    } catch (const Error& e) {
-      abort(e.kind(), e.what());
-      throwIfBroken();
-      throw;
-    }
-  }
   void postSendUnguarded(Request& request);
   void postRecvUnguarded(Request& request);
   void checkPeer(int peer, const char* what) const;

@@ -113,16 +113,6 @@ class UcxTransport final : public Transport {
 
   UcxTransport(int rank, int size);
   void establish(KeyValueStore& store, std::chrono::milliseconds connectTimeout);
-  template <typename Body>
-  void guarded(Body&& body) {
-    try {
-      body();
-    } catch (const Error& e) {
-      abort(e.kind(), e.what());
-      throwIfBroken();
-      throw;
-    }
-  }
   void checkPeer(int peer, const char* what) const;
   Op& newOp(OpKind kind, Request* request, int peer);
   void submitSend(Op& op, ucp_tag_t tag);
