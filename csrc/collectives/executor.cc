@@ -88,6 +88,15 @@ void Executor::abort(const std::string& reason) {
   comm_->transport().wakeup();
 }
 
+void Executor::stop() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stopping_ = true;
+  }
+  cv_.notify_one();
+  comm_->transport().wakeup();
+}
+
 void Executor::shutdown() {
   {
     std::lock_guard<std::mutex> lock(mutex_);

@@ -44,6 +44,12 @@ class Executor {
   void abort(const std::string& reason);
   // Stops accepting work, drains the queue, joins the thread. Idempotent.
   void shutdown();
+  // Stops accepting work and lets the thread finish by itself, without joining it: for a
+  // caller on a thread the executor owns or waits for (a completion callback), which cannot
+  // join it.
+  void stop();
+  // Whether this thread is the executor's or runs an operation inline.
+  bool onOwningThread();
 
   int rank() const { return rank_; }
   int size() const { return size_; }
@@ -59,7 +65,6 @@ class Executor {
     Deadline deadline;
   };
   void loop();
-  bool onOwningThread();
   void runNow(std::function<void(Communicator&)>& task, Done& done, bool fromLoop = false);
   void progressPending(std::chrono::milliseconds maxWait);
   void completePending();

@@ -192,6 +192,14 @@ ProcessGroupDdlcomm::ProcessGroupDdlcomm(const c10::intrusive_ptr<c10d::Store>& 
 }
 
 ProcessGroupDdlcomm::~ProcessGroupDdlcomm() {
+  if (executor_->onOwningThread()) {
+    // The last reference went away in a completion callback, on the executor's thread or an
+    // inline caller it waits for: joining it from here would deadlock. It is stopped and left
+    // to finish by itself, and its memory is not reclaimed (this happens at exit, in practice).
+    executor_->stop();
+    (void)executor_.release();
+    return;
+  }
   // Python may drop the last reference with the GIL held, while the progress thread needs
   // the GIL to free the Python object of a tensor it still holds: join without the GIL.
   std::optional<pybind11::gil_scoped_release> noGil;
