@@ -124,6 +124,18 @@ class Transport {
     }
   }
 
+  // What a transport that fails with `reason` reports: the failure hook's message, called here
+  // once per transport from abort(), or `reason` itself for a deliberate shutdown (Aborted),
+  // without a hook, or if the hook throws (it is best effort).
+  std::string failureMessage(ErrorKind kind, const std::string& reason) noexcept {
+    if (!failureHook_ || kind == ErrorKind::Aborted) return reason;
+    try {
+      return failureHook_(kind, reason);
+    } catch (...) {
+      return reason;
+    }
+  }
+
   FailureHook failureHook_;
   FailureProbe failureProbe_;
 };

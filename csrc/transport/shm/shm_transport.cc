@@ -484,14 +484,7 @@ void ShmTransport::abort(ErrorKind kind, const std::string& reason) noexcept {
   if (broken_) return;
   broken_ = true;
   brokenKind_ = kind;
-  brokenReason_ = reason;
-  if (failureHook_ && kind != ErrorKind::Aborted) {
-    try {
-      brokenReason_ = failureHook_(kind, reason);
-    } catch (...) {
-      // Keep the local reason; the hook is best effort.
-    }
-  }
+  brokenReason_ = failureMessage(kind, reason);
   for (Peer& p : peers_) {
     for (Out& o : p.sends) o.request->failed = true, o.request->piecesLeft = 0;
     for (In& i : p.recvs) i.request->failed = true, i.request->piecesLeft = 0;

@@ -560,14 +560,7 @@ void TcpTransport::abort(ErrorKind kind, const std::string& reason) noexcept {
   if (broken_) return;
   broken_ = true;
   brokenKind_ = kind;
-  brokenReason_ = reason;
-  if (failureHook_ && kind != ErrorKind::Aborted) {  // not for a deliberate shutdown
-    try {
-      brokenReason_ = failureHook_(kind, reason);
-    } catch (...) {
-      // Keep the local reason; the hook is best effort.
-    }
-  }
+  brokenReason_ = failureMessage(kind, reason);
   auto failAll = [](auto& pieces) {
     for (auto& p : pieces) {
       p.request->failed = true;

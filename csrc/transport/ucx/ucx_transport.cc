@@ -364,14 +364,7 @@ void UcxTransport::abort(ErrorKind kind, const std::string& reason) noexcept {
   if (broken_) return;
   broken_ = true;
   brokenKind_ = kind;
-  brokenReason_ = reason;
-  if (failureHook_ && kind != ErrorKind::Aborted) {  // not for a deliberate shutdown
-    try {
-      brokenReason_ = failureHook_(kind, reason);
-    } catch (...) {
-      // Keep the local reason; the hook is best effort.
-    }
-  }
+  brokenReason_ = failureMessage(kind, reason);
   bool idle = true;
   for (Op& op : active_) {
     if (op.request) {
