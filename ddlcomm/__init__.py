@@ -20,6 +20,7 @@ import sys
 from datetime import timedelta
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 try:
@@ -90,5 +91,7 @@ def _destroy_at_exit() -> None:
 
 
 if BACKEND_NAME not in dist.Backend.backend_list:
-    dist.Backend.register_backend(BACKEND_NAME, _create_backend, extended_api=True, devices=["cpu"])
+    # CUDA tensors go through pinned host memory (csrc/torch/device_staging.h), on a torch with CUDA.
+    _DEVICES = ["cpu", "cuda"] if torch.backends.cuda.is_built() else ["cpu"]
+    dist.Backend.register_backend(BACKEND_NAME, _create_backend, extended_api=True, devices=_DEVICES)
     atexit.register(_destroy_at_exit)

@@ -1,4 +1,4 @@
-"""Gradient compressors with error feedback, on CPU tensors.
+"""Gradient compressors with error feedback, on CPU and CUDA tensors.
 
 Every compressor turns a float32 / float16 / bfloat16 tensor into a self-describing
 ``torch.uint8`` payload (layout: ``csrc/compress/wire_format.h``) and back. With a float32
@@ -19,9 +19,18 @@ so nothing is lost, only delayed. Example::
     grad_hat = compressor.decode(payload)            # float32, grad.numel() elements
     compressor.decode_accumulate(payload, total)     # total += decoded
 
-Tensors are used in place: inputs and residuals must be contiguous CPU tensors (any shape;
-they are read as flat vectors). Wrong types and dtypes raise TypeError; wrong devices,
-layouts, sizes, out-of-range numbers and corrupt payloads raise ValueError.
+Tensors are used in place: inputs and residuals must be contiguous tensors on one device
+(any shape; they are read as flat vectors). Wrong types and dtypes raise TypeError; wrong
+devices, layouts, sizes, out-of-range numbers and corrupt payloads raise ValueError.
+
+CUDA tensors (a build against a CUDA torch; ``has_cuda()``) are compressed by the CUDA
+kernels into the same bytes as on the CPU: a payload encoded on a GPU decodes on a CPU and
+back. Their calls are asynchronous on the current CUDA stream, like torch's own operations,
+except ``decode`` and ``decode_accumulate`` of a payload in device memory: they first read
+its 32-byte header on the host (a wait for the stream) to check it against the compressor,
+and check the size against the element count. The rest of such a payload is not validated
+on the GPU (the kernels never read or write outside the buffers whatever the bytes are);
+``inspect`` a copy on the CPU to validate everything.
 """
 
 from __future__ import annotations
@@ -35,7 +44,7 @@ from . import _C
 
 # What `from ddlcomm.compress import *` binds. inspect() is public but left out: a star import
 # would shadow the standard library's inspect module (import it by name).
-__all__ = ["Compressor", "OneBit", "Ternary", "TopK", "RandomK", "FP16", "BF16", "all_finite"]
+__all__ = ["Compressor", "OneBit", "Ternary", "TopK", "RandomK", "FP16", "BF16", "all_finite", "has_cuda"]
 
 _native = _C.compress
 
@@ -43,6 +52,12 @@ _native = _C.compress
 _DTYPE_CODES = {torch.float32: 0, torch.float16: 2, torch.bfloat16: 3}
 _HEADER_BYTES = 32
 _FORMAT_OFFSET = 5  # byte of the header that holds the format (wire_format.h)
+_NUMEL_OFFSET = 16  # uint64 element count
+
+
+def has_cuda() -> bool:
+    """Whether this build has the CUDA kernels (it was built against a CUDA torch)."""
+    return bool(_native.has_cuda)
 
 
 def _integer(value: Any, name: str, low: int, bits: int) -> int:
@@ -58,10 +73,23 @@ def _integer(value: Any, name: str, low: int, bits: int) -> int:
 def _check_tensor(tensor: Any, name: str) -> None:
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
-    if tensor.device.type != "cpu":
-        raise ValueError(f"{name} must be a CPU tensor, got device {tensor.device}")
+    if tensor.device.type == "cuda":
+        if not _native.has_cuda:
+            raise ValueError(f"{name} is on {tensor.device}, but this build of ddlcomm has no CUDA kernels (it was "
+                             f"built against a CPU-only torch): move it to the CPU or rebuild against a CUDA torch")
+    elif tensor.device.type != "cpu":
+        raise ValueError(f"{name} must be a CPU or CUDA tensor, got device {tensor.device}")
     if not tensor.is_contiguous():
         raise ValueError(f"{name} must be contiguous")
+
+
+def _check_device(tensor: torch.Tensor, other: torch.Tensor, name: str, of: str = "the tensor") -> None:
+    if other.device != tensor.device:
+        raise ValueError(f"{name} is on {other.device}, {of} on {tensor.device}: they must be on one device")
+
+
+def _cuda_stream(device: torch.device) -> int:
+    return torch.cuda.current_stream(device).cuda_stream
 
 
 def _check_float(tensor: Any, name: str) -> None:
@@ -91,6 +119,8 @@ def inspect(payload: torch.Tensor) -> dict:
     Raises ValueError for a truncated, corrupt or unknown payload.
     """
     _check_payload(payload)
+    if payload.is_cuda:
+        raise ValueError("inspect() reads the payload on the host: pass payload.cpu()")
     return _native.inspect(payload.data_ptr(), payload.numel())
 
 
@@ -145,6 +175,7 @@ class Compressor:
         residual_ptr = 0
         if residual is not None:
             _check_float32(residual, "residual")
+            _check_device(tensor, residual, "residual")
             if residual.numel() != tensor.numel():
                 raise ValueError(f"residual has {residual.numel()} elements, the tensor has {tensor.numel()}")
             residual_ptr = residual.data_ptr()
@@ -152,14 +183,27 @@ class Compressor:
         numel = tensor.numel()
         nbytes = self.compressed_nbytes(numel)
         if out is None:
-            payload = torch.empty(nbytes, dtype=torch.uint8)
+            payload = torch.empty(nbytes, dtype=torch.uint8, device=tensor.device)
         else:
             _check_payload(out, "out")
+            _check_device(tensor, out, "out")
             if out.numel() < nbytes:
                 raise ValueError(f"out holds {out.numel()} bytes, the payload needs {nbytes}")
             payload = out.view(-1)[:nbytes]
-        _native.encode(self._config, _DTYPE_CODES[tensor.dtype], tensor.data_ptr(), residual_ptr, numel, stream,
-                       payload.data_ptr(), nbytes)  # writes exactly compressed_nbytes(numel) bytes
+        if not tensor.is_cuda:
+            _native.encode(self._config, _DTYPE_CODES[tensor.dtype], tensor.data_ptr(), residual_ptr, numel, stream,
+                           payload.data_ptr(), nbytes)  # writes exactly compressed_nbytes(numel) bytes
+            return payload
+        if payload.data_ptr() % 4:
+            raise ValueError("out must start at a 4-byte aligned address on a GPU")
+        code = _DTYPE_CODES[tensor.dtype]
+        with torch.cuda.device(tensor.device):
+            scratch = _native.encode_workspace_bytes_cuda(self._config, code, numel)
+            # From torch's caching allocator on the current stream: reused, never synchronized.
+            workspace = torch.empty(scratch, dtype=torch.uint8, device=tensor.device) if scratch else None
+            _native.encode_cuda(self._config, code, tensor.data_ptr(), residual_ptr, numel, stream,
+                                payload.data_ptr(), nbytes, 0 if workspace is None else workspace.data_ptr(), scratch,
+                                _cuda_stream(tensor.device))
         return payload
 
     def decode(self, payload: torch.Tensor, out: Optional[torch.Tensor] = None, numel: Optional[int] = None,
@@ -175,28 +219,66 @@ class Compressor:
             numel = _integer(numel, "numel", 0, 63)
         if dtype is not None and dtype not in _DTYPE_CODES:
             raise TypeError(f"dtype must be torch.float32, torch.float16 or torch.bfloat16, got {dtype!r}")
+        carried = self._device_header(payload) if payload.is_cuda else None
         if out is None:
-            count = inspect(payload)["numel"] if numel is None else numel
-            out = torch.empty(count, dtype=torch.float32 if dtype is None else dtype)
+            if numel is None:
+                numel = inspect(payload)["numel"] if carried is None else carried
+            out = torch.empty(numel, dtype=torch.float32 if dtype is None else dtype, device=payload.device)
         else:
             _check_float(out, "out")
+            _check_device(payload, out, "out", "the payload")
             if dtype is not None and dtype != out.dtype:
                 raise TypeError(f"dtype={dtype} but out is {out.dtype}: pass one of them")
             if numel is not None and numel != out.numel():
                 raise ValueError(f"numel={numel} but out has {out.numel()} elements")
-        _native.decode(payload.data_ptr(), payload.numel(), _DTYPE_CODES[out.dtype], out.data_ptr(), out.numel())
-        return out
+        if carried is None:
+            _native.decode(payload.data_ptr(), payload.numel(), _DTYPE_CODES[out.dtype], out.data_ptr(), out.numel())
+            return out
+        if carried != out.numel():
+            raise ValueError(f"the payload carries {carried} elements, out has {out.numel()}")
+        return self._decode_device(payload, out, accumulate=False)
 
     def decode_accumulate(self, payload: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """``out += decode(payload)`` in float32 (``out`` must be float32). Returns ``out``."""
         self._check_format(payload)
         _check_float32(out, "out")
-        _native.decode_accumulate(payload.data_ptr(), payload.numel(), out.data_ptr(), out.numel())
+        _check_device(payload, out, "out", "the payload")
+        if not payload.is_cuda:
+            _native.decode_accumulate(payload.data_ptr(), payload.numel(), out.data_ptr(), out.numel())
+            return out
+        carried = self._device_header(payload)
+        if carried != out.numel():
+            raise ValueError(f"the payload carries {carried} elements, out has {out.numel()}")
+        return self._decode_device(payload, out, accumulate=True)
+
+    def _device_header(self, payload: torch.Tensor) -> int:
+        """Checks the header of a payload in device memory against this compressor, on the host
+        (waits for the current stream); returns its element count."""
+        header = payload[:_HEADER_BYTES].cpu()
+        _native.check_payload_config(header.data_ptr(), header.numel(), self._config)
+        return int(header[_NUMEL_OFFSET:_NUMEL_OFFSET + 8].view(torch.int64))
+
+    def _check_received(self, payload: torch.Tensor, numel: int) -> None:
+        """Validates a payload in host memory completely (header, size, indices, codes) as one
+        of this compressor for ``numel`` elements, before it goes to a GPU to be decoded."""
+        _native.check_payload_config(payload.data_ptr(), payload.numel(), self._config)
+        carried = _native.inspect(payload.data_ptr(), payload.numel())["numel"]
+        if carried != numel:
+            raise ValueError(f"the payload carries {carried} elements, {numel} were expected")
+
+    def _decode_device(self, payload: torch.Tensor, out: torch.Tensor, accumulate: bool) -> torch.Tensor:
+        """The CUDA decode of a payload already checked (or produced here) for ``out.numel()``
+        elements: enqueued on the current stream, no host synchronization."""
+        with torch.cuda.device(out.device):
+            _native.decode_cuda(self._config, out.numel(), payload.data_ptr(), payload.numel(),
+                                _DTYPE_CODES[out.dtype], out.data_ptr(), accumulate, _cuda_stream(out.device))
         return out
 
     def _check_format(self, payload: Any) -> None:
         # Float16 and BFloat16 payloads have the same layout: only the format byte tells them apart.
         _check_payload(payload)
+        if payload.is_cuda:
+            return  # _device_header checks it, with the rest of the header, in one copy
         if payload.numel() > _FORMAT_OFFSET and int(payload[_FORMAT_OFFSET]) != int(self._format):
             raise ValueError(f"{type(self).__name__} cannot decode a payload of format byte "
                              f"{int(payload[_FORMAT_OFFSET])} (expected {int(self._format)}, {self.format})")

@@ -13,6 +13,13 @@ segment every rank encodes its part in n chunks with its worker residual; rank i
 and sums chunk i from every rank in rank order, re-encodes the sum with its server
 residual; an all-gather of those payloads gives every rank the same bytes. Sparse formats
 (top-k, random-k) all-gather the (index, value) payloads and sum them in rank order.
+
+CUDA tensors are encoded and decoded on their GPU, on the current stream. Over NCCL the
+payloads stay in device memory. Over gloo and ddlcomm (whose collectives run on the CPU)
+only the payloads cross PCIe, through pinned host memory: each copy is waited for by a CUDA
+event, never a device synchronization, and what arrives is validated on the host before it
+goes back to the GPU. The result is bitwise the same as on the CPU for the deterministic
+formats (the CUDA kernels are bit-exact twins of the CPU ones).
 """
 
 from __future__ import annotations
@@ -117,14 +124,15 @@ def compressed_all_reduce(
     stream: int = 0,
     verify: bool = True,
 ) -> torch.futures.Future:
-    """All-reduces `tensor` in place through `compressor`; returns a Future of the tensor.
+    """All-reduces `tensor` (CPU or CUDA) in place through `compressor`; returns a Future of the tensor.
 
     A communication failure raises from the Future's ``wait()`` as torch's ``Future.then``
     reports it: a RuntimeError quoting the ``DistBackendError``. To catch the
     ``DistBackendError`` itself, wait on the first future of ``start_compressed_all_reduce``.
 
     Args:
-        tensor: float32, float16 or bfloat16 CPU tensor; overwritten with the result.
+        tensor: float32, float16 or bfloat16 tensor, on the CPU or a GPU; overwritten
+            with the result. Residuals live on the tensor's device.
         compressor: a ``ddlcomm.compress`` compressor.
         worker_residual: float32 tensor of ``tensor.numel()`` elements (error feedback of
             what this rank sent), updated in place; None disables worker error feedback.
@@ -158,24 +166,25 @@ def start_compressed_all_reduce(
     Waiting on the first raises a failure as itself (``DistBackendError``); torch's
     ``Future.then``, which makes the second, would wrap it in a RuntimeError.
     """
+    wire = _Wire(tensor, group)
     # Random-k sends a random sample, which can miss a non-finite entry; a non-finite gradient
     # anywhere must still make the result non-finite everywhere (GradScaler skips the step),
     # and the residuals must not take it in.
     if compressor.format == "random_k":
-        poisoned = torch.tensor([0 if all_finite(tensor) else 1], dtype=torch.uint8)
+        poisoned = torch.tensor([0 if all_finite(tensor) else 1], dtype=torch.uint8, device=wire.device)
         work = dist.all_reduce(poisoned, op=dist.ReduceOp.MAX, group=group, async_op=True)
         work.wait()
         if poisoned.item():
             return _completed(work.get_future(), tensor.fill_(float("nan")))
 
-    backend = native_backend(group)
+    backend = native_backend(group) if not tensor.is_cuda else None
     if backend is not None:
         work = backend.compressed_allreduce(
             tensor, compressor._config, worker_residual, server_residual, average, int(stream)
         )
         raw = work.get_future()
         return raw, raw.then(lambda fut: fut.value()[0])
-    _fallback(tensor, compressor, worker_residual, server_residual, group, average, int(stream), verify)
+    _fallback(tensor, compressor, worker_residual, server_residual, group, average, int(stream), verify, wire)
     done: torch.futures.Future = torch.futures.Future()
     done.set_result([tensor])
     return _completed(done, tensor)
@@ -187,6 +196,73 @@ def _completed(raw: torch.futures.Future, tensor: torch.Tensor) -> tuple[torch.f
     return raw, done
 
 
+class _Wire:
+    """Where the payloads of one compressed all-reduce travel: with the tensor when the group's
+    collectives run there (CPU tensors; CUDA tensors over NCCL), else through pinned host memory
+    (CUDA tensors over gloo or ddlcomm, whose collectives run on the CPU)."""
+
+    def __init__(self, tensor: torch.Tensor, group: Optional[dist.ProcessGroup]) -> None:
+        self.gpu = tensor.device if tensor.is_cuda else None
+        self.staged = self.gpu is not None and not _collectives_on_gpu(group or dist.group.WORLD, tensor.device)
+        self.device = torch.device("cpu") if self.staged else tensor.device
+
+    def send(self, payload: torch.Tensor) -> torch.Tensor:
+        """``payload`` where the collective can send it: a pinned host copy when staged, made on
+        the current stream and waited for through an event."""
+        if not self.staged:
+            return payload
+        host = torch.empty(payload.shape, dtype=payload.dtype, pin_memory=True)
+        host.copy_(payload, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        copied.synchronize()
+        return host
+
+    def receive(self, payloads: torch.Tensor, compressor: Compressor, numels: list[int]) -> torch.Tensor:
+        """Rows of payloads that arrived, on the tensor's device: staged ones are validated on
+        the host first (row i carries numels[i] elements; its first nbytes(i) bytes are the
+        payload), then copied to the GPU on the current stream."""
+        if not self.staged:
+            return payloads
+        for row, numel in zip(payloads, numels):
+            compressor._check_received(row[: compressor.compressed_nbytes(numel)], numel)
+        return payloads.to(self.gpu, non_blocking=True)
+
+    def empty(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device, pin_memory=self.staged)
+
+
+def _aligned(nbytes: int) -> int:
+    return (nbytes + 3) // 4 * 4
+
+
+def _collectives_on_gpu(group: dist.ProcessGroup, device: torch.device) -> bool:
+    """Whether `group` runs collectives of tensors on `device` on that GPU (NCCL does; gloo and
+    ddlcomm stage them through the CPU)."""
+    try:
+        backend = group._get_backend(device)
+    except RuntimeError:
+        return False
+    return "nccl" in type(getattr(backend, "wrapped_pg", backend)).__name__.lower()
+
+
+def _accumulate(compressor: Compressor, payloads: torch.Tensor, acc: torch.Tensor, numel: int) -> None:
+    """acc += decode(row) for each row of payloads (of numel elements each), in row order."""
+    nbytes = compressor.compressed_nbytes(numel)
+    for part in payloads:
+        if acc.is_cuda:
+            compressor._decode_device(part[:nbytes], acc, accumulate=True)
+        else:
+            compressor.decode_accumulate(part[:nbytes], acc)
+
+
+def _decode(compressor: Compressor, payload: torch.Tensor, out: torch.Tensor) -> None:
+    if out.is_cuda:
+        compressor._decode_device(payload, out, accumulate=False)
+    else:
+        compressor.decode(payload, out=out)
+
+
 class _Agreement:
     """Every rank must reduce as many elements, of one dtype, with one compressor: gloo would
     abort the process on mismatched payload sizes (the native backend checks this itself).
@@ -194,13 +270,14 @@ class _Agreement:
     payload is sent, so its latency hides behind the encoding."""
 
     def __init__(self, flat: torch.Tensor, compressor: Compressor, group: dist.ProcessGroup, n: int,
-                 verify: bool) -> None:
+                 verify: bool, device: torch.device) -> None:
         self._work = None
         if not verify:
             return
         dtype = _DTYPES.index(flat.dtype) if flat.dtype in _DTYPES else len(_DTYPES)  # the encoder refuses others
-        self._mine = torch.tensor([flat.numel(), dtype, zlib.crc32(repr(compressor).encode())], dtype=torch.int64)
-        self._everyone = torch.empty(n * 3, dtype=torch.int64)
+        self._mine = torch.tensor([flat.numel(), dtype, zlib.crc32(repr(compressor).encode())], dtype=torch.int64,
+                                  device=device)
+        self._everyone = torch.empty(n * 3, dtype=torch.int64, device=device)
         self._work = _all_gather_single(self._everyone, self._mine, group=group, async_op=True)
         self._compressor, self._group, self._n = compressor, group, n
 
@@ -229,25 +306,26 @@ def _fallback(
     average: bool,
     stream: int,
     verify: bool,
+    wire: _Wire,
 ) -> None:
-    """The native algorithm over standard collectives (gloo, nccl): same bytes, same sums."""
+    """The native algorithm over standard collectives (gloo, nccl; CUDA tensors on any group):
+    same bytes, same sums."""
     group = group or dist.group.WORLD
     n, r = dist.get_world_size(group), dist.get_rank(group)
     flat = tensor.view(-1)
     numel = flat.numel()
-    agreement = _Agreement(flat, compressor, group, n, verify)
+    agreement = _Agreement(flat, compressor, group, n, verify, wire.device)
     if numel == 0:
         agreement.wait()
         return
     scale = 1.0 / n if average else 1.0
     if compressor.format in _SPARSE:
-        payload = compressor.encode(flat, worker_residual, stream=_encode_stream(stream, r, 0, 0, n))
-        everyone = torch.empty(n * payload.numel(), dtype=torch.uint8)
+        payload = wire.send(compressor.encode(flat, worker_residual, stream=_encode_stream(stream, r, 0, 0, n)))
+        everyone = wire.empty(n * payload.numel())
         agreement.wait()
         _all_gather_single(everyone, payload, group=group)
-        acc = torch.zeros(numel, dtype=torch.float32)
-        for part in everyone.view(n, -1):
-            compressor.decode_accumulate(part, acc)
+        acc = torch.zeros(numel, dtype=torch.float32, device=flat.device)
+        _accumulate(compressor, wire.receive(everyone.view(n, -1), compressor, [numel] * n), acc, numel)
         if average:
             acc.mul_(scale)
         flat.copy_(acc)
@@ -267,6 +345,7 @@ def _fallback(
             stream,
             segment,
             agreement,
+            wire,
         )
         residual_at += mine
 
@@ -282,37 +361,39 @@ def _scatter_reduce_gather(
     stream: int,
     segment: int,
     agreement: _Agreement,
+    wire: _Wire,
 ) -> None:
     """One segment of a quantized or cast compressed all-reduce, in place; chunk i is
     flat[bounds[i]:bounds[i + 1]]."""
     n, r = dist.get_world_size(group), dist.get_rank(group)
     lengths = [bounds[i + 1] - bounds[i] for i in range(n)]
-    payloads = [
+    sizes = [compressor.compressed_nbytes(length) for length in lengths]
+    # Each payload in a slot of whole 4-byte words: the CUDA decoders read it in place.
+    slots = [_aligned(size) for size in sizes]
+    outgoing = torch.zeros(sum(slots), dtype=torch.uint8, device=flat.device)
+    at = 0
+    for i in range(n):
         compressor.encode(
             flat[bounds[i] : bounds[i + 1]],
             None if worker_residual is None else worker_residual[bounds[i] : bounds[i + 1]],
             stream=_encode_stream(stream, r, 0, i, n, segment),
+            out=outgoing[at : at + slots[i]],
         )
-        for i in range(n)
-    ]
-    mine = compressor.compressed_nbytes(lengths[r])
-    incoming = torch.empty(n * mine, dtype=torch.uint8)
+        at += slots[i]
+    incoming = wire.empty(n * slots[r])
+    outgoing = wire.send(outgoing)
     agreement.wait()
-    dist.all_to_all_single(
-        incoming, torch.cat(payloads), [mine] * n, [p.numel() for p in payloads], group=group
-    )
-    acc = torch.zeros(lengths[r], dtype=torch.float32)
-    for part in incoming.view(n, mine):
-        compressor.decode_accumulate(part, acc)
+    dist.all_to_all_single(incoming, outgoing, [slots[r]] * n, slots, group=group)
+    acc = torch.zeros(lengths[r], dtype=torch.float32, device=flat.device)
+    _accumulate(compressor, wire.receive(incoming.view(n, slots[r]), compressor, [lengths[r]] * n), acc, lengths[r])
     if scale != 1.0:
         acc.mul_(scale)
-    reduced = compressor.encode(acc, server_residual, stream=_encode_stream(stream, r, 1, r, n, segment))
     # all_gather_single needs equal sizes: chunk payloads differ by at most one element's worth.
-    sizes = [compressor.compressed_nbytes(length) for length in lengths]
-    widest = max(sizes)
-    padded = torch.zeros(widest, dtype=torch.uint8)
-    padded[: reduced.numel()] = reduced
-    gathered = torch.empty(n * widest, dtype=torch.uint8)
-    _all_gather_single(gathered, padded, group=group)
-    for j, part in enumerate(gathered.view(n, widest)):
-        compressor.decode(part[: sizes[j]], out=flat[bounds[j] : bounds[j + 1]])
+    widest = max(slots)
+    padded = torch.zeros(widest, dtype=torch.uint8, device=flat.device)
+    compressor.encode(acc, server_residual, stream=_encode_stream(stream, r, 1, r, n, segment), out=padded)
+    gathered = wire.empty(n * widest)
+    _all_gather_single(gathered, wire.send(padded), group=group)
+    rows = wire.receive(gathered.view(n, widest), compressor, lengths)
+    for j, part in enumerate(rows):
+        _decode(compressor, part[: sizes[j]], flat[bounds[j] : bounds[j + 1]])

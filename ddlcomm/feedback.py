@@ -77,23 +77,37 @@ class FeedbackMemory:
                     del store[old]
 
     def buffers(
-        self, signature: Signature, rank: int, world: int, momentum: bool
+        self, signature: Signature, rank: int, world: int, momentum: bool, device: Optional[torch.device] = None
     ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-        """(worker residual, server residual, momentum or None) of a bucket, made on first use."""
+        """(worker residual, server residual, momentum or None) of a bucket, made on first use
+        on ``device`` (the bucket's; default CPU), where a loaded memory moves on first use."""
+        device = torch.device("cpu") if device is None else device
+        self._move_to(device)
         numel = sum(self.numels[k] for k in signature)
         worker = self.worker_residuals.get(signature)
         if worker is None and any(not set(s).isdisjoint(signature) for s in self.worker_residuals):
             self._remap(signature, rank, world)
             worker = self.worker_residuals.get(signature)
         if worker is None:
-            worker = self.worker_residuals[signature] = torch.zeros(numel)
+            worker = self.worker_residuals[signature] = torch.zeros(numel, device=device)
         server = self.server_residuals.get(signature)
         if server is None:
-            server = self.server_residuals[signature] = torch.zeros(server_residual_numel(numel, rank, world))
+            server = self.server_residuals[signature] = torch.zeros(server_residual_numel(numel, rank, world),
+                                                                    device=device)
         moment = None
         if momentum:
-            moment = self.momenta.setdefault(signature, torch.zeros(numel))
+            moment = self.momenta.get(signature)
+            if moment is None:
+                moment = self.momenta[signature] = torch.zeros(numel, device=device)
         return worker, server, moment
+
+    def _move_to(self, device: torch.device) -> None:
+        """Every tensor of the memory onto ``device`` (a state loaded on the CPU for a GPU model)."""
+        for kind in _KINDS:
+            store = getattr(self, kind)
+            for signature, tensor in store.items():
+                if tensor.device != device:
+                    store[signature] = tensor.to(device)
 
     def _remap(self, signature: Signature, rank: int, world: int) -> None:
         """Builds the memory of a new bucket from the buckets that held its parameters."""
@@ -120,7 +134,9 @@ class FeedbackMemory:
         self._remapped = True
 
         def join(parts: dict[str, torch.Tensor]) -> torch.Tensor:
-            return torch.cat([parts[k] if k in parts else torch.zeros(self.numels[k]) for k in signature])
+            device = next(iter(parts.values())).device if parts else None
+            return torch.cat([parts[k] if k in parts else torch.zeros(self.numels[k], device=device)
+                              for k in signature])
 
         self.worker_residuals[signature] = join(worker_parts)
         if momentum_parts:

@@ -28,8 +28,9 @@ parameters (``ddlcomm.feedback``). ``state_dict()`` / ``load_state_dict()`` carr
 a checkpoint, one per rank, and a resumed run trains bit for bit like an uninterrupted one:
 the first iteration after a load is reduced in the saved bucket layout (a fresh DDP wrapper
 starts in another one), and a changed layout (``bucket_cap_mb``) takes its memory parameter
-by parameter. Non-finite gradients come out non-finite (so ``GradScaler`` skips the step)
-without poisoning the residuals. A communication failure raises its own exception
+by parameter. CUDA buckets are compressed on their GPU, their residuals live there, and
+only payloads cross PCIe (``ddlcomm.compressed``). Non-finite gradients come out non-finite
+(so ``GradScaler`` skips the step) without poisoning the residuals. A communication failure raises its own exception
 (``DistBackendError``) from ``backward()``.
 """
 
@@ -41,7 +42,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from .compress import BF16, FP16, Compressor, OneBit, RandomK, Ternary, TopK
+from .compress import BF16, FP16, Compressor, OneBit, RandomK, Ternary, TopK, has_cuda
 from .compressed import start_compressed_all_reduce, wire_bytes
 from .feedback import FeedbackMemory, Signature
 from .optim import DirectionOptimizer
@@ -377,9 +378,9 @@ def _reduce(state: CompressionState, buffer: torch.Tensor, params: list[torch.Te
 def _uncompressed_reason(state: CompressionState, buffer: torch.Tensor, nbytes: int) -> Optional[str]:
     if state.iter < state.start_compress_iter:
         return "warm-up"
-    if buffer.device.type != "cpu":
-        state._log_once("device", "ddlcomm hook: buckets on %s go uncompressed: the compressors run on CPU tensors",
-                        buffer.device)
+    if buffer.is_cuda and not has_cuda():
+        state._log_once("device", "ddlcomm hook: buckets on %s go uncompressed: this build of ddlcomm has no CUDA "
+                        "kernels (it was built against a CPU-only torch)", buffer.device)
         return "device"
     if buffer.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         state._log_once("dtype", "ddlcomm hook: %s buckets go uncompressed: the compressors take float32, float16 "
@@ -417,7 +418,8 @@ def _compress(state: CompressionState, buffer: torch.Tensor, params: list[torch.
     worker = server = momentum = None
     sparse = isinstance(state.compressor, (TopK, RandomK))
     if state.error_feedback:
-        worker, server, momentum = state.memory.buffers(signature, rank, world, bool(state.momentum and sparse))
+        worker, server, momentum = state.memory.buffers(signature, rank, world, bool(state.momentum and sparse),
+                                                        buffer.device)
     if state.clip_norm is not None:
         limit = state.clip_norm / math.sqrt(world)
         norm = buffer.norm()

@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # One command for a GPU machine (python3 with a CUDA torch, nvcc, cmake; ninja optional):
 # builds csrc/cuda standalone, runs the GPU test (all sizes, plus >2^31 elements), runs it
-# again under compute-sanitizer memcheck on a reduced size set, then the CUDA benchmark and
-# the plain-torch comparison. Logs go to $1 (default ./gpu-results), 8 files: summary.txt
-# (every step with its exit status), env.txt, build.log, test.log, memcheck.log, bench.log,
-# bench.csv, torch.log. Expected on an H100: about 5 minutes; every step has a time limit, so
-# the whole script stays under about 9 minutes even when one hangs.
+# again under compute-sanitizer memcheck on a reduced size set, then the CUDA benchmark (with
+# the 25 MB bucket on its own) and the plain-torch comparison; then builds the extension
+# against that torch (pip install --no-build-isolation -e .) and runs tests/test_gpu.py.
+# Logs go to $1 (default ./gpu-results): summary.txt (every step with its exit status),
+# env.txt, build.log, test.log, memcheck.log, bench.log, bench.csv, bucket.log, torch.log,
+# extension.log, pytest.log. Expected on an H100: about 9 minutes; every step has a time limit.
 #
 #   scripts/gpu_check.sh [results-dir]        CUDA_ARCH=90 (default) picks the architecture
+#   GPU_CHECK_SKIP="test memcheck" scripts/gpu_check.sh     leaves those steps out
 set -u -o pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -22,10 +24,15 @@ for dir in /usr/local/cuda/bin /usr/local/cuda-13.0/bin; do
   if [ -d "$dir" ]; then PATH=$PATH:$dir; fi
 done
 export PATH
+# The system compiler, whose libstdc++ is the one torch loads: a compiler that links its own
+# libstdc++ statically (seen: /opt/gcc on the device image) gives the extension a second C++
+# runtime beside torch's, and its first ostringstream crashes in the locale code.
+if [ -x /usr/bin/g++ ]; then export CXX=/usr/bin/g++ CC=/usr/bin/gcc; fi
 : >"$SUMMARY"
 FAILED=0
 
 note() { echo "[gpu_check $(date +%H:%M:%S)] $*" | tee -a "$SUMMARY"; }
+skipped() { case " ${GPU_CHECK_SKIP:-} " in *" $1 "*) note "$1: skipped (GPU_CHECK_SKIP)"; return 0;; esac; return 1; }
 
 # step NAME LIMIT_SECONDS LOG COMMAND...: runs COMMAND with a time limit, output to LOG.
 step() {
@@ -58,24 +65,40 @@ step build 300 build.log bash -c "cmake -S '$ROOT/csrc/cuda' -B '$BUILD' -G '$GE
   -DCMAKE_CUDA_ARCHITECTURES='$ARCH' && cmake --build '$BUILD' -j $(nproc)" || { note "build failed"; exit 1; }
 
 # The test exits 0 (all passed), 1 (a failure) or 77 (no GPU).
-step test 240 test.log "$BUILD/test_cuda_kernels" --large
+skipped test || step test 240 test.log "$BUILD/test_cuda_kernels" --large
 SANITIZER=$(command -v compute-sanitizer || ls /usr/local/cuda*/compute-sanitizer/compute-sanitizer \
   /opt/nvidia/*/compute-sanitizer/compute-sanitizer 2>/dev/null | head -1)
-if [ -n "$SANITIZER" ]; then
+if skipped memcheck; then
+  :
+elif [ -n "$SANITIZER" ]; then
   step memcheck 200 memcheck.log "$SANITIZER" --tool memcheck --error-exitcode 99 --print-limit 20 \
     "$BUILD/test_cuda_kernels" --quick
 else
   note "memcheck: compute-sanitizer not found, not run"
   FAILED=1
 fi
-step bench 150 bench.log "$BUILD/bench_cuda_kernels" --csv="$RESULTS/bench.csv"
-step torch 150 torch.log env PYTHONUNBUFFERED=1 python3 "$ROOT/bench/cuda/bench_torch_ops.py" \
+skipped bench || step bench 150 bench.log "$BUILD/bench_cuda_kernels" --csv="$RESULTS/bench.csv"
+# A 25 MB DDP bucket (24 MiB): encode+EF plus decode-accumulate against the 1 ms target.
+skipped bucket || step bucket 60 bucket.log "$BUILD/bench_cuda_kernels" --min-mib=24 --max-mib=24
+skipped torch || step torch 150 torch.log env PYTHONUNBUFFERED=1 python3 "$ROOT/bench/cuda/bench_torch_ops.py" \
   --bench "$BUILD/bench_cuda_kernels" --sizes-mib 1,16,64,256
+
+# The extension against this torch (architectures from TORCH_CUDA_ARCH_LIST), then the CUDA
+# paths of the Python package: compress, the backend, compressed all-reduce and DDP hooks.
+# Its own build folder, fresh each time: CMake keeps the compiler of a folder's first build.
+rm -rf "$ROOT/build/gpu-extension"
+step extension 400 extension.log env TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-${ARCH:0:1}.${ARCH:1}}" \
+  python3 -m pip install --no-build-isolation --no-deps -C build-dir=build/gpu-extension -e "$ROOT" &&
+  step pytest 500 pytest.log bash -c "cd /tmp && PYTHONUNBUFFERED=1 python3 -m pytest -q -rA -s -p no:cacheprovider '$ROOT/tests/test_gpu.py'"
 
 note "done: $([ $FAILED -eq 0 ] && echo 'all steps passed' || echo 'SOME STEPS FAILED') (results in $RESULTS)"
 echo
 echo "== benchmark =="
 cat "$RESULTS/bench.log" 2>/dev/null | tail -70
+echo "== 25 MB bucket =="
+tail -4 "$RESULTS/bucket.log" 2>/dev/null
 echo "== torch comparison =="
 tail -45 "$RESULTS/torch.log" 2>/dev/null
+echo "== pytest =="
+grep -E "ACCURACY|passed|failed|Error|error" "$RESULTS/pytest.log" 2>/dev/null | tail -30
 exit $FAILED

@@ -44,8 +44,9 @@ std::vector<Compressor> compressors() {
   c = Config{};
   c.format = Format::Ternary;
   list.push_back({"ternary", c});
+  c.stochastic = true;
   c.clip = 2.5f;
-  list.push_back({"ternary-clip", c});
+  list.push_back({"ternary-stochastic-clip", c});
   c = Config{};
   c.format = Format::TopK;
   c.ratio = 0.01;

@@ -109,6 +109,15 @@ void bindCompression(py::module_& m) {
       py::call_guard<py::gil_scoped_release>());
 
   c.def(
+      "check_payload_config",
+      [](uintptr_t payload, size_t bytes, const Config& config) {
+        compress::checkPayloadConfig(at<const uint8_t>(payload), bytes, config);
+      },
+      py::arg("payload"), py::arg("nbytes"), py::arg("config"),
+      "Raises ValueError unless the payload's header (its first 32 bytes suffice) has config's format, block "
+      "size and flags");
+
+  c.def(
       "inspect",
       [](uintptr_t payload, size_t bytes) {
         compress::PayloadInfo info;

@@ -4,6 +4,7 @@
 #include <c10/util/Exception.h>
 #include <pybind11/pybind11.h>
 
+#include <algorithm>
 #include <future>
 #include <numeric>
 #include <optional>
@@ -88,9 +89,10 @@ ReduceOp toReduceOp(const c10d::ReduceOp& op, DataType dtype) {
 
 // PREMUL_SUM's factor (a double or a one-element tensor) applied to a copy of `t`; `t`
 // itself for every other op. The sum of the copies is then torch's sum(factor * x_r).
+// NCCLPreMulSumSupplement: the name torch 2.11 has; torch 2.13 keeps it as an alias.
 at::Tensor premultiplied(const c10d::ReduceOp& op, const at::Tensor& t) {
   if (op.op_ != c10d::ReduceOp::PREMUL_SUM) return t;
-  const auto* supplement = dynamic_cast<const c10d::PreMulSumSupplement*>(op.supplement_.get());
+  const auto* supplement = dynamic_cast<const c10d::NCCLPreMulSumSupplement*>(op.supplement_.get());
   TORCH_CHECK_VALUE(supplement, "ddlcomm: PREMUL_SUM without its factor");
   if (supplement->tensor_factor.defined()) {
     return at::mul(t, supplement->tensor_factor.to(t.device(), t.scalar_type()).reshape({}));
@@ -100,8 +102,11 @@ at::Tensor premultiplied(const c10d::ReduceOp& op, const at::Tensor& t) {
 
 void checkTensor(const at::Tensor& t, const char* role) {
   TORCH_CHECK_VALUE(t.defined(), "ddlcomm: ", role, " tensor is undefined");
+  // Collectives reach this with host mirrors of CUDA tensors (DeviceStaging); point-to-point,
+  // sparse and the native compressed all-reduce take CPU tensors only.
   TORCH_CHECK_VALUE(t.device().is_cpu(), "ddlcomm: ", role, " tensor is on ", t.device(),
-                    "; this build of ddlcomm handles CPU tensors only");
+                    "; this operation takes CPU tensors (collectives also take CUDA tensors; for a compressed "
+                    "all-reduce of CUDA tensors use ddlcomm.compressed)");
   TORCH_CHECK_VALUE(t.layout() == at::kStrided, "ddlcomm: ", role, " tensor has layout ", t.layout(),
                     "; only dense (strided) tensors are supported");
   toDataType(t);
@@ -150,10 +155,23 @@ std::exception_ptr toTorchException(std::exception_ptr error, const std::string&
 
 }  // namespace
 
+// The GPUs of a Work's outputs: its future then records an event there when it completes,
+// so that callbacks and waiters order their streams after it (torch's CUDA future semantics).
+std::vector<c10::Device> cudaDevices(const std::vector<at::Tensor>& tensors) {
+  std::vector<c10::Device> devices;
+  for (const auto& t : tensors) {
+    if (t.defined() && t.is_cuda() && std::find(devices.begin(), devices.end(), t.device()) == devices.end()) {
+      devices.push_back(t.device());
+    }
+  }
+  return devices;
+}
+
 DdlcommWork::DdlcommWork(int rank, c10d::OpType type, std::vector<at::Tensor> outputs, std::string prefix)
     : Work(rank, type),
       outputs_(std::move(outputs)),
-      future_(c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()))),
+      future_(c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()),
+                                                       cudaDevices(outputs_))),
       prefix_(std::move(prefix)) {}
 
 void DdlcommWork::complete(std::exception_ptr error) {
@@ -228,6 +246,11 @@ GroupStats ProcessGroupDdlcomm::stats() {
 c10::intrusive_ptr<c10d::Work> ProcessGroupDdlcomm::allreduce(std::vector<at::Tensor>& tensors,
                                                               const c10d::AllreduceOptions& opts) {
   if (tensors.size() == 1 && tensors[0].defined() && tensors[0].is_sparse()) return allreduceSparse(tensors[0], opts);
+  if (DeviceStaging::needed(tensors)) {
+    auto staging = std::make_shared<DeviceStaging>();
+    auto a0 = staging->inplace(tensors);
+    return throughHost(c10d::OpType::ALLREDUCE, staging, [&] { return allreduce(a0, opts); });
+  }
   at::Tensor user = single(tensors, "allreduce");
   const DataType dtype = toDataType(user);
   const ReduceOp op = toReduceOp(opts.reduceOp, dtype);
@@ -240,6 +263,11 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDdlcomm::allreduce(std::vector<at::Te
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupDdlcomm::allreduce_coalesced(
     std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) {
+  if (DeviceStaging::needed(tensors)) {
+    auto staging = std::make_shared<DeviceStaging>();
+    auto a0 = staging->inplace(tensors);
+    return throughHost(c10d::OpType::ALLREDUCE_COALESCED, staging, [&] { return allreduce_coalesced(a0, opts); });
+  }
   TORCH_CHECK_VALUE(!tensors.empty(), "ddlcomm allreduce_coalesced needs at least one tensor");
   for (const auto& t : tensors) {
     checkTensor(t, "allreduce_coalesced");
@@ -264,6 +292,11 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDdlcomm::allreduce_coalesced(
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupDdlcomm::broadcast(std::vector<at::Tensor>& tensors,
                                                               const c10d::BroadcastOptions& opts) {
+  if (DeviceStaging::needed(tensors)) {
+    auto staging = std::make_shared<DeviceStaging>();
+    auto a0 = staging->inplace(tensors);
+    return throughHost(c10d::OpType::BROADCAST, staging, [&] { return broadcast(a0, opts); });
+  }
   at::Tensor user = single(tensors, "broadcast");
   checkRoot(opts.rootRank, size_);
   const DataType dtype = toDataType(user);
@@ -277,6 +310,11 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDdlcomm::broadcast(std::vector<at::Te
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupDdlcomm::reduce(std::vector<at::Tensor>& tensors,
                                                            const c10d::ReduceOptions& opts) {
+  if (DeviceStaging::needed(tensors)) {
+    auto staging = std::make_shared<DeviceStaging>();
+    auto a0 = staging->inplace(tensors);
+    return throughHost(c10d::OpType::REDUCE, staging, [&] { return reduce(a0, opts); });
+  }
   at::Tensor user = single(tensors, "reduce");
   checkRoot(opts.rootRank, size_);
   const DataType dtype = toDataType(user);
@@ -292,6 +330,12 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDdlcomm::reduce(std::vector<at::Tenso
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupDdlcomm::_allgather_base(at::Tensor& output, at::Tensor& input,
                                                                     const c10d::AllgatherOptions& opts) {
+  if (DeviceStaging::needed({output, input})) {
+    auto staging = std::make_shared<DeviceStaging>();
+    auto a0 = staging->output(output);
+    auto a1 = staging->input(input);
+    return throughHost(c10d::OpType::_ALLGATHER_BASE, staging, [&] { return _allgather_base(a0, a1, opts); });
+  }
   checkTensor(output, "all_gather_into_tensor output");
   checkTensor(input, "all_gather_into_tensor input");
   checkSameType(input, output, "all_gather_into_tensor");
@@ -308,6 +352,12 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDdlcomm::_allgather_base(at::Tensor& 
 c10::intrusive_ptr<c10d::Work> ProcessGroupDdlcomm::allgather(std::vector<std::vector<at::Tensor>>& outputs,
                                                               std::vector<at::Tensor>& inputs,
                                                               const c10d::AllgatherOptions& opts) {
+  if (DeviceStaging::needed(outputs) || DeviceStaging::needed(inputs)) {
+    auto staging = std::make_shared<DeviceStaging>();
+    auto a0 = staging->output(outputs);
+    auto a1 = staging->input(inputs);
+    return throughHost(c10d::OpType::ALLGATHER, staging, [&] { return allgather(a0, a1, opts); });
+  }
   at::Tensor input = single(inputs, "allgather");
   TORCH_CHECK_VALUE(outputs.size() == 1 && outputs[0].size() == size_t(size_), "ddlcomm allgather needs one output list of ",
                     size_, " tensors");
@@ -330,7 +380,13 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDdlcomm::allgather(std::vector<std::v
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupDdlcomm::allgather_coalesced(
-    std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs, const c10d::AllgatherOptions&) {
+    std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs, const c10d::AllgatherOptions& opts) {
+  if (DeviceStaging::needed(outputs) || DeviceStaging::needed(inputs)) {
+    auto staging = std::make_shared<DeviceStaging>();
+    auto a0 = staging->output(outputs);
+    auto a1 = staging->input(inputs);
+    return throughHost(c10d::OpType::ALLGATHER_COALESCED, staging, [&] { return allgather_coalesced(a0, a1, opts); });
+  }
   // As in torch's API: outputs[r][i] receives rank r's inputs[i].
   TORCH_CHECK_VALUE(!inputs.empty(), "ddlcomm allgather_coalesced needs at least one input tensor");
   TORCH_CHECK_VALUE(outputs.size() == size_t(size_), "ddlcomm allgather_coalesced: ", outputs.size(),
@@ -361,7 +417,13 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDdlcomm::allgather_coalesced(
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupDdlcomm::allgather_into_tensor_coalesced(
-    std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs, const c10d::AllgatherOptions&) {
+    std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs, const c10d::AllgatherOptions& opts) {
+  if (DeviceStaging::needed(outputs) || DeviceStaging::needed(inputs)) {
+    auto staging = std::make_shared<DeviceStaging>();
+    auto a0 = staging->output(outputs);
+    auto a1 = staging->input(inputs);
+    return throughHost(c10d::OpType::COALESCED, staging, [&] { return allgather_into_tensor_coalesced(a0, a1, opts); });
+  }
   TORCH_CHECK_VALUE(outputs.size() == inputs.size(), "ddlcomm allgather_into_tensor_coalesced: ", outputs.size(),
                     " outputs for ", inputs.size(), " inputs");
   for (size_t i = 0; i < inputs.size(); ++i) {
@@ -382,6 +444,12 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDdlcomm::allgather_into_tensor_coales
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupDdlcomm::_reduce_scatter_base(at::Tensor& output, at::Tensor& input,
                                                                          const c10d::ReduceScatterOptions& opts) {
+  if (DeviceStaging::needed({output, input})) {
+    auto staging = std::make_shared<DeviceStaging>();
+    auto a0 = staging->output(output);
+    auto a1 = staging->input(input);
+    return throughHost(c10d::OpType::_REDUCE_SCATTER_BASE, staging, [&] { return _reduce_scatter_base(a0, a1, opts); });
+  }
   checkTensor(output, "reduce_scatter_tensor output");
   checkTensor(input, "reduce_scatter_tensor input");
   checkSameType(input, output, "reduce_scatter_tensor");
@@ -400,6 +468,12 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDdlcomm::_reduce_scatter_base(at::Ten
 c10::intrusive_ptr<c10d::Work> ProcessGroupDdlcomm::reduce_scatter(std::vector<at::Tensor>& outputs,
                                                                    std::vector<std::vector<at::Tensor>>& inputs,
                                                                    const c10d::ReduceScatterOptions& opts) {
+  if (DeviceStaging::needed(outputs) || DeviceStaging::needed(inputs)) {
+    auto staging = std::make_shared<DeviceStaging>();
+    auto a0 = staging->output(outputs);
+    auto a1 = staging->input(inputs);
+    return throughHost(c10d::OpType::REDUCE_SCATTER, staging, [&] { return reduce_scatter(a0, a1, opts); });
+  }
   at::Tensor output = single(outputs, "reduce_scatter");
   TORCH_CHECK_VALUE(inputs.size() == 1 && inputs[0].size() == size_t(size_), "ddlcomm reduce_scatter needs one input list of ",
                     size_, " tensors");
@@ -425,6 +499,12 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDdlcomm::reduce_scatter(std::vector<a
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupDdlcomm::reduce_scatter_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs, const c10d::ReduceScatterOptions& opts) {
+  if (DeviceStaging::needed(outputs) || DeviceStaging::needed(inputs)) {
+    auto staging = std::make_shared<DeviceStaging>();
+    auto a0 = staging->output(outputs);
+    auto a1 = staging->input(inputs);
+    return throughHost(c10d::OpType::COALESCED, staging, [&] { return reduce_scatter_tensor_coalesced(a0, a1, opts); });
+  }
   TORCH_CHECK_VALUE(outputs.size() == inputs.size(), "ddlcomm reduce_scatter_tensor_coalesced: ", outputs.size(),
                     " outputs for ", inputs.size(), " inputs");
   std::vector<ReduceOp> ops;
@@ -449,6 +529,12 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDdlcomm::alltoall_base(at::Tensor& ou
                                                                   std::vector<int64_t>& outputSplitSizes,
                                                                   std::vector<int64_t>& inputSplitSizes,
                                                                   const c10d::AllToAllOptions& opts) {
+  if (DeviceStaging::needed({output, input})) {
+    auto staging = std::make_shared<DeviceStaging>();
+    auto a0 = staging->output(output);
+    auto a1 = staging->input(input);
+    return throughHost(c10d::OpType::ALLTOALL_BASE, staging, [&] { return alltoall_base(a0, a1, outputSplitSizes, inputSplitSizes, opts); });
+  }
   checkTensor(output, "all_to_all_single output");
   checkTensor(input, "all_to_all_single input");
   checkSameType(input, output, "all_to_all_single");
@@ -483,7 +569,13 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDdlcomm::alltoall_base(at::Tensor& ou
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupDdlcomm::alltoall(std::vector<at::Tensor>& outputs,
                                                              std::vector<at::Tensor>& inputs,
-                                                             const c10d::AllToAllOptions&) {
+                                                             const c10d::AllToAllOptions& opts) {
+  if (DeviceStaging::needed(outputs) || DeviceStaging::needed(inputs)) {
+    auto staging = std::make_shared<DeviceStaging>();
+    auto a0 = staging->output(outputs);
+    auto a1 = staging->input(inputs);
+    return throughHost(c10d::OpType::ALLTOALL, staging, [&] { return alltoall(a0, a1, opts); });
+  }
   TORCH_CHECK_VALUE(outputs.size() == size_t(size_) && inputs.size() == size_t(size_),
                     "ddlcomm all_to_all needs ", size_, " input and output tensors");
   std::vector<size_t> sendCounts, recvCounts;
@@ -515,6 +607,12 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDdlcomm::alltoall(std::vector<at::Ten
 c10::intrusive_ptr<c10d::Work> ProcessGroupDdlcomm::gather(std::vector<std::vector<at::Tensor>>& outputs,
                                                            std::vector<at::Tensor>& inputs,
                                                            const c10d::GatherOptions& opts) {
+  if (DeviceStaging::needed(outputs) || DeviceStaging::needed(inputs)) {
+    auto staging = std::make_shared<DeviceStaging>();
+    auto a0 = staging->output(outputs);
+    auto a1 = staging->input(inputs);
+    return throughHost(c10d::OpType::GATHER, staging, [&] { return gather(a0, a1, opts); });
+  }
   at::Tensor input = single(inputs, "gather");
   checkRoot(opts.rootRank, size_);
   const int root = int(opts.rootRank);
@@ -546,6 +644,12 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDdlcomm::gather(std::vector<std::vect
 c10::intrusive_ptr<c10d::Work> ProcessGroupDdlcomm::scatter(std::vector<at::Tensor>& outputs,
                                                             std::vector<std::vector<at::Tensor>>& inputs,
                                                             const c10d::ScatterOptions& opts) {
+  if (DeviceStaging::needed(outputs) || DeviceStaging::needed(inputs)) {
+    auto staging = std::make_shared<DeviceStaging>();
+    auto a0 = staging->output(outputs);
+    auto a1 = staging->input(inputs);
+    return throughHost(c10d::OpType::SCATTER, staging, [&] { return scatter(a0, a1, opts); });
+  }
   at::Tensor output = single(outputs, "scatter");
   checkRoot(opts.rootRank, size_);
   const int root = int(opts.rootRank);

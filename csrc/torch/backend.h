@@ -17,6 +17,7 @@
 
 #include "collectives/executor.h"
 #include "compress/compress.h"
+#include "torch/device_staging.h"
 
 namespace ddlcomm::torch_glue {
 
@@ -151,6 +152,10 @@ class ProcessGroupDdlcomm : public c10d::Backend {
   // waits at once) lets a small op on an idle group run on the calling thread instead.
   c10::intrusive_ptr<DdlcommWork> enqueue(c10d::OpType type, bool callerWaits, std::vector<at::Tensor> outputs,
                                           std::function<void(Communicator&)> task);
+  // An operation on CUDA tensors: `issue` issues it on the host mirrors in `staging` (made
+  // by the caller), between the wait for their copies and the copy back of the outputs.
+  c10::intrusive_ptr<c10d::Work> throughHost(c10d::OpType type, std::shared_ptr<DeviceStaging> staging,
+                                             const std::function<c10::intrusive_ptr<c10d::Work>()>& issue);
   c10::intrusive_ptr<DdlcommWork> enqueue(c10d::OpType type, std::vector<at::Tensor> outputs,
                                           std::function<void(Communicator&)> task) {
     return enqueue(type, false, std::move(outputs), std::move(task));

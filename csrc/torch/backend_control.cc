@@ -77,6 +77,23 @@ c10::intrusive_ptr<DdlcommWork> ProcessGroupDdlcomm::enqueue(c10d::OpType type, 
 }
 
 
+c10::intrusive_ptr<c10d::Work> ProcessGroupDdlcomm::throughHost(
+    c10d::OpType type, std::shared_ptr<DeviceStaging> staging,
+    const std::function<c10::intrusive_ptr<c10d::Work>()>& issue) {
+  staging->recordCopies();
+  // The executor runs tasks in order: the wait, the operation on the mirrors, the copy back.
+  // A failed wait (a broken CUDA context) fails the operation, through the copy back's wait.
+  auto waited = std::make_shared<std::exception_ptr>();
+  executor_->submit([staging](Communicator&) { staging->waitForCopies(); },
+                    [waited](std::exception_ptr error) { *waited = error; });
+  c10::intrusive_ptr<c10d::Work> onHost = issue();
+  return enqueue(type, staging->userOutputs(), [staging, onHost, waited](Communicator&) {
+    if (*waited) std::rethrow_exception(*waited);
+    onHost->wait();  // done already (it ran before this task); raises its failure
+    staging->copyBack();
+  });
+}
+
 c10::intrusive_ptr<c10d::Backend::Options> ProcessGroupDdlcomm::getBackendOptions() {
   return c10::make_intrusive<Options>("ddlcomm", std::chrono::milliseconds(timeoutMs_.load()));
 }

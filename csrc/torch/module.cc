@@ -59,5 +59,6 @@ PYBIND11_MODULE(_C, m) {
           "segment_elements", [](py::object) { return ddlcomm::kSegmentElements; },
           "Elements per segment of a quantized or cast compressed all-reduce (the last one shorter).");
   ddlcomm::bindings::bindCompression(m);
+  ddlcomm::bindings::bindCudaCompression(m);
   ddlcomm::bindings::bindTransport(m);
 }

@@ -1,0 +1,103 @@
+"""The CUDA paths, where a GPU is present (skipped elsewhere): the kernels through
+ddlcomm.compress, the backend with CUDA tensors, compressed all-reduces and DDP hooks on CUDA
+buckets over ddlcomm and gloo groups (two ranks share GPU 0; NCCL refuses that, so NCCL
+groups are covered only where there are two GPUs)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from harness import assert_all_ok, launch
+
+from ddlcomm import compress
+
+pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() and compress.has_cuda()),
+                                reason="needs a GPU and a CUDA build of ddlcomm")
+
+COMPRESSORS = {
+    "onebit": lambda: compress.OneBit(),
+    "onebit2": lambda: compress.OneBit(block_size=64, two_scales=True),
+    "ternary": lambda: compress.Ternary(block_size=100),
+    "ternary_stochastic": lambda: compress.Ternary(stochastic=True, clip=2.5, seed=3),
+    "topk": lambda: compress.TopK(ratio=0.01),
+    "topk_approx": lambda: compress.TopK(ratio=0.01, approximate=True),
+    "randomk": lambda: compress.RandomK(ratio=0.02, seed=4, scaled=True),
+    "fp16": lambda: compress.FP16(),
+    "bf16": lambda: compress.BF16(),
+}
+
+
+@pytest.mark.parametrize("name", COMPRESSORS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_gpu_payloads_are_the_cpu_payloads(name: str, dtype: torch.dtype) -> None:
+    """Same bytes, residuals and decodes on both devices; each decodes the other's payload."""
+    c = COMPRESSORS[name]()
+    g = torch.Generator().manual_seed(7)
+    x = (torch.randn(1_000_003, generator=g) * 3).to(dtype)
+    residual = torch.randn(x.numel(), generator=g) * 0.1
+    gpu_residual = residual.cuda()
+    cpu_payload = c.encode(x, residual, stream=5)
+    gpu_payload = c.encode(x.cuda(), gpu_residual, stream=5)
+    assert gpu_payload.is_cuda and torch.equal(gpu_payload.cpu(), cpu_payload)
+    assert torch.equal(gpu_residual.cpu(), residual)
+    decoded = c.decode(cpu_payload)
+    assert torch.equal(c.decode(gpu_payload).cpu(), decoded)
+    assert torch.equal(c.decode(cpu_payload.cuda(), dtype=dtype).cpu(), c.decode(cpu_payload, dtype=dtype))
+    acc = torch.ones(x.numel(), device="cuda")
+    c.decode_accumulate(gpu_payload, acc)
+    assert torch.equal(acc.cpu(), c.decode_accumulate(cpu_payload, torch.ones(x.numel())))
+
+
+def test_gpu_calls_run_on_the_current_stream() -> None:
+    """An encode on a side stream sees what that stream wrote before it, without a sync."""
+    c = compress.OneBit()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        x = torch.full((1 << 24,), -1.0, device="cuda")
+        x.mul_(-2.0)  # +2 everywhere, only once this kernel has run
+        payload = c.encode(x)
+        out = c.decode(payload)
+    side.synchronize()
+    assert torch.equal(out, torch.full_like(out, 2.0))
+
+
+def test_gpu_bad_input_is_refused() -> None:
+    c = compress.OneBit()
+    x = torch.randn(10_000, device="cuda")
+    with pytest.raises(ValueError, match="one device"):
+        c.encode(x, torch.zeros(10_000))
+    payload = c.encode(x)
+    with pytest.raises(ValueError, match="expects"):
+        compress.Ternary().decode(payload)  # another compressor's payload
+    with pytest.raises(ValueError, match="bytes"):
+        c.decode(payload[:-4])  # truncated
+    with pytest.raises(ValueError, match="elements"):
+        c.decode(payload, out=torch.empty(9_999, device="cuda"))
+    with pytest.raises(ValueError, match="one device"):
+        c.decode(payload, out=torch.empty(10_000))
+    with pytest.raises(ValueError, match="host"):
+        compress.inspect(payload)
+
+
+def test_backend_collectives_on_cuda_tensors() -> None:
+    assert_all_ok(launch("gpu", "collectives", 2, timeout=180))
+
+
+@pytest.mark.parametrize("backend", ["ddlcomm", "gloo"])
+def test_compressed_all_reduce_on_cuda_matches_cpu(backend: str) -> None:
+    assert_all_ok(launch("gpu", "compressed", 2, timeout=240, args=(backend,)))
+
+
+@pytest.mark.parametrize("backend", ["ddlcomm", "gloo"])
+def test_ddp_hooks_on_cuda_match_cpu_accuracy(backend: str) -> None:
+    results = launch("gpu", "ddp", 2, timeout=600, args=(backend,))
+    for line in results[0].output.splitlines():
+        if line.startswith("ACCURACY"):
+            print(line)
+    assert_all_ok(results)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs one GPU per rank")
+def test_compressed_all_reduce_over_nccl() -> None:
+    assert_all_ok(launch("gpu", "compressed", 2, timeout=240, args=("nccl",)))

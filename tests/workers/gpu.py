@@ -1,0 +1,171 @@
+"""CUDA scenarios (two ranks sharing GPU 0), run on every rank by tests/test_gpu.py.
+
+Every CUDA result is checked against the same call on CPU tensors, on the same group."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from common import OPS, init, make_input, op_valid, run
+from compression import COMPRESSORS, HOOKS, synthetic
+from ddlcomm import hooks, optim
+from ddlcomm.compressed import compressed_all_reduce, server_residual_numel
+
+GPU = torch.device("cuda", 0)
+
+
+def _same_everywhere(t: torch.Tensor, what: str, group=None) -> None:
+    everyone = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, t, group=group)
+    assert all(torch.equal(e, t) for e in everyone), f"{what}: ranks differ"
+
+
+def collectives() -> None:
+    """The backend with CUDA tensors: each collective equals its CPU run, bitwise."""
+    rank, n = init("ddlcomm")
+    torch.cuda.set_device(GPU)
+    for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.uint8):
+        for op in ("SUM", "AVG", "MAX", "MIN", "PRODUCT", "BOR"):
+            if not op_valid(op, dtype) or (op == "PRODUCT" and dtype == torch.uint8):
+                continue
+            x = make_input(rank, 4099, dtype, op)
+            ref = x.clone()
+            dist.all_reduce(ref, OPS[op])
+            got = x.to(GPU)
+            dist.all_reduce(got, OPS[op])
+            assert got.is_cuda and torch.equal(got.cpu(), ref), (dtype, op)
+    x = make_input(rank, 1 << 20, torch.float32)
+
+    # Produced and consumed on a side stream, asynchronously, and through a future's callback.
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        big = x.to(GPU) * 2
+        work = dist.all_reduce(big, async_op=True)
+        work.wait()
+        doubled = work.get_future().then(lambda f: f.value()[0] * 2).wait()
+        total = big.double().sum().item()
+    ref = x * 2
+    dist.all_reduce(ref)
+    assert total == ref.double().sum().item() and torch.equal(doubled.cpu(), ref * 2)
+
+    # A non-contiguous CUDA tensor, and every other collective DDP and FSDP use.
+    cols = x[: 1024 * 64].view(1024, 64).to(GPU).t()
+    ref = cols.cpu().contiguous()
+    dist.all_reduce(ref)
+    dist.all_reduce(cols)
+    assert torch.equal(cols.cpu(), ref)
+    src = make_input(rank, 1000, torch.float32)
+    b = src.to(GPU)
+    dist.broadcast(b, src=1)
+    rb = src.clone()
+    dist.broadcast(rb, src=1)
+    assert torch.equal(b.cpu(), rb)
+    gathered = torch.empty(n * 1000, device=GPU)
+    dist.all_gather_into_tensor(gathered, src.to(GPU))
+    rg = torch.empty(n * 1000)
+    dist.all_gather_into_tensor(rg, src)
+    assert torch.equal(gathered.cpu(), rg)
+    listed = [torch.empty(1000, device=GPU) for _ in range(n)]
+    dist.all_gather(listed, src.to(GPU))
+    assert torch.equal(torch.cat(listed).cpu(), rg)
+    full = make_input(rank, 1000 * n, torch.float32)
+    part = torch.empty(1000, device=GPU)
+    dist.reduce_scatter_tensor(part, full.to(GPU))
+    rp = torch.empty(1000)
+    dist.reduce_scatter_tensor(rp, full)
+    assert torch.equal(part.cpu(), rp)
+    a2a = torch.empty(1000 * n, device=GPU)
+    dist.all_to_all_single(a2a, full.to(GPU))
+    ra = torch.empty(1000 * n)
+    dist.all_to_all_single(ra, full)
+    assert torch.equal(a2a.cpu(), ra)
+    try:
+        dist.all_gather_into_tensor(torch.empty(n * 1000), src.to(GPU))
+    except (ValueError, RuntimeError) as e:  # torch's own check may come first
+        assert "device" in str(e), e
+    else:
+        raise AssertionError("a CPU output for a CUDA input was accepted")
+
+
+def compressed(backend: str) -> None:
+    """compressed_all_reduce of CUDA tensors equals its CPU run bitwise (result and both
+    residuals), for every compressor and input dtype, identically on every rank."""
+    rank, n = init(backend)
+    # NCCL needs a GPU per rank, and its CPU reference runs on a gloo group.
+    gpu = torch.device("cuda", rank if backend == "nccl" else 0)
+    torch.cuda.set_device(gpu)
+    cpu_group = dist.new_group(backend="gloo") if backend == "nccl" else None
+    g = torch.Generator().manual_seed(rank)
+    numel = 300_001
+    for name, make in COMPRESSORS.items():
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(numel, generator=g).to(dtype)
+            worker = torch.randn(numel, generator=g) * 0.01
+            server = torch.randn(server_residual_numel(numel, rank, n), generator=g) * 0.01
+            on_cpu = [x.clone(), worker.clone(), server.clone()]
+            on_gpu = [t.to(gpu) for t in (x, worker, server)]
+            compressed_all_reduce(on_cpu[0], make(), on_cpu[1], on_cpu[2], group=cpu_group, stream=11).wait()
+            compressed_all_reduce(on_gpu[0], make(), on_gpu[1], on_gpu[2], stream=11).wait()
+            for what, c, d in zip(("result", "worker residual", "server residual"), on_cpu, on_gpu):
+                assert torch.equal(d.cpu(), c), f"{name} {dtype}: {what} differs from the CPU run"
+            _same_everywhere(on_cpu[0], name, cpu_group)
+
+
+def _train(device: torch.device, group, name: str, opt_name: str, steps: int) -> float:
+    """Accuracy on held-out data after `steps` of DDP with the `name` hook (None: plain DDP)."""
+    rank = dist.get_rank()
+    x, y = synthetic(rank, samples=4096)
+    test_x, test_y = synthetic(100, samples=2048)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256),
+                                torch.nn.ReLU(), torch.nn.Linear(256, 10)).to(device)
+    if opt_name == "sgd":
+        opt = optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    else:
+        opt = optim.AdamW(model.parameters(), lr=2e-3, weight_decay=1e-2)
+    ddp = DistributedDataParallel(model, process_group=group, bucket_cap_mb=0.25)
+    state = None
+    if name is not None:
+        state = hooks.CompressionState(group, COMPRESSORS[name](), start_compress_iter=2, min_compression_bytes=0,
+                                       optimizer=opt, model=model)
+        ddp.register_comm_hook(state, HOOKS[name])
+    x, y = x.to(device), y.to(device)
+    for step in range(steps):
+        idx = torch.randint(0, len(x), (64,), generator=torch.Generator().manual_seed(step * 97 + rank)).to(device)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(ddp(x[idx]), y[idx]).backward()
+        opt.step()
+    if state is not None:
+        assert state.stats.compressed_buckets > 0, name
+        assert all(r.device == device for r in state.memory.worker_residuals.values()), name
+    with torch.no_grad():
+        return (model(test_x.to(device)).argmax(1) == test_y.to(device)).float().mean().item()
+
+
+def ddp(backend: str) -> None:
+    """DDP on a CUDA model with each hook (and with none) reaches its CPU run's accuracy."""
+    rank, n = init(backend)
+    torch.cuda.set_device(GPU)
+    logging.getLogger("ddlcomm").setLevel(logging.ERROR)
+    results = {}
+    for opt_name in ("sgd", "adamw"):
+        for name in (None, "onebit", "ternary", "topk", "topk_approx", "randomk", "fp16", "bf16"):
+            cpu = _train(torch.device("cpu"), None, name, opt_name, 300)
+            gpu = _train(GPU, None, name, opt_name, 300)
+            results[f"{opt_name}/{name}"] = (cpu, gpu)
+    if rank == 0:
+        print("ACCURACY " + json.dumps(results), flush=True)
+    plain = {opt: results[f"{opt}/None"][0] for opt in ("sgd", "adamw")}
+    for key, (cpu, gpu) in results.items():
+        opt = key.split("/")[0]
+        assert abs(gpu - cpu) <= 0.03, f"{key}: {gpu:.3f} on the GPU, {cpu:.3f} on the CPU"
+        assert gpu >= plain[opt] - 0.03, f"{key}: {gpu:.3f} on the GPU, uncompressed {plain[opt]:.3f}"
+
+
+if __name__ == "__main__":
+    run({"collectives": collectives, "compressed": compressed, "ddp": ddp})
