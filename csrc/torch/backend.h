@@ -64,9 +64,6 @@ struct ProfilerContext {
   };
 };
 
-// The ddlcomm dtype of a tensor; TypeError for dtypes ddlcomm does not carry.
-DataType toDataType(const at::Tensor& t);
-
 class ProcessGroupDdlcomm : public c10d::Backend {
  public:
   ProcessGroupDdlcomm(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,

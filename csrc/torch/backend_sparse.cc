@@ -9,6 +9,7 @@
 
 #include "collectives/collectives.h"
 #include "torch/backend.h"
+#include "torch/tensor_args.h"
 
 namespace ddlcomm::torch_glue {
 namespace {

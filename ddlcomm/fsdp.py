@@ -1,0 +1,276 @@
+"""Compressed gradients for sharded training (FSDP2 ``fully_shard``, and HSDP), with error feedback.
+
+FSDP2 reduce-scatters each parameter group's gradient: rank i receives the sum (or average)
+of chunk i of every rank's gradient. ``compress_gradients`` replaces that reduce-scatter
+with a compressed one: each rank encodes its n chunks with a worker residual, an all-to-all
+exchanges the payloads, and rank i decodes and sums the chunks it owns in rank order, in
+float32. Only payloads travel, and what compression leaves out stays in the residual and is
+sent later. With ``replicate_group`` (HSDP: shard within a group of ranks, replicate across
+groups) the shards are then averaged across the replicas by ``compressed_all_reduce``, with
+its worker and server residuals::
+
+    from torch.distributed.fsdp import fully_shard
+    from ddlcomm import fsdp
+    from ddlcomm.compress import Ternary
+
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    state = fsdp.compress_gradients(model, Ternary())
+    ...                                                    # train as usual
+    torch.save({"model": ..., "compression": state.state_dict()}, f"ckpt-{rank}.pt")
+
+The first ``start_compress_iter`` reduce-scatters of each module run uncompressed, and so do
+groups smaller than ``min_compression_bytes``, dtypes the compressors do not take and reduce
+ops other than SUM and AVG (each reason logged once). Residuals are keyed by the module's
+name and checked against the size of its gradients. ``state_dict()`` / ``load_state_dict()``
+carry them and the call counts through a checkpoint, one per rank, so that a resumed run
+trains bit for bit like an uninterrupted one.
+
+The compressors average gradients, not update directions: the optimizer runs on each rank's
+shard after the reduce-scatter, so the direction averaging of the DDP hooks
+(``ddlcomm.optim``) does not apply. The same algorithm runs on ddlcomm, gloo and nccl groups
+(over their all-to-all), on CPU and CUDA tensors.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+
+from . import _C
+from .compress import Compressor
+from .compressed import _accumulate, _Agreement, _aligned, _Wire, compressed_all_reduce, server_residual_numel
+from .hooks import CompressionStats
+
+__all__ = ["FSDPCompressionState", "CompressedReduceScatter", "compress_gradients"]
+
+logger = logging.getLogger(__name__)
+
+_STATE_VERSION = 1
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_encode_stream = _C.ProcessGroupDdlcomm.encode_stream
+
+
+class FSDPCompressionState:
+    """Residuals, call counts and statistics of the compressed reduce-scatters (and HSDP
+    all-reduces) of one model. Made by ``compress_gradients``; one per rank.
+
+    Attributes:
+        compressor, start_compress_iter, min_compression_bytes, error_feedback: as given.
+        residuals: module name -> float32 worker residual of its reduce-scatter input.
+        replica_residuals: module name -> (worker, server) residuals of the HSDP all-reduce.
+        calls: module name -> reduce-scatters issued so far.
+        stats: bytes this rank sent, against an uncompressed ring reduce-scatter.
+    """
+
+    def __init__(self, compressor: Compressor, start_compress_iter: int = 10,
+                 min_compression_bytes: int = 64 * 1024, error_feedback: bool = True,
+                 replicate_group: Optional[dist.ProcessGroup] = None) -> None:
+        if not isinstance(compressor, Compressor):
+            raise TypeError(f"compressor must be a ddlcomm.compress compressor, got {type(compressor).__name__}")
+        if start_compress_iter < 0:
+            raise ValueError(f"start_compress_iter must be >= 0, got {start_compress_iter}")
+        if min_compression_bytes < 0:
+            raise ValueError(f"min_compression_bytes must be >= 0, got {min_compression_bytes}")
+        self.compressor = compressor
+        self.start_compress_iter = start_compress_iter
+        self.min_compression_bytes = min_compression_bytes
+        self.error_feedback = error_feedback
+        self.replicate_group = replicate_group
+        self.residuals: dict[str, torch.Tensor] = {}
+        self.replica_residuals: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.calls: dict[str, int] = {}
+        self.stats = CompressionStats()
+        self._index: dict[str, int] = {}  # module name -> its position, for the randomness streams
+        self._logged: set[str] = set()
+        self._verified: set[str] = set()
+        self._saved_world: Optional[tuple[int, int]] = None
+
+    # -- checkpoints ------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's residuals, call counts and statistics (tensors cloned)."""
+        rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (None, None)
+        return {
+            "version": _STATE_VERSION,
+            "rank": rank,
+            "world_size": world,
+            "compressor": repr(self.compressor),
+            "calls": dict(self.calls),
+            "residuals": {k: v.clone() for k, v in self.residuals.items()},
+            "replica_residuals": {k: (w.clone(), s.clone()) for k, (w, s) in self.replica_residuals.items()},
+            "stats": vars(self.stats).copy(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restores what ``state_dict`` returned on this rank. Raises ValueError for a newer
+        version, another compressor, another rank or world size, or (at first use) residuals
+        whose size does not match the module's gradients."""
+        version = int(state.get("version", 0))
+        if version != _STATE_VERSION:
+            raise ValueError(f"FSDP compression state version {version}; this ddlcomm reads {_STATE_VERSION}")
+        if state["compressor"] != repr(self.compressor):
+            raise ValueError(f"the state was saved with {state['compressor']}, this one compresses with "
+                             f"{self.compressor!r}")
+        if state["rank"] is not None and dist.is_initialized():
+            here = (dist.get_rank(), dist.get_world_size())
+            if here != (state["rank"], state["world_size"]):
+                raise ValueError(f"the state was saved by rank {state['rank']} of {state['world_size']}, this is rank "
+                                 f"{here[0]} of {here[1]}: each rank loads the state_dict() it saved")
+        for name, tensor in state["residuals"].items():
+            if tensor.dtype != torch.float32 or tensor.dim() != 1:
+                raise ValueError(f"residual of {name!r} must be a 1-D float32 tensor, got {tensor.dtype} "
+                                 f"{tuple(tensor.shape)}")
+        self.calls = {str(k): int(v) for k, v in state["calls"].items()}
+        self.residuals = {str(k): v.clone() for k, v in state["residuals"].items()}
+        self.replica_residuals = {str(k): (w.clone(), s.clone()) for k, (w, s) in state["replica_residuals"].items()}
+        self.stats = CompressionStats(**state["stats"])
+
+    # -- internals ----------------------------------------------------------------------------
+    def _log_once(self, reason: str, message: str, *args: Any) -> None:
+        if reason not in self._logged:
+            self._logged.add(reason)
+            logger.warning(message, *args)
+
+    def _uncompressed_reason(self, name: str, tensor: torch.Tensor, op: Any, calls: int) -> Optional[str]:
+        if calls < self.start_compress_iter:
+            return "warm-up"
+        if tensor.dtype not in _DTYPES:
+            self._log_once("dtype", "ddlcomm fsdp: %s gradients are reduce-scattered uncompressed: the compressors "
+                           "take float32, float16 and bfloat16", tensor.dtype)
+            return "dtype"
+        if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
+            self._log_once("op", "ddlcomm fsdp: reduce op %s is reduce-scattered uncompressed (SUM and AVG are "
+                           "compressed); a gradient divide factor makes FSDP2 use another op", op)
+            return "op"
+        nbytes = tensor.numel() * tensor.element_size()
+        if nbytes < self.min_compression_bytes:
+            self._log_once("small", "ddlcomm fsdp: parameter groups smaller than min_compression_bytes=%d are "
+                           "reduce-scattered uncompressed (%s has %d bytes)", self.min_compression_bytes, name,
+                           nbytes)
+            return "small"
+        return None
+
+    def _residual(self, name: str, like: torch.Tensor) -> Optional[torch.Tensor]:
+        if not self.error_feedback:
+            return None
+        residual = self.residuals.get(name)
+        if residual is None:
+            residual = self.residuals[name] = torch.zeros(like.numel(), dtype=torch.float32, device=like.device)
+        elif residual.numel() != like.numel():
+            raise ValueError(f"ddlcomm fsdp: the residual of {name!r} has {residual.numel()} elements, its gradients "
+                             f"{like.numel()}: the state belongs to another model or sharding")
+        elif residual.device != like.device:
+            residual = self.residuals[name] = residual.to(like.device)
+        return residual
+
+    def reduce_scatter(self, name: str, output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup,
+                       op: Any) -> None:
+        """``output`` = the reduction of chunk ``rank`` of every rank's ``input`` (see the module docs)."""
+        n, r = group.size(), group.rank()
+        m = output.numel()
+        if input.numel() != n * m:
+            raise ValueError(f"ddlcomm fsdp: reduce-scatter input of {input.numel()} elements for an output of {m} "
+                             f"on {n} ranks")
+        calls = self.calls.get(name, 0)
+        self.calls[name] = calls + 1
+        index = self._index.setdefault(name, len(self._index))
+        nbytes = input.numel() * input.element_size()
+        ring = (n - 1) * nbytes // n
+        self.stats.bytes_uncompressed += ring
+        if self._uncompressed_reason(name, input, op, calls) is not None:
+            self.stats.uncompressed_buckets += 1
+            self.stats.bytes_sent += ring
+            dist.reduce_scatter_tensor(output, input, op=op, group=group)
+            return
+        flat = input.view(-1)
+        wire = _Wire(flat, group)
+        agreement = _Agreement(flat, self.compressor, group, n, name not in self._verified, wire.device)
+        self._verified.add(name)
+        residual = self._residual(name, flat)
+        slot = _aligned(self.compressor.compressed_nbytes(m))
+        outgoing = torch.zeros(n * slot, dtype=torch.uint8, device=flat.device)
+        stream = calls * 65536 + index
+        for i in range(n):
+            self.compressor.encode(flat[i * m:(i + 1) * m], None if residual is None else residual[i * m:(i + 1) * m],
+                                   stream=_encode_stream(stream, r, 0, i, n), out=outgoing[i * slot:(i + 1) * slot])
+        incoming = wire.empty(n * slot)
+        outgoing = wire.send(outgoing)
+        agreement.wait()
+        dist.all_to_all_single(incoming, outgoing, group=group)
+        acc = torch.zeros(m, dtype=torch.float32, device=flat.device)
+        _accumulate(self.compressor, wire.receive(incoming.view(n, slot), self.compressor, [m] * n), acc, m)
+        if op == dist.ReduceOp.AVG:
+            acc.div_(n)
+        output.view(-1).copy_(acc)
+        sent = (n - 1) * self.compressor.compressed_nbytes(m)
+        self.stats.compressed_buckets += 1
+        self.stats.bytes_sent += sent
+        self.stats.compressed_bytes_sent += sent
+        self.stats.compressed_bytes_uncompressed += ring
+
+    def replica_all_reduce(self, name: str, shard: torch.Tensor) -> None:
+        """HSDP: averages this rank's reduced shard over ``replicate_group``, compressed."""
+        group = self.replicate_group
+        flat = shard.view(-1)
+        calls = self.calls.get(name, 1) - 1  # counted by this iteration's reduce-scatter
+        if self._uncompressed_reason(name, flat, dist.ReduceOp.AVG, calls) is not None:
+            dist.all_reduce(flat, op=dist.ReduceOp.AVG, group=group)
+            return
+        residuals = None, None
+        if self.error_feedback:
+            rank, world = dist.get_rank(group), dist.get_world_size(group)
+            residuals = self.replica_residuals.get(name)
+            if residuals is None or residuals[0].numel() != flat.numel():
+                if residuals is not None:
+                    raise ValueError(f"ddlcomm fsdp: the replica residual of {name!r} has {residuals[0].numel()} "
+                                     f"elements, its shard {flat.numel()}")
+                residuals = self.replica_residuals[name] = (
+                    torch.zeros(flat.numel(), device=flat.device),
+                    torch.zeros(server_residual_numel(flat.numel(), rank, world), device=flat.device))
+        compressed_all_reduce(flat, self.compressor, residuals[0], residuals[1], group=group, average=True,
+                              stream=calls * 65536 + self._index.get(name, 0), verify=True).wait()
+
+
+class CompressedReduceScatter(ReduceScatter):
+    """The reduce-scatter of one FSDP module (``FSDPModule.set_custom_reduce_scatter``)."""
+
+    def __init__(self, state: FSDPCompressionState, name: str) -> None:
+        self.state = state
+        self.name = name
+
+    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 op: Any, async_op: bool = False) -> None:
+        # FSDP2 waits for the reduce-scatter stream, not for a Work: the call completes here.
+        self.state.reduce_scatter(self.name, output_tensor, input_tensor, group, op)
+
+
+def compress_gradients(model: torch.nn.Module, compressor: Compressor, *, start_compress_iter: int = 10,
+                       min_compression_bytes: int = 64 * 1024, error_feedback: bool = True,
+                       replicate_group: Optional[dist.ProcessGroup] = None) -> FSDPCompressionState:
+    """Compresses the gradient reduce-scatter of every ``fully_shard`` module of ``model``.
+
+    Call it after ``fully_shard``. ``replicate_group``: for HSDP, shard with ``fully_shard``
+    over the ranks of one replica (a 1-D mesh) and pass the group of ranks holding the same
+    shard in the other replicas: the reduced shards are then averaged over it, compressed.
+    Returns the state that holds the residuals (save its ``state_dict()`` with each rank's
+    checkpoint).
+    """
+    state = FSDPCompressionState(compressor, start_compress_iter, min_compression_bytes, error_feedback,
+                                 replicate_group)
+    modules = [(name or "<root>", m) for name, m in model.named_modules() if isinstance(m, FSDPModule)]
+    if not modules:
+        raise ValueError("compress_gradients: the model has no fully_shard module; call fully_shard first")
+    for name, module in modules:
+        module.set_custom_reduce_scatter(CompressedReduceScatter(state, name))
+        if replicate_group is not None:
+            module.set_all_reduce_hook(lambda shard, name=name: state.replica_all_reduce(name, shard))
+    return state
