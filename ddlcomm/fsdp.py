@@ -27,10 +27,11 @@ name and checked against the size of its gradients. ``state_dict()`` / ``load_st
 carry them and the call counts through a checkpoint, one per rank, so that a resumed run
 trains bit for bit like an uninterrupted one.
 
-The compressors average gradients, not update directions: the optimizer runs on each rank's
-shard after the reduce-scatter, so the direction averaging of the DDP hooks
-(``ddlcomm.optim``) does not apply. The same algorithm runs on ddlcomm, gloo and nccl groups
-(over their all-to-all), on CPU and CUDA tensors.
+With momentum SGD pass ``momentum=`` (and ``torch.optim.SGD(..., momentum=0)``): each rank
+keeps the momentum of its own gradient and that is what is compressed and averaged; feeding
+compressed gradients to the optimizer's momentum loses accuracy (docs/fsdp.md). The same
+algorithm runs on ddlcomm, gloo and nccl groups (over their all-to-all), on CPU and CUDA
+tensors.
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ class FSDPCompressionState:
     Attributes:
         compressor, start_compress_iter, min_compression_bytes, error_feedback: as given.
         residuals: module name -> float32 worker residual of its reduce-scatter input.
+        momenta: module name -> this rank's momentum of that input (with ``momentum``).
         replica_residuals: module name -> (worker, server) residuals of the HSDP all-reduce.
         calls: module name -> reduce-scatters issued so far.
         stats: bytes this rank sent, against an uncompressed ring reduce-scatter.
@@ -71,25 +73,29 @@ class FSDPCompressionState:
 
     def __init__(self, compressor: Compressor, start_compress_iter: int = 10,
                  min_compression_bytes: int = 64 * 1024, error_feedback: bool = True,
-                 replicate_group: Optional[dist.ProcessGroup] = None) -> None:
+                 replicate_group: Optional[dist.ProcessGroup] = None, momentum: float = 0.0) -> None:
         if not isinstance(compressor, Compressor):
             raise TypeError(f"compressor must be a ddlcomm.compress compressor, got {type(compressor).__name__}")
         if start_compress_iter < 0:
             raise ValueError(f"start_compress_iter must be >= 0, got {start_compress_iter}")
         if min_compression_bytes < 0:
             raise ValueError(f"min_compression_bytes must be >= 0, got {min_compression_bytes}")
+        if not 0.0 <= momentum < 1.0:
+            raise ValueError(f"momentum must be in [0, 1), got {momentum}")
+        self.momentum = momentum
         self.compressor = compressor
         self.start_compress_iter = start_compress_iter
         self.min_compression_bytes = min_compression_bytes
         self.error_feedback = error_feedback
         self.replicate_group = replicate_group
         self.residuals: dict[str, torch.Tensor] = {}
+        self.momenta: dict[str, torch.Tensor] = {}  # module name -> this rank's unsharded momentum
         self.replica_residuals: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self.calls: dict[str, int] = {}
         self.stats = CompressionStats()
         self._index: dict[str, int] = {}  # module name -> its position, for the randomness streams
         self._logged: set[str] = set()
-        self._verified: set[str] = set()
+        self._verified: set[Any] = set()  # modules (and ("replica", module)) whose agreement was checked
         self._saved_world: Optional[tuple[int, int]] = None
 
     # -- checkpoints ------------------------------------------------------------------------
@@ -103,6 +109,8 @@ class FSDPCompressionState:
             "compressor": repr(self.compressor),
             "calls": dict(self.calls),
             "residuals": {k: v.clone() for k, v in self.residuals.items()},
+            "momentum": self.momentum,
+            "momenta": {k: v.clone() for k, v in self.momenta.items()},
             "replica_residuals": {k: (w.clone(), s.clone()) for k, (w, s) in self.replica_residuals.items()},
             "stats": vars(self.stats).copy(),
         }
@@ -114,6 +122,8 @@ class FSDPCompressionState:
         version = int(state.get("version", 0))
         if version != _STATE_VERSION:
             raise ValueError(f"FSDP compression state version {version}; this ddlcomm reads {_STATE_VERSION}")
+        if float(state["momentum"]) != self.momentum:
+            raise ValueError(f"the state was saved with momentum={state['momentum']}, this one has {self.momentum}")
         if state["compressor"] != repr(self.compressor):
             raise ValueError(f"the state was saved with {state['compressor']}, this one compresses with "
                              f"{self.compressor!r}")
@@ -128,6 +138,7 @@ class FSDPCompressionState:
                                  f"{tuple(tensor.shape)}")
         self.calls = {str(k): int(v) for k, v in state["calls"].items()}
         self.residuals = {str(k): v.clone() for k, v in state["residuals"].items()}
+        self.momenta = {str(k): v.clone() for k, v in state["momenta"].items()}
         self.replica_residuals = {str(k): (w.clone(), s.clone()) for k, (w, s) in state["replica_residuals"].items()}
         self.stats = CompressionStats(**state["stats"])
 
@@ -156,18 +167,17 @@ class FSDPCompressionState:
             return "small"
         return None
 
-    def _residual(self, name: str, like: torch.Tensor) -> Optional[torch.Tensor]:
-        if not self.error_feedback:
-            return None
-        residual = self.residuals.get(name)
-        if residual is None:
-            residual = self.residuals[name] = torch.zeros(like.numel(), dtype=torch.float32, device=like.device)
-        elif residual.numel() != like.numel():
-            raise ValueError(f"ddlcomm fsdp: the residual of {name!r} has {residual.numel()} elements, its gradients "
+    def _memory(self, store: dict[str, torch.Tensor], name: str, like: torch.Tensor) -> torch.Tensor:
+        """store[name], made (zeros) on first use; checked against the module's gradients."""
+        tensor = store.get(name)
+        if tensor is None:
+            tensor = store[name] = torch.zeros(like.numel(), dtype=torch.float32, device=like.device)
+        elif tensor.numel() != like.numel():
+            raise ValueError(f"ddlcomm fsdp: the memory of {name!r} has {tensor.numel()} elements, its gradients "
                              f"{like.numel()}: the state belongs to another model or sharding")
-        elif residual.device != like.device:
-            residual = self.residuals[name] = residual.to(like.device)
-        return residual
+        elif tensor.device != like.device:
+            tensor = store[name] = tensor.to(like.device)
+        return tensor
 
     def reduce_scatter(self, name: str, output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup,
                        op: Any) -> None:
@@ -183,21 +193,26 @@ class FSDPCompressionState:
         nbytes = input.numel() * input.element_size()
         ring = (n - 1) * nbytes // n
         self.stats.bytes_uncompressed += ring
+        flat = source = input.view(-1)
+        if self.momentum:  # the momentum of this rank's own gradient is what is reduced
+            source = self._memory(self.momenta, name, flat)
+            source.mul_(self.momentum).add_(flat)
         if self._uncompressed_reason(name, input, op, calls) is not None:
             self.stats.uncompressed_buckets += 1
             self.stats.bytes_sent += ring
+            if source is not flat:
+                flat.copy_(source)
             dist.reduce_scatter_tensor(output, input, op=op, group=group)
             return
-        flat = input.view(-1)
         wire = _Wire(flat, group)
         agreement = _Agreement(flat, self.compressor, group, n, name not in self._verified, wire.device)
         self._verified.add(name)
-        residual = self._residual(name, flat)
+        residual = self._memory(self.residuals, name, flat) if self.error_feedback else None
         slot = _aligned(self.compressor.compressed_nbytes(m))
         outgoing = torch.zeros(n * slot, dtype=torch.uint8, device=flat.device)
         stream = calls * 65536 + index
         for i in range(n):
-            self.compressor.encode(flat[i * m:(i + 1) * m], None if residual is None else residual[i * m:(i + 1) * m],
+            self.compressor.encode(source[i * m:(i + 1) * m], None if residual is None else residual[i * m:(i + 1) * m],
                                    stream=_encode_stream(stream, r, 0, i, n), out=outgoing[i * slot:(i + 1) * slot])
         incoming = wire.empty(n * slot)
         outgoing = wire.send(outgoing)
@@ -233,8 +248,10 @@ class FSDPCompressionState:
                 residuals = self.replica_residuals[name] = (
                     torch.zeros(flat.numel(), device=flat.device),
                     torch.zeros(server_residual_numel(flat.numel(), rank, world), device=flat.device))
+        verify = ("replica", name) not in self._verified  # once per module, as for the reduce-scatter
+        self._verified.add(("replica", name))
         compressed_all_reduce(flat, self.compressor, residuals[0], residuals[1], group=group, average=True,
-                              stream=calls * 65536 + self._index.get(name, 0), verify=True).wait()
+                              stream=calls * 65536 + self._index.get(name, 0), verify=verify).wait()
 
 
 class CompressedReduceScatter(ReduceScatter):
@@ -255,17 +272,23 @@ class CompressedReduceScatter(ReduceScatter):
 
 def compress_gradients(model: torch.nn.Module, compressor: Compressor, *, start_compress_iter: int = 10,
                        min_compression_bytes: int = 64 * 1024, error_feedback: bool = True,
-                       replicate_group: Optional[dist.ProcessGroup] = None) -> FSDPCompressionState:
+                       replicate_group: Optional[dist.ProcessGroup] = None,
+                       momentum: float = 0.0) -> FSDPCompressionState:
     """Compresses the gradient reduce-scatter of every ``fully_shard`` module of ``model``.
 
     Call it after ``fully_shard``. ``replicate_group``: for HSDP, shard with ``fully_shard``
     over the ranks of one replica (a 1-D mesh) and pass the group of ranks holding the same
     shard in the other replicas: the reduced shards are then averaged over it, compressed.
+    ``momentum``: SGD's momentum, moved into the reduce-scatter. Each rank keeps the momentum
+    of its own (unsharded) gradient, and that is what is compressed and averaged; use
+    ``torch.optim.SGD`` with ``momentum=0``. With 1-bit and random-k this keeps the accuracy
+    of momentum SGD where compressing the gradient does not (docs/fsdp.md); it costs one
+    float32 buffer of the module's unsharded size per rank.
     Returns the state that holds the residuals (save its ``state_dict()`` with each rank's
     checkpoint).
     """
     state = FSDPCompressionState(compressor, start_compress_iter, min_compression_bytes, error_feedback,
-                                 replicate_group)
+                                 replicate_group, momentum)
     modules = [(name or "<root>", m) for name, m in model.named_modules() if isinstance(m, FSDPModule)]
     if not modules:
         raise ValueError("compress_gradients: the model has no fully_shard module; call fully_shard first")

@@ -17,6 +17,12 @@ compressor through its hook with a ``ddlcomm.optim`` optimizer (the recommended 
 with momentum and Adam; and top-k with Deep Gradient Compression's options instead of an
 optimizer. Every compressed method starts compressing after ``--start-compress-iter`` (10) of
 the 300 steps, PowerSGD included.
+
+``--sharding fsdp`` trains with FSDP2 instead (``fully_shard`` on every child module with
+parameters, then the root): "all-reduce" is then FSDP2's own reduce-scatter, and each ddlcomm
+compressor compresses it through ``ddlcomm.fsdp`` with torch's optimizers, SGD's momentum
+moved into the reduce-scatter (``momentum=``); "on gradients" keeps it in the optimizer. The
+torch hooks and DGC do not apply.
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 from torch.nn.parallel import DistributedDataParallel
 
 import ddlcomm  # noqa: F401  (registers the backend)
-from ddlcomm import compress, hooks, optim
+from ddlcomm import compress, fsdp, hooks, optim
 from ddlcomm.bench.tasks import Task, lr_lambda, make_task
 
 START_COMPRESS_ITER = 10
@@ -104,21 +110,47 @@ def _plain_bytes(model: torch.nn.Module, steps: int) -> int:
     return steps * (2 * (n - 1) * numel * 4 // n)
 
 
+def applies(method: Method, sharding: str) -> bool:
+    """Whether `method` runs under `sharding` ("ddp" or "fsdp")."""
+    return sharding == "ddp" or (method.torch_hook is None and not method.hook_options)
+
+
+def _fully_shard(model: torch.nn.Module) -> torch.nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    for child in model.children():
+        if any(p.requires_grad for p in child.parameters()):
+            fully_shard(child)
+    fully_shard(model)
+    return model
+
+
 def train(task: Task, method: Method, opt_name: str, seed: int, lr: Optional[float] = None,
-          start_compress_iter: int = START_COMPRESS_ITER) -> dict:
+          start_compress_iter: int = START_COMPRESS_ITER, sharding: str = "ddp") -> dict:
     """One run on every rank; returns the metric and the traffic figures."""
     rank = dist.get_rank()
     lr = task.lr[opt_name] if lr is None else lr
     torch.manual_seed(seed)
     model = task.model()
-    ddp = DistributedDataParallel(model)
-    family = optim if method.compressor is not None and method.direction else torch.optim
+    if sharding == "fsdp":
+        ddp = _fully_shard(model)
+    else:
+        ddp = DistributedDataParallel(model)
+    family = optim if method.compressor is not None and method.direction and sharding == "ddp" else torch.optim
+    # FSDP2 with a compressor: SGD's momentum moves into the compressed reduce-scatter (what
+    # `direction` means there), unless the method compresses gradients.
+    comm_momentum = (method.sgd_momentum if sharding == "fsdp" and method.compressor and method.direction
+                     and opt_name == "sgd" else 0.0)
     if opt_name == "sgd":
-        opt = family.SGD(model.parameters(), lr=lr, momentum=method.sgd_momentum)
+        opt = family.SGD(model.parameters(), lr=lr, momentum=method.sgd_momentum - comm_momentum)
     else:
         opt = family.AdamW(model.parameters(), lr=lr)
     state = None
-    if method.compressor is not None:
+    if sharding == "fsdp":
+        if method.compressor is not None:
+            state = fsdp.compress_gradients(model, method.compressor(), start_compress_iter=start_compress_iter,
+                                            momentum=comm_momentum)
+    elif method.compressor is not None:
         state = hooks.CompressionState(compressor=method.compressor(), start_compress_iter=start_compress_iter,
                                        optimizer=opt if method.direction else None, **method.hook_options)
         ddp.register_comm_hook(state, hooks.compressed_hook)
@@ -140,6 +172,8 @@ def train(task: Task, method: Method, opt_name: str, seed: int, lr: Optional[flo
             schedule.step()
     seconds = time.perf_counter() - start
     plain = _plain_bytes(model, task.steps)
+    if sharding == "fsdp":  # what the reduce-scatters send, against a ring reduce-scatter (half an all-reduce)
+        plain //= 2
     if state is not None:
         sent = state.stats.bytes_sent
         uncompressed = state.stats.bytes_uncompressed - state.stats.compressed_bytes_uncompressed
@@ -209,6 +243,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=None, help="override every task's step count")
     parser.add_argument("--start-compress-iter", type=int, default=START_COMPRESS_ITER,
                         help="uncompressed iterations first (every compressed method)")
+    parser.add_argument("--sharding", choices=("ddp", "fsdp"), default="ddp",
+                        help="DDP with hooks, or FSDP2 with ddlcomm.fsdp's compressed reduce-scatter")
     parser.add_argument("--sweep", action="store_true",
                         help="plain all-reduce at 0.5x, 1x and 2x each task's learning rate, to check it is the best")
     parser.add_argument("--out", default=None, help="directory for convergence.md / convergence.json (rank 0)")
@@ -229,7 +265,7 @@ def main() -> None:
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
         raise SystemExit(f"unknown methods {unknown}; choose from {list(METHODS)}")
-    report: dict = {"world_size": dist.get_world_size(), "seeds": args.seeds,
+    report: dict = {"world_size": dist.get_world_size(), "seeds": args.seeds, "sharding": args.sharding,
                     "start_compress_iter": args.start_compress_iter, "tasks": {}}
     tables = []
     for task_name in args.tasks.split(","):
@@ -239,15 +275,16 @@ def main() -> None:
             if args.sweep:
                 for factor in (0.5, 1.0, 2.0):
                     lr = task.lr[opt_name] * factor
-                    metrics = [train(task, METHODS["all-reduce"], opt_name, s, lr)["metric"] for s in range(args.seeds)]
+                    metrics = [train(task, METHODS["all-reduce"], opt_name, s, lr, sharding=args.sharding)["metric"]
+                               for s in range(args.seeds)]
                     if rank == 0:
                         print(f"SWEEP {task.name} {opt_name} lr {lr:g}: {statistics.fmean(metrics):.3f} {metrics}", flush=True)
                 continue
             for name in methods:
-                if opt_name not in METHODS[name].optimizers:
+                if opt_name not in METHODS[name].optimizers or not applies(METHODS[name], args.sharding):
                     continue
-                runs = [train(task, METHODS[name], opt_name, s, start_compress_iter=args.start_compress_iter)
-                        for s in range(args.seeds)]
+                runs = [train(task, METHODS[name], opt_name, s, start_compress_iter=args.start_compress_iter,
+                              sharding=args.sharding) for s in range(args.seeds)]
                 results.setdefault(opt_name, {})[name] = runs
                 if rank == 0:
                     print(f"RESULT {task.name} {opt_name} {name}: " + json.dumps(runs), flush=True)

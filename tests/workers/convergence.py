@@ -17,16 +17,17 @@ from ddlcomm.bench.convergence import METHODS, train
 from ddlcomm.bench.tasks import make_task
 
 
-def quality(runs: str, seeds: str = "0") -> None:
-    """``runs``: "optimizer:method;..." (method names of ddlcomm.bench.convergence.METHODS).
-    Prints ``QUALITY {optimizer: {method: [accuracy per seed]}}`` on rank 0."""
+def quality(runs: str, seeds: str = "0", sharding: str = "ddp") -> None:
+    """``runs``: "optimizer:method;..." (method names of ddlcomm.bench.convergence.METHODS),
+    with DDP hooks or FSDP2 (``sharding``). Prints ``QUALITY {optimizer: {method: [accuracy
+    per seed]}}`` on rank 0."""
     rank, _ = init(timeout_s=300)
     torch.set_num_threads(1)
     task = make_task("mlp")
     out: dict = {}
     for item in runs.split(";"):
         opt_name, name = item.split(":", 1)
-        out.setdefault(opt_name, {})[name] = [train(task, METHODS[name], opt_name, int(s))["metric"]
+        out.setdefault(opt_name, {})[name] = [train(task, METHODS[name], opt_name, int(s), sharding=sharding)["metric"]
                                               for s in seeds.split(",")]
     if rank == 0:
         print("QUALITY " + json.dumps(out), flush=True)
