@@ -221,16 +221,6 @@ T* at(void* base, size_t off) {
   return reinterpret_cast<T*>(static_cast<uint8_t*>(base) + off);
 }
 
-// compress::Config gains `scaled` on the CPU branch; honored here as soon as it exists.
-template <typename C>
-auto scaledFlag(const C& c, int) -> decltype(bool(c.scaled)) {
-  return c.scaled;
-}
-template <typename C>
-bool scaledFlag(const C&, long) {
-  return false;
-}
-
 }  // namespace
 
 size_t randomkWorkspaceBytes(uint64_t numel, uint64_t k) {
@@ -261,7 +251,7 @@ void encodeRandomK(const EncodeArgs& a) {
   launch(tileBitsKernel, gridFor(w.numTiles, kThreads / kWarpSize), kThreads, s, bitmap, w.nwords, w.numTiles,
          counts);
   launch(exclusiveScanKernel, 1, kScanThreads, s, counts, w.numTiles);
-  const bool scaled = scaledFlag(a.config, 0) && k > 0;
+  const bool scaled = a.config.scaled && k > 0;
   const WriteParams p{n,
                       w.nwords,
                       w.numTiles,
