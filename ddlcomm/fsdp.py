@@ -47,7 +47,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 from . import _C
 from .compress import Compressor
 from .compressed import _accumulate, _Agreement, _aligned, _Wire, compressed_all_reduce, server_residual_numel
-from .hooks import CompressionStats
+from .hooks import CompressionStats, _CompressionOptions
 
 __all__ = ["FSDPCompressionState", "CompressedReduceScatter", "compress_gradients"]
 
@@ -58,7 +58,7 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _encode_stream = _C.ProcessGroupDdlcomm.encode_stream
 
 
-class FSDPCompressionState:
+class FSDPCompressionState(_CompressionOptions):
     """Residuals, call counts and statistics of the compressed reduce-scatters (and HSDP
     all-reduces) of one model. Made by ``compress_gradients``; one per rank.
 
@@ -71,30 +71,18 @@ class FSDPCompressionState:
         stats: bytes this rank sent, against an uncompressed ring reduce-scatter.
     """
 
+    _logger = logger
+
     def __init__(self, compressor: Compressor, start_compress_iter: int = 10,
                  min_compression_bytes: int = 64 * 1024, error_feedback: bool = True,
                  replicate_group: Optional[dist.ProcessGroup] = None, momentum: float = 0.0) -> None:
-        if not isinstance(compressor, Compressor):
-            raise TypeError(f"compressor must be a ddlcomm.compress compressor, got {type(compressor).__name__}")
-        if start_compress_iter < 0:
-            raise ValueError(f"start_compress_iter must be >= 0, got {start_compress_iter}")
-        if min_compression_bytes < 0:
-            raise ValueError(f"min_compression_bytes must be >= 0, got {min_compression_bytes}")
-        if not 0.0 <= momentum < 1.0:
-            raise ValueError(f"momentum must be in [0, 1), got {momentum}")
-        self.momentum = momentum
-        self.compressor = compressor
-        self.start_compress_iter = start_compress_iter
-        self.min_compression_bytes = min_compression_bytes
-        self.error_feedback = error_feedback
+        super().__init__(compressor, start_compress_iter, min_compression_bytes, error_feedback, momentum)
         self.replicate_group = replicate_group
         self.residuals: dict[str, torch.Tensor] = {}
         self.momenta: dict[str, torch.Tensor] = {}  # module name -> this rank's unsharded momentum
         self.replica_residuals: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self.calls: dict[str, int] = {}
-        self.stats = CompressionStats()
         self._index: dict[str, int] = {}  # module name -> its position, for the randomness streams
-        self._logged: set[str] = set()
         self._verified: set[Any] = set()  # modules (and ("replica", module)) whose agreement was checked
         self._saved_world: Optional[tuple[int, int]] = None
 
@@ -143,11 +131,6 @@ class FSDPCompressionState:
         self.stats = CompressionStats(**state["stats"])
 
     # -- internals ----------------------------------------------------------------------------
-    def _log_once(self, reason: str, message: str, *args: Any) -> None:
-        if reason not in self._logged:
-            self._logged.add(reason)
-            logger.warning(message, *args)
-
     def _uncompressed_reason(self, name: str, tensor: torch.Tensor, op: Any, calls: int) -> Optional[str]:
         if calls < self.start_compress_iter:
             return "warm-up"

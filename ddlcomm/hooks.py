@@ -92,7 +92,38 @@ class CompressionStats:
         return self.compressed_bytes_uncompressed / self.compressed_bytes_sent
 
 
-class CompressionState:
+class _CompressionOptions:
+    """What every compressed path's state (these hooks', ``ddlcomm.fsdp``'s) checks and keeps
+    alike: the compressor, warm-up, minimum size, error feedback and momentum options, the
+    statistics, and the reasons already logged once."""
+
+    _logger = logger  # each path logs under its own module's name
+
+    def __init__(self, compressor: Compressor, start_compress_iter: int, min_compression_bytes: int,
+                 error_feedback: bool, momentum: float) -> None:
+        if not isinstance(compressor, Compressor):
+            raise TypeError(f"compressor must be a ddlcomm.compress compressor, got {type(compressor).__name__}")
+        if start_compress_iter < 0:
+            raise ValueError(f"start_compress_iter must be >= 0, got {start_compress_iter}")
+        if min_compression_bytes < 0:
+            raise ValueError(f"min_compression_bytes must be >= 0, got {min_compression_bytes}")
+        if not 0.0 <= momentum < 1.0:
+            raise ValueError(f"momentum must be in [0, 1), got {momentum}")
+        self.compressor = compressor
+        self.start_compress_iter = start_compress_iter
+        self.min_compression_bytes = min_compression_bytes
+        self.error_feedback = error_feedback
+        self.momentum = momentum
+        self.stats = CompressionStats()
+        self._logged: set[str] = set()  # reasons already logged once
+
+    def _log_once(self, reason: str, message: str, *args: Any) -> None:
+        if reason not in self._logged:
+            self._logged.add(reason)
+            self._logger.warning(message, *args)
+
+
+class CompressionState(_CompressionOptions):
     """State of a compressed DDP communication hook.
 
     Args:
@@ -130,15 +161,11 @@ class CompressionState:
         momentum: float = 0.0,
         clip_norm: Optional[float] = None,
     ) -> None:
-        compressor = compressor if compressor is not None else OneBit()
-        if not isinstance(compressor, Compressor):
-            raise TypeError(f"compressor must be a ddlcomm.compress compressor, got {type(compressor).__name__}")
+        super().__init__(compressor if compressor is not None else OneBit(), start_compress_iter,
+                         min_compression_bytes, error_feedback, momentum)
+        compressor = self.compressor
         if start_compress_iter < 2:
             raise ValueError("start_compress_iter must be at least 2: DDP rebuilds its buckets after iteration 1")
-        if min_compression_bytes < 0:
-            raise ValueError(f"min_compression_bytes must be >= 0, got {min_compression_bytes}")
-        if not 0.0 <= momentum < 1.0:
-            raise ValueError(f"momentum must be in [0, 1), got {momentum}")
         if momentum and not isinstance(compressor, (TopK, RandomK)):
             raise ValueError(f"momentum= is DGC's momentum correction for sparse compressors (TopK, RandomK); "
                              f"{type(compressor).__name__} sends every entry each step: use optimizer= instead")
@@ -153,19 +180,12 @@ class CompressionState:
         if model is not None and not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         self.process_group = process_group
-        self.compressor = compressor
-        self.start_compress_iter = start_compress_iter
-        self.min_compression_bytes = min_compression_bytes
-        self.error_feedback = error_feedback
         self.optimizer = optimizer
         self.model = model
-        self.momentum = momentum
         self.clip_norm = clip_norm
         self.iter = 0
-        self.stats = CompressionStats()
         self.memory = FeedbackMemory()
         self._keys: dict[torch.Tensor, str] = {}  # parameter -> its key in the memory
-        self._logged: set[str] = set()  # reasons already logged once
         self._verified: set[Signature] = set()  # buckets whose agreement across ranks was checked
         self._saved_world: Optional[tuple[int, int]] = None  # (rank, world size) a loaded state was made under
         self._replay: list = []  # buckets of this iteration, while replaying (see _replay_iteration)
@@ -177,11 +197,6 @@ class CompressionState:
     def _world(self) -> tuple[int, int]:
         group = self.process_group or dist.group.WORLD
         return dist.get_rank(group), dist.get_world_size(group)
-
-    def _log_once(self, reason: str, message: str, *args: Any) -> None:
-        if reason not in self._logged:
-            self._logged.add(reason)
-            logger.warning(message, *args)
 
     def _key_scheme(self) -> str:
         return "names" if self.model is not None else "optimizer" if self.optimizer is not None else "process"
