@@ -689,12 +689,15 @@ def _exit_code(returncode: int) -> int:
 
 
 def run_ranks(net: SlowNet, argv: Sequence[str], master_port: int = DEFAULT_MASTER_PORT,
-              timeout: float = 600.0, grace: float = 10.0, out: IO[str] | None = None) -> int:
+              timeout: float = 600.0, grace: float = 10.0, out: IO[str] | None = None,
+              stop: threading.Event | None = None) -> int:
     """Run ``argv`` once per rank and stream prefixed output.
 
     Returns 0 if every rank exits 0, else the first non-zero exit code.  After
     a failure the other ranks get ``grace`` seconds, then are killed; after
     ``timeout`` seconds everything is killed (exit 124 unless a rank failed).
+    When ``stop`` is set, every rank is killed at once (exit 130 unless a rank
+    failed; the caller knows which signal set it).
     """
     out = out or sys.stdout
     lock = threading.Lock()
@@ -723,8 +726,11 @@ def run_ranks(net: SlowNet, argv: Sequence[str], master_port: int = DEFAULT_MAST
         if all(code is not None for code in codes):
             break
         now = time.monotonic()
-        if now >= deadline or (kill_at is not None and now >= kill_at):
-            if now >= deadline:
+        stopped = stop is not None and stop.is_set()
+        if stopped or now >= deadline or (kill_at is not None and now >= kill_at):
+            if stopped:
+                result = result or 130
+            elif now >= deadline:
                 log(f"timeout after {timeout:g}s; killing all ranks")
                 result = result or 124
             for p in procs:
@@ -789,6 +795,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if missing:
         print(f"slownet: error: {missing}", file=sys.stderr)
         return 2
+    # SIGINT/SIGTERM/SIGHUP only set a flag that the rank loop polls: an exception raised
+    # wherever the signal lands (inside Popen, or holding its waitpid lock) once left the
+    # CLI waiting on a rank it no longer tracked.  Set-up is short and finishes first.
+    stop, caught = threading.Event(), []
+    def on_signal(signum: int, _frame: Any) -> None:
+        caught.append(signum)
+        stop.set()
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, on_signal)
     try:
         if args.cleanup_stale:
             for ns in cleanup_stale():
@@ -798,13 +813,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         with SlowNet(args.ranks, args.rate, args.delay, args.loss, args.subnet,
                      shaper=args.shaper, keep=args.keep) as net:
             print(f"[slownet] {net.describe()}", file=sys.stderr, flush=True)
-            return run_ranks(net, command, args.master_port, args.timeout, args.grace)
+            if not stop.is_set():
+                code = run_ranks(net, command, args.master_port, args.timeout, args.grace, stop=stop)
     except (SlowNetError, ValueError) as e:
         print(f"slownet: error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("[slownet] interrupted", file=sys.stderr)
-        return 130
+    if caught:
+        print(f"[slownet] interrupted by {signal.Signals(caught[0]).name}; ranks killed, namespaces removed",
+              file=sys.stderr)
+        return 128 + caught[0]
+    return code
 
 
 if __name__ == "__main__":
