@@ -5,6 +5,11 @@ Ranks are started directly rather than through torchrun so that a test sees what
 surviving rank does after another fails (torchrun's agent would kill them all). As under
 torchrun, the TCPStore lives outside the ranks (here, in the test process), so it
 outlives any rank that dies.
+
+Ranks are forked from a zygote (tests/zygote.py) that has imported torch and ddlcomm once,
+unless a rank's environment changes something read at import time (anything but the
+rendezvous, ``DDLCOMM_*`` and ``UCX_*`` variables) or runs under a prefix command; then, or
+with ``DDLCOMM_TEST_ZYGOTE=0``, it is a fresh ``python`` process.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +50,105 @@ RANK_ENV = {
     "PYTHONUNBUFFERED": "1",
     "TORCHELASTIC_USE_AGENT_STORE": "True",  # ranks are clients of a store outside them
 }
+
+
+# Variables that a forked rank may set differently from the zygote: none is read at import.
+FORKABLE_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "DDLCOMM_", "UCX_")
+
+
+class _Forked:
+    """A rank forked by the zygote, with the part of subprocess.Popen that launch() uses."""
+
+    def __init__(self, zygote: "_Zygote", request_id: int, pid: int, out_path: str) -> None:
+        self._zygote, self._id, self.pid, self._out = zygote, request_id, pid, out_path
+        self.returncode: int | None = None
+
+    def kill(self) -> None:
+        if self.returncode is None:
+            try:
+                os.kill(self.pid, 9)
+            except ProcessLookupError:
+                pass
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, None]:
+        code = self._zygote.wait(self._id, timeout)
+        if code is None:
+            raise subprocess.TimeoutExpired(f"rank pid {self.pid}", timeout)
+        self.returncode = code
+        with open(self._out, errors="replace") as f:
+            return f.read(), None
+
+
+class _Zygote:
+    """The zygote process and the reader of its replies (one per pytest session)."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        self.env = env
+        self._proc = subprocess.Popen([sys.executable, str(Path(__file__).parent / "zygote.py")], env=env,
+                                      cwd=tempfile.gettempdir(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                      text=True)
+        hello = json.loads(self._proc.stdout.readline() or "{}")
+        if not hello.get("ready"):
+            self._proc.kill()
+            raise RuntimeError(f"the test zygote did not start: {hello}")
+        self._cond = threading.Condition()
+        self._pids: dict[int, int] = {}
+        self._codes: dict[int, int] = {}
+        self._next = 0
+        self.alive = True
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self._proc.stdout:
+            message = json.loads(line)
+            with self._cond:
+                if "pid" in message:
+                    self._pids[message["id"]] = message["pid"]
+                else:
+                    self._codes[message["id"]] = message["returncode"]
+                self._cond.notify_all()
+        with self._cond:  # the zygote died: its ranks' statuses are lost
+            self.alive = False
+            self._cond.notify_all()
+
+    def spawn(self, argv: list[str], env: dict[str, str], cwd: str, out_path: str) -> _Forked:
+        with self._cond:
+            request_id = self._next
+            self._next += 1
+            self._proc.stdin.write(json.dumps({"id": request_id, "argv": argv, "env": env, "cwd": cwd,
+                                               "out": out_path}) + "\n")
+            self._proc.stdin.flush()
+            if not self._cond.wait_for(lambda: request_id in self._pids or not self.alive, timeout=30):
+                raise RuntimeError("the test zygote did not fork a rank within 30 s")
+            if not self.alive:
+                raise RuntimeError("the test zygote died")
+            return _Forked(self, request_id, self._pids.pop(request_id), out_path)
+
+    def wait(self, request_id: int, timeout: float | None) -> int | None:
+        with self._cond:
+            self._cond.wait_for(lambda: request_id in self._codes or not self.alive, timeout=timeout)
+            if request_id in self._codes:
+                return self._codes.pop(request_id)
+            if not self.alive:
+                return -1000  # unknown: the zygote that reaps it is gone
+            return None
+
+
+_zygote: _Zygote | None = None
+
+
+def _zygote_for(rank_environment: dict[str, str]) -> _Zygote | None:
+    """The session's zygote if this rank may be forked from it, else None."""
+    global _zygote
+    if os.environ.get("DDLCOMM_TEST_ZYGOTE", "1") == "0":
+        return None
+    base = dict(os.environ, **RANK_ENV)
+    changed = {k for k in rank_environment.keys() | base.keys() if rank_environment.get(k) != base.get(k)}
+    if any(not k.startswith(FORKABLE_ENV) for k in changed):
+        return None
+    if _zygote is None or not _zygote.alive:
+        _zygote = _Zygote(base)
+    return _zygote
 
 
 @dataclass
@@ -85,9 +190,14 @@ def launch(
             )
             rank_environment.update(env or {})
             rank_environment.update((rank_env or {}).get(rank, {}))
+            argv = [str(WORKERS / f"{worker}.py"), scenario, *args]
+            zygote = None if (rank_prefix or {}).get(rank) else _zygote_for(rank_environment)
+            if zygote is not None:
+                procs.append(zygote.spawn(argv, rank_environment, cwd, os.path.join(cwd, f"rank{rank}.out")))
+                continue
             procs.append(
                 subprocess.Popen(
-                    [*(rank_prefix or {}).get(rank, []), sys.executable, str(WORKERS / f"{worker}.py"), scenario, *args],
+                    [*(rank_prefix or {}).get(rank, []), sys.executable, *argv],
                     cwd=cwd,
                     env=rank_environment,
                     stdout=subprocess.PIPE,
