@@ -92,12 +92,24 @@ class CompressionStats:
         return self.compressed_bytes_uncompressed / self.compressed_bytes_sent
 
 
-class _CompressionOptions:
+class _LogOnce:
+    """A state that logs each reason for leaving something uncompressed once."""
+
+    _logger = logger  # each path logs under its own module's name
+
+    def __init__(self) -> None:
+        self._logged: set[str] = set()  # reasons already logged once
+
+    def _log_once(self, reason: str, message: str, *args: Any) -> None:
+        if reason not in self._logged:
+            self._logged.add(reason)
+            self._logger.warning(message, *args)
+
+
+class _CompressionOptions(_LogOnce):
     """What every compressed path's state (these hooks', ``ddlcomm.fsdp``'s) checks and keeps
     alike: the compressor, warm-up, minimum size, error feedback and momentum options, the
     statistics, and the reasons already logged once."""
-
-    _logger = logger  # each path logs under its own module's name
 
     def __init__(self, compressor: Compressor, start_compress_iter: int, min_compression_bytes: int,
                  error_feedback: bool, momentum: float) -> None:
@@ -109,18 +121,13 @@ class _CompressionOptions:
             raise ValueError(f"min_compression_bytes must be >= 0, got {min_compression_bytes}")
         if not 0.0 <= momentum < 1.0:
             raise ValueError(f"momentum must be in [0, 1), got {momentum}")
+        super().__init__()
         self.compressor = compressor
         self.start_compress_iter = start_compress_iter
         self.min_compression_bytes = min_compression_bytes
         self.error_feedback = error_feedback
         self.momentum = momentum
         self.stats = CompressionStats()
-        self._logged: set[str] = set()  # reasons already logged once
-
-    def _log_once(self, reason: str, message: str, *args: Any) -> None:
-        if reason not in self._logged:
-            self._logged.add(reason)
-            self._logger.warning(message, *args)
 
 
 class CompressionState(_CompressionOptions):

@@ -58,6 +58,13 @@ def test_hsdp_replicas_agree_and_keep_accuracy() -> None:
     assert_all_ok(results)
 
 
+@pytest.mark.parametrize("backend,ranks", [("ddlcomm", 4), ("gloo", 2)])
+def test_quantized_all_gather(backend: str, ranks: int) -> None:
+    results = launch("sharded", "quantized_all_gather", ranks, timeout=300, args=(backend,))
+    _print_accuracy(results)
+    assert_all_ok(results)
+
+
 def test_state_refuses_bad_options() -> None:
     with pytest.raises(TypeError, match="compressor"):
         fsdp.FSDPCompressionState("onebit")  # type: ignore[arg-type]
@@ -65,3 +72,7 @@ def test_state_refuses_bad_options() -> None:
         fsdp.FSDPCompressionState(compress.OneBit(), min_compression_bytes=-1)
     with pytest.raises(ValueError, match="fully_shard"):
         fsdp.compress_gradients(torch.nn.Linear(2, 2), compress.OneBit())
+    with pytest.raises(ValueError, match="fully_shard"):
+        fsdp.quantize_all_gather(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="block_size"):
+        fsdp.AllGatherQuantization(block_size=0)

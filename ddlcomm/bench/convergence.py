@@ -21,8 +21,9 @@ the 300 steps, PowerSGD included.
 ``--sharding fsdp`` trains with FSDP2 instead (``fully_shard`` on every child module with
 parameters, then the root): "all-reduce" is then FSDP2's own reduce-scatter, and each ddlcomm
 compressor compresses it through ``ddlcomm.fsdp`` with torch's optimizers, SGD's momentum
-moved into the reduce-scatter (``momentum=``); "on gradients" keeps it in the optimizer. The
-torch hooks and DGC do not apply.
+moved into the reduce-scatter (``momentum=``); "on gradients" keeps it in the optimizer; "8-bit
+all-gather" quantizes the parameter all-gathers (``ddlcomm.fsdp.quantize_all_gather``), alone
+or with a compressor. The torch hooks and DGC do not apply.
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ class Method:
     hook_options: dict = field(default_factory=dict)  # more CompressionState arguments
     sgd_momentum: float = 0.9  # the SGD optimizer's own momentum
     optimizers: tuple[str, ...] = ("sgd", "adamw")
+    quantize_all_gather: bool = False  # FSDP2 only: 8-bit parameter all-gathers (ddlcomm.fsdp)
 
 
 METHODS = {
@@ -79,6 +81,9 @@ METHODS = {
         Method("top-k 1% DGC (hook momentum + clipping)", lambda: compress.TopK(ratio=0.01, approximate=True),
                direction=False, hook_options={"momentum": 0.9, "clip_norm": 4.0}, sgd_momentum=0.0,
                optimizers=("sgd",)),
+        Method("8-bit all-gather", quantize_all_gather=True),
+        Method("1-bit + 8-bit all-gather", compress.OneBit, quantize_all_gather=True),
+        Method("ternary + 8-bit all-gather", compress.Ternary, quantize_all_gather=True),
     )
 }
 
@@ -112,7 +117,9 @@ def _plain_bytes(model: torch.nn.Module, steps: int) -> int:
 
 def applies(method: Method, sharding: str) -> bool:
     """Whether `method` runs under `sharding` ("ddp" or "fsdp")."""
-    return sharding == "ddp" or (method.torch_hook is None and not method.hook_options)
+    if sharding == "ddp":
+        return not method.quantize_all_gather
+    return method.torch_hook is None and not method.hook_options
 
 
 def _fully_shard(model: torch.nn.Module) -> torch.nn.Module:
@@ -147,6 +154,8 @@ def train(task: Task, method: Method, opt_name: str, seed: int, lr: Optional[flo
         opt = family.AdamW(model.parameters(), lr=lr)
     state = None
     if sharding == "fsdp":
+        if method.quantize_all_gather:
+            fsdp.quantize_all_gather(model)
         if method.compressor is not None:
             state = fsdp.compress_gradients(model, method.compressor(), start_compress_iter=start_compress_iter,
                                             momentum=comm_momentum)
@@ -223,7 +232,7 @@ def table(task: Task, results: dict) -> str:
             present = True
             baseline = None if name == "all-reduce" else [r["metric"] for r in results[opt_name].get("all-reduce", [])] or None
             text, ok = _cell(task, [r["metric"] for r in runs], baseline)
-            goal = METHODS[name].compressor is not None and METHODS[name].direction
+            goal = (METHODS[name].compressor is not None and METHODS[name].direction) or METHODS[name].quantize_all_gather
             mark = "" if ok is None or not goal else (" ✓" if ok else " ✗")
             reduction = statistics.fmean(r["reduction"] for r in runs)
             share = max(r["uncompressed_share"] for r in runs)

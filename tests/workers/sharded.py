@@ -209,5 +209,65 @@ def hsdp() -> None:
         assert acc >= results["None"] - 0.03, f"{name}: {acc:.3f}, plain HSDP {results['None']:.3f}"
 
 
+def quantized_all_gather(backend: str) -> None:
+    """The 8-bit parameter all-gather against all_gather_into_tensor: within half a
+    quantization step (max |block| / 254) of every element, bitwise the same on every rank
+    (own shard included), 1/4 of the bytes; other dtypes and small shards go unquantized.
+    Then FSDP2 training with it and the 1-bit reduce-scatter keeps plain FSDP2's accuracy."""
+    rank, n = init(backend)
+    logging.getLogger("ddlcomm").setLevel(logging.ERROR)
+    block, m = 64, 1000
+    state = fsdp.AllGatherQuantization(block_size=block, min_bytes=0)
+    g = torch.Generator().manual_seed(rank)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = (torch.randn(m, generator=g) * torch.logspace(-3, 1, m)).to(dtype)  # blocks of very different scales
+        out, ref = torch.empty(n * m, dtype=dtype), torch.empty(n * m, dtype=dtype)
+        out[rank * m:(rank + 1) * m] = x  # FSDP2's input is a view of the output; here a copy of it
+        state.all_gather(out, out[rank * m:(rank + 1) * m], dist.group.WORLD)
+        dist.all_gather_into_tensor(ref, x)
+        padded = torch.nn.functional.pad(ref.float().view(n, m), (0, -m % block)).view(n, -1, block)
+        bound = padded.abs().amax(-1, keepdim=True) / 254 * (1 + 1e-5)
+        bound = bound.expand_as(padded).reshape(n, -1)[:, :m].reshape(-1)
+        if dtype == torch.bfloat16:  # the decoded value is rounded to bfloat16 too
+            bound = bound + ref.float().abs() * 2 ** -8
+        err = (out.float() - ref.float()).abs()
+        assert (err <= bound).all(), (dtype, (err - bound).max())
+        assert err.max() > 0, "nothing was quantized"
+        outs = [torch.empty_like(out) for _ in range(n)]
+        dist.all_gather(outs, out)
+        assert all(torch.equal(o, outs[0]) for o in outs), f"{dtype}: ranks decoded differently"
+    sent = state.stats.compressed_bytes_sent / state.stats.compressed_bytes_uncompressed
+    assert state.stats.compressed_buckets == 2 and sent < 0.55, vars(state.stats)  # bfloat16: about 1/2
+    ints = torch.arange(n * 8, dtype=torch.int64)
+    mine = ints[rank * 8:(rank + 1) * 8].clone()
+    ints.zero_()
+    state.all_gather(ints, mine, dist.group.WORLD)  # mixed-dtype FSDP2 groups gather bytes: not quantized
+    assert torch.equal(ints, torch.arange(n * 8)), ints
+    big = fsdp.AllGatherQuantization(min_bytes=1 << 20)
+    small = torch.randn(n * 10)
+    big.all_gather(small, small[rank * 10:(rank + 1) * 10].clone(), dist.group.WORLD)
+    assert big.stats.uncompressed_buckets == 1 and big.stats.compressed_buckets == 0
+
+    x, y = synthetic(rank, samples=4096)
+    results = {}
+    for name in ("plain", "8-bit", "8-bit + 1-bit"):
+        model = _model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.0 if name == "8-bit + 1-bit" else 0.9)
+        if name != "plain":
+            quant = fsdp.quantize_all_gather(model, min_bytes=0)
+        if name == "8-bit + 1-bit":
+            fsdp.compress_gradients(model, compress.OneBit(), start_compress_iter=2, min_compression_bytes=0,
+                                    momentum=0.9)
+        _steps(model, opt, x, y, 0, 120)
+        if name != "plain":
+            assert quant.stats.compressed_buckets > 0 and quant.stats.compression_ratio > 3.5, vars(quant.stats)
+        results[name] = _accuracy(model)
+    if rank == 0:
+        print("ACCURACY " + json.dumps(results), flush=True)
+    for name, acc in results.items():
+        assert acc >= results["plain"] - 0.03, f"{name}: {acc:.3f}, plain FSDP2 {results['plain']:.3f}"
+
+
 if __name__ == "__main__":
-    run({"reduce_scatter_math": reduce_scatter_math, "backends_agree": backends_agree, "resume": resume, "hsdp": hsdp})
+    run({"reduce_scatter_math": reduce_scatter_math, "backends_agree": backends_agree, "resume": resume, "hsdp": hsdp,
+         "quantized_all_gather": quantized_all_gather})
