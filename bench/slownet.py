@@ -25,28 +25,9 @@ switch), so a round trip crosses four: RTT = 4 * delay.
 
 Shaping uses ``netem rate R [delay D] [loss L] limit N``.  Kernels built
 without netem (CONFIG_NET_SCH_NETEM unset) fall back to ``tbf``, which limits
-the rate only; delay and loss then come from netfilter, in the INPUT chain of
-each rank's namespace for packets arriving on its veth (chain SLOWNET), with
-what netem would do at the path's two shaped links done at its end:
-
-* loss: ``-m statistic --mode random --probability L -j DROP``, twice (one
-  independent draw per link crossed);
-* delay: ``-j NFQUEUE`` to bench/nfq_delay.py, a process in that namespace
-  that accepts each packet 2*D after it arrived, in arrival order.  The rule
-  has no ``--queue-bypass``: if the delayer is gone, packets are dropped, so a
-  broken fixture shows up as a dead network, never as a fast one.
-
-Not on the sender's OUTPUT chain: a DROP there is returned to the sending
-socket as an error, so TCP resends at once and never sees a loss, and packets
-queued there still count against the socket's TCP small-queues budget, which
-throttles throughput far below rate/RTT (netem orphans its packets; NFQUEUE
-cannot).  Like netem on a veth, loss is per packet as the stack built it: a
-TSO/GSO packet of up to 64 KB is dropped whole.
-
-The rules live in the rank namespaces, so they vanish with them; the delayers
-are killed and reaped on close.  ``--shaper tbf`` forces this fixture where
-netem exists too.  Without netem or a working iptables, asking for delay or
-loss is an error rather than being silently ignored.
+the rate only; delay and loss then come from netfilter rules and a packet
+delayer in each rank's namespace (bench/slownet_netfilter.py).  Rates, delays
+and losses are written as tc writes them (bench/slownet_shaping.py).
 
 Command line (one process per rank, env:// rendezvous variables set)::
 
@@ -70,117 +51,24 @@ import itertools
 import math
 import os
 import re
-import select
-import shlex
 import shutil
 import signal
 import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
-from pathlib import Path
 from typing import IO, Any, Sequence
+
+from slownet_netfilter import CHAIN, DELAYER, Netfilter, no_netem, probe_iptables  # noqa: F401
+from slownet_shaping import (  # noqa: F401  (the library's names, as before the split)
+    Probe, Shaping, SlowNetError, SlowNetUnavailable, parse_loss, parse_rate, parse_time, sh)
 
 PREFIX = "ddl"
 BRIDGE = "br0"
 DEFAULT_SUBNET = "10.77.0.0/24"
-CHAIN = "SLOWNET"  # iptables chain of the netem-less delay/loss fixture
-DELAYER = Path(__file__).resolve().with_name("nfq_delay.py")
 # Rank 0's namespace is brand new and private, so any port is free there.
 DEFAULT_MASTER_PORT = 29500
 _instance_ids = itertools.count()
-
-
-class SlowNetError(RuntimeError):
-    """A command that sets up or controls the emulated network failed."""
-
-
-class SlowNetUnavailable(SlowNetError):
-    """This machine lacks something SlowNet needs (root, iproute2, netns, a qdisc)."""
-
-
-def sh(*argv: str, timeout: float = 30.0) -> str:
-    """Run ``argv`` and return its stdout; on failure raise SlowNetError naming
-    the command and its stderr."""
-    try:
-        res = subprocess.run(argv, check=True, capture_output=True, text=True, timeout=timeout)
-    except subprocess.CalledProcessError as e:
-        detail = (e.stderr or e.stdout or "").strip() or "no output"
-        raise SlowNetError(f"`{shlex.join(argv)}` failed (exit {e.returncode}): {detail}") from None
-    except (OSError, subprocess.TimeoutExpired) as e:
-        raise SlowNetError(f"`{shlex.join(argv)}` failed: {e}") from None
-    return res.stdout
-
-
-# ---------------------------------------------------------------- units
-
-_SI = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12,
-       "ki": 2.0**10, "mi": 2.0**20, "gi": 2.0**30, "ti": 2.0**40}
-_TIME = {"s": 1.0, "sec": 1.0, "secs": 1.0, "ms": 1e-3, "msec": 1e-3, "msecs": 1e-3,
-         "us": 1e-6, "usec": 1e-6, "usecs": 1e-6, "ns": 1e-9, "nsec": 1e-9, "nsecs": 1e-9}
-
-
-def parse_rate(text: str) -> float:
-    """Parse a tc-style rate ("1gbit", "200mbit", "1.5gbps" = bytes) into bit/s."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*(|k|m|g|t|ki|mi|gi|ti)(bit|bps)?\s*", text.lower())
-    if not m:
-        raise ValueError(f"bad rate {text!r} (examples: 1gbit, 200mbit, 10gbit)")
-    bits = float(m[1]) * _SI[m[2]] * (8 if m[3] == "bps" else 1)
-    if bits <= 0:
-        raise ValueError(f"rate must be positive, got {text!r}")
-    return bits
-
-
-def parse_time(text: str) -> float:
-    """Parse a tc-style time ("0.1ms", "5ms", "100us", "0") into seconds."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-z]*)\s*", text.lower())
-    if not m or (m[2] not in _TIME and not (m[2] == "" and float(m[1]) == 0)):
-        raise ValueError(f"bad time {text!r} (examples: 0.1ms, 5ms, 100us, 0)")
-    return float(m[1]) * _TIME.get(m[2], 0.0)
-
-
-def parse_loss(text: str | None) -> float:
-    """Parse a loss percentage ("0.5%", "1") into percent; None means 0."""
-    if text is None:
-        return 0.0
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*%?\s*", text)
-    if not m or float(m[1]) > 100:
-        raise ValueError(f"bad loss {text!r} (examples: 0%, 0.1%, 1%)")
-    return float(m[1])
-
-
-@dataclass(frozen=True)
-class Shaping:
-    """Per-link, per-direction impairments."""
-
-    rate_bps: float
-    delay_s: float = 0.0
-    loss_pct: float = 0.0
-
-    @classmethod
-    def parse(cls, rate: str, delay: str = "0", loss: str | None = None) -> "Shaping":
-        return cls(parse_rate(rate), parse_time(delay), parse_loss(loss))
-
-    @property
-    def impairment(self) -> str:
-        """The delay/loss part, e.g. "delay 5ms loss 1%" ("" for neither)."""
-        parts = [f"delay {self.delay_s * 1e3:g}ms"] if self.delay_s else []
-        return " ".join(parts + ([f"loss {self.loss_pct:g}%"] if self.loss_pct else []))
-
-    def __str__(self) -> str:
-        return f"rate {self.rate_bps / 1e6:g}mbit {self.impairment}".rstrip()
-
-
-@dataclass(frozen=True)
-class Probe:
-    """What this machine supports (see SlowNet.probe)."""
-
-    ok: bool
-    reason: str
-    netem: bool = False
-    tbf: bool = False
-    iptables: str | None = None  # command that can add the fixture's rules in a namespace
 
 
 # ---------------------------------------------------------------- helpers
@@ -226,22 +114,6 @@ def cleanup_stale() -> list[str]:
     return removed
 
 
-def _probe_iptables(ns: str) -> str | None:
-    """The first of iptables-legacy, iptables that can add the fixture's rules in ``ns``."""
-    rules = (["-m", "statistic", "--mode", "random", "--probability", "0.5", "-j", "DROP"],
-             ["-j", "NFQUEUE", "--queue-num", "0"])
-    for tool in ("iptables-legacy", "iptables"):
-        if shutil.which(tool) is None:
-            continue
-        try:
-            for rule in rules:
-                sh("ip", "netns", "exec", ns, tool, "-w", "10", "-A", "OUTPUT", *rule)
-        except SlowNetError:
-            continue
-        return tool
-    return None
-
-
 def _missing_prerequisite() -> str | None:
     """A one-line reason why SlowNet cannot work here, or None (cheap checks)."""
     if os.geteuid() != 0:
@@ -250,12 +122,6 @@ def _missing_prerequisite() -> str | None:
         if shutil.which(tool) is None:
             return f"`{tool}` not found on PATH (install iproute2)"
     return None
-
-
-def _no_netem(p: Probe) -> str:
-    """Why delay/loss do not come from netem, when the tbf shaper is active."""
-    return ("the tbf shaper was chosen" if p.netem
-            else "this kernel lacks the netem qdisc (CONFIG_NET_SCH_NETEM)")
 
 
 def _raise_exit(signum: int, _frame: Any) -> None:
@@ -292,8 +158,7 @@ class SlowNet:
         self.prefix = f"{PREFIX}-{os.getpid()}-{next(_instance_ids)}"
         self.namespaces: list[str] = []  # created so far, switch first
         self._procs: list[subprocess.Popen] = []
-        self._delayers: dict[str, subprocess.Popen] = {}  # namespace -> nfq_delay.py
-        self._chains: set[str] = set()  # namespaces holding the fixture's chain
+        self._netfilter: Netfilter | None = None  # delay/loss under tbf
         self._old_handlers: dict[int, Any] = {}
         self._closed = False
         self.active_shaper: str | None = None  # resolved on entry
@@ -320,6 +185,10 @@ class SlowNet:
         if not 0 <= rank < self.ranks:
             raise IndexError(f"rank {rank} out of range 0..{self.ranks - 1}")
         return rank
+
+    def _rank_links(self) -> list[tuple[str, str]]:
+        """(namespace, veth) of every rank."""
+        return [(self.namespace(r), self.ifname(r)) for r in range(self.ranks)]
 
     def _shaped_links(self) -> list[tuple[str, str]]:
         """(namespace, device) of every shaped egress: both ends of each veth."""
@@ -359,7 +228,7 @@ class SlowNet:
                     sh("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", *qdisc.split())
                 except SlowNetError as e:
                     errors[qdisc.split()[0]] = str(e)
-            iptables = _probe_iptables(ns)
+            iptables = probe_iptables(ns)
         except SlowNetError as e:
             return Probe(False, f"cannot create a veth pair: {e}")
         finally:
@@ -398,7 +267,7 @@ class SlowNet:
             raise SlowNetUnavailable("the netem qdisc is not supported by this kernel "
                                      "(CONFIG_NET_SCH_NETEM is not set)")
         if shaper == "tbf" and (shaping.delay_s or shaping.loss_pct) and not p.iptables:
-            raise SlowNetUnavailable(f"delay/loss need netem or iptables but {_no_netem(p)} and no "
+            raise SlowNetUnavailable(f"delay/loss need netem or iptables but {no_netem(p)} and no "
                                      "working iptables was found (install the iptables package); "
                                      "only rate limiting works: use --delay 0 and no --loss")
         if shaper == "tbf" and not p.tbf:
@@ -471,7 +340,8 @@ class SlowNet:
             for link_ns, link_dev in ((ns, dev), (sw, port)):
                 sh("tc", "-n", link_ns, "qdisc", "add", "dev", link_dev, "root", *qdisc)
         if self.active_shaper == "tbf":
-            self._set_fixture(self.shaping)
+            self._netfilter = Netfilter(self.probe().iptables)
+            self._netfilter.apply(self._rank_links(), self.shaping)
 
     def _add_namespace(self, ns: str) -> None:
         try:
@@ -494,15 +364,15 @@ class SlowNet:
             if self.namespaces:
                 print(f"[slownet] keeping namespaces {' '.join(self.namespaces)}; remove with "
                       f"`ip netns del NAME` or `slownet.py --cleanup-stale`", file=sys.stderr)
-            if self._delayers:
+            if self._netfilter and self._netfilter.delayers:
                 print("[slownet] the packet delayers exit with this process; their queues "
                       "then drop all traffic", file=sys.stderr)
             return
         blocked = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
         old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, blocked)  # don't abort half-way
         try:
-            for ns in list(self._delayers):
-                self._stop_delayer(ns)
+            if self._netfilter:
+                self._netfilter.close()
             for p in self._procs:
                 if p.poll() is None:
                     _kill_tree(p)
@@ -520,66 +390,6 @@ class SlowNet:
             self.namespaces.clear()
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
-
-    # -- delay/loss without netem -----------------------------------------
-
-    def _iptables(self, ns: str, *args: str) -> str:
-        """Run the probed iptables tool with ``args`` in ``ns``; return its output."""
-        tool = self.probe().iptables
-        assert tool, "_resolve_shaper allows the fixture only with iptables"
-        # -w: the xtables lock file is shared by all namespaces.
-        return sh("ip", "netns", "exec", ns, tool, "-w", "10", *args)
-
-    def _set_fixture(self, s: Shaping) -> None:
-        """Make every path drop and delay as its two netem links would under ``s``.
-
-        INPUT -i veth jumps to chain SLOWNET, which drops at random once per
-        link crossed, then queues to the namespace's delayer (2 * delay).
-        """
-        for r in range(self.ranks):
-            ns, dev = self.namespace(r), self.ifname(r)
-            if ns in self._chains:
-                self._iptables(ns, "-F", CHAIN)
-            elif s.delay_s or s.loss_pct:
-                self._iptables(ns, "-N", CHAIN)
-                self._iptables(ns, "-A", "INPUT", "-i", dev, "-j", CHAIN)
-                self._chains.add(ns)
-            self._stop_delayer(ns)
-            for _link in range(2 if s.loss_pct else 0):
-                self._iptables(ns, "-A", CHAIN, "-m", "statistic", "--mode", "random",
-                               "--probability", f"{s.loss_pct / 100:.6f}", "-j", "DROP")
-            if s.delay_s:
-                self._start_delayer(ns, 2 * s.delay_s)
-                # No --queue-bypass: without the delayer, packets drop (fail closed).
-                self._iptables(ns, "-A", CHAIN, "-j", "NFQUEUE", "--queue-num", "0")
-
-    def _start_delayer(self, ns: str, delay_s: float) -> None:
-        """Start nfq_delay.py in ``ns``; return once it has bound queue 0."""
-        proc = subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, str(DELAYER),
-                                 "--queue", "0", "--delay", repr(delay_s)],
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        self._delayers[ns] = proc  # its stdin is its lifeline: it exits when we die
-        assert proc.stdout is not None
-        ready, _, _ = select.select([proc.stdout], [], [], 10.0)
-        line = proc.stdout.readline().strip() if ready else "no answer within 10 s"
-        if line != "ready":
-            self._stop_delayer(ns)
-            raise SlowNetError(f"packet delayer in {ns} failed: "
-                               f"{line or f'exited with {proc.returncode}'}")
-
-    def _stop_delayer(self, ns: str) -> None:
-        """Kill and reap ``ns``'s delayer, if any (its queue then drops packets)."""
-        proc = self._delayers.pop(ns, None)
-        if proc is None:
-            return
-        proc.kill()
-        try:
-            proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            print(f"[slownet] cleanup: delayer {proc.pid} in {ns} did not die", file=sys.stderr)
-        assert proc.stdin and proc.stdout
-        proc.stdin.close()
-        proc.stdout.close()
 
     # -- using the network -------------------------------------------------
 
@@ -628,7 +438,8 @@ class SlowNet:
         for ns, dev in self._shaped_links():
             sh("tc", "-n", ns, "qdisc", "change", "dev", dev, "root", *qdisc)
         if shaper == "tbf":
-            self._set_fixture(shaping)
+            assert self._netfilter is not None
+            self._netfilter.apply(self._rank_links(), shaping)
         self.shaping = shaping
 
     def dropped_packets(self) -> int:
@@ -638,15 +449,8 @@ class SlowNet:
         for ns, dev in self._shaped_links():
             stats = sh("tc", "-s", "-n", ns, "qdisc", "show", "dev", dev)
             total += sum(int(n) for n in re.findall(r"dropped (\d+)", stats))
-        for ns in self._chains:
-            rules = self._iptables(ns, "-L", CHAIN, "-v", "-x", "-n")
-            total += sum(int(line.split()[0]) for line in rules.splitlines()[2:]
-                         if line.split()[2] == "DROP")
-            if ns not in self._delayers:
-                continue
-            # Per queue: ..., queue_dropped, user_dropped, id_sequence, 1 (nfnetlink_queue.c).
-            queues = sh("ip", "netns", "exec", ns, "cat", "/proc/net/netfilter/nfnetlink_queue")
-            total += sum(int(f[5]) + int(f[6]) for f in map(str.split, queues.splitlines()))
+        if self._netfilter:
+            total += self._netfilter.dropped_packets()
         return total
 
     def describe(self) -> str:
@@ -658,7 +462,7 @@ class SlowNet:
         p = self.probe()
         return text + (f"tbf {Shaping(s.rate_bps)} per link direction; {s.impairment} "
                        f"per link direction emulated at each receiver by {p.iptables} "
-                       f"(statistic match, NFQUEUE to {DELAYER.name}) because {_no_netem(p)}")
+                       f"(statistic match, NFQUEUE to {DELAYER.name}) because {no_netem(p)}")
 
 
 def _kill_tree(proc: subprocess.Popen) -> None:

@@ -113,7 +113,6 @@ def run(method: Method, gloo: dist.ProcessGroup, args: argparse.Namespace) -> di
         step()
     elapsed = torch.tensor([(time.perf_counter() - start) / args.iters])
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=gloo)
-    del model, opt
     return {"method": method.name, "seconds": float(elapsed), "wire_bytes": sent or None, "params": params,
             "reduce_scatter_ratio": rs_state.stats.compression_ratio if rs_state else 1.0,
             "all_gather_ratio": ag_state.stats.compression_ratio if ag_state else 1.0}
