@@ -101,13 +101,22 @@ def save_figure(fig, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def bench_parser(doc: str, out: str, timeout: float) -> argparse.ArgumentParser:
-    """The options every emulated-network benchmark takes: link rates, output folder, timeout."""
+def bench_parser(doc: str, out: str, timeout: float, worker: str | None = None) -> argparse.ArgumentParser:
+    """The options every emulated-network benchmark takes: link rates, output folder, timeout,
+    and (with ``worker``) the options after ``--`` that go to that worker (``worker_args``)."""
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rates", default="1gbit,10gbit")
     parser.add_argument("--out", default=out)
     parser.add_argument("--timeout", type=float, default=timeout)
+    if worker:
+        parser.add_argument("worker_args", nargs=argparse.REMAINDER, help=f"passed to {worker} after --",
+                            type=str)
     return parser
+
+
+def worker_args(args: argparse.Namespace) -> list[str]:
+    """The options given after ``--`` (see bench_parser)."""
+    return [a for a in args.worker_args if a != "--"]
 
 
 def require_slownet(name: str) -> None:
@@ -119,12 +128,11 @@ def require_slownet(name: str) -> None:
 
 
 def main() -> None:
-    parser = bench_parser(__doc__, "bench/results", 1500)
+    parser = bench_parser(__doc__, "bench/results", 1500, worker="ddlcomm.bench.compressed")
     parser.add_argument("--ranks", type=int, default=4)
-    parser.add_argument("worker_args", nargs=argparse.REMAINDER, help="passed to ddlcomm.bench.compressed after --")
     args = parser.parse_args()
     require_slownet("slownet_bench")
-    extra = [a for a in args.worker_args if a != "--"]
+    extra = worker_args(args)
     results: list[dict] = []
     for rate in args.rates.split(","):
         results += run_rate(rate, args.ranks, extra, args.timeout)

@@ -12,14 +12,13 @@ Needs root and iproute2; exits non-zero with the reason when namespaces are unav
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from slownet import SlowNet  # noqa: E402
-from slownet_bench import bench_parser, collect_results, require_slownet  # noqa: E402
+from slownet_bench import bench_parser, collect_results, require_slownet, worker_args  # noqa: E402
 
 
 def table(results: list[dict]) -> str:
@@ -42,11 +41,9 @@ def table(results: list[dict]) -> str:
 
 
 def main() -> None:
-    parser = bench_parser(__doc__, "bench/results", 1800)
-    parser.add_argument("worker_args", nargs=argparse.REMAINDER, help="passed to ddlcomm.bench.fsdp_step after --")
-    args = parser.parse_args()
+    args = bench_parser(__doc__, "bench/results", 1800, worker="ddlcomm.bench.fsdp_step").parse_args()
     require_slownet("slownet_fsdp")
-    extra = [a for a in args.worker_args if a != "--"]
+    extra = worker_args(args)
     results: list[dict] = []
     for rate in args.rates.split(","):
         with SlowNet(ranks=4, rate=rate) as net:

@@ -24,22 +24,25 @@ def _print_accuracy(results) -> None:
 def test_fsdp2_keeps_accuracy_on_the_convergence_task() -> None:
     """The convergence benchmark's MLP (4 ranks, 300 steps, SGD momentum 0.9 at lr 0.4 and
     AdamW at 3e-3: the rates best for plain all-reduce), one fixed seed (CPU runs are
-    deterministic). Compressed FSDP2 must stay within 1.5 points of FSDP2 (about two standard
-    deviations of a run-to-run difference, from the spread measured for DDP,
-    docs/results/convergence.md). The control shows the task can tell: 1-bit on gradients with
-    SGD's momentum in the optimizer, rather than in the reduce-scatter, does not train."""
+    deterministic). The configurations docs/fsdp.md recommends (ternary, alone and with 8-bit
+    all-gathers, with SGD; 1-bit and ternary with AdamW) must stay within 1.5 points of FSDP2
+    (about two standard deviations of a run-to-run difference, from the spread measured for
+    DDP, docs/results/convergence.md). 1-bit with SGD is left out: docs/fsdp.md shows it losing
+    points on some seeds. The control shows the task can tell: 1-bit on gradients with SGD's
+    momentum in the optimizer, rather than in the reduce-scatter, does not train."""
     import json
 
-    runs = ["sgd:all-reduce", "sgd:1-bit", "sgd:ternary", "adamw:all-reduce", "adamw:1-bit", "adamw:ternary",
-            "sgd:1-bit on gradients (no optimizer=)"]
+    checked = {"sgd": ("ternary", "ternary + 8-bit all-gather"), "adamw": ("1-bit", "ternary")}
+    runs = [f"{opt}:{name}" for opt, names in checked.items() for name in ("all-reduce", *names)]
+    runs.append("sgd:1-bit on gradients (no optimizer=)")
     results = launch("convergence", "quality", 4, timeout=600, args=(";".join(runs), "0", "fsdp"))
     assert_all_ok(results)
     line = next(l for l in results[0].output.splitlines() if l.startswith("QUALITY "))
     acc = {opt: {name: v[0] for name, v in d.items()} for opt, d in json.loads(line[len("QUALITY "):]).items()}
     print(acc)
-    for opt in ("sgd", "adamw"):
+    for opt, names in checked.items():
         assert acc[opt]["all-reduce"] > 95.0, acc
-        for name in ("1-bit", "ternary"):
+        for name in names:
             assert acc[opt][name] >= acc[opt]["all-reduce"] - 1.5, (opt, name, acc)
     assert acc["sgd"]["1-bit on gradients (no optimizer=)"] < acc["sgd"]["all-reduce"] - 10, acc
 

@@ -81,8 +81,10 @@ METHODS = {
         Method("top-k 1% DGC (hook momentum + clipping)", lambda: compress.TopK(ratio=0.01, approximate=True),
                direction=False, hook_options={"momentum": 0.9, "clip_norm": 4.0}, sgd_momentum=0.0,
                optimizers=("sgd",)),
+        Method("1-bit block 64", lambda: compress.OneBit(block_size=64)),
         Method("8-bit all-gather", quantize_all_gather=True),
         Method("1-bit + 8-bit all-gather", compress.OneBit, quantize_all_gather=True),
+        Method("1-bit block 64 + 8-bit all-gather", lambda: compress.OneBit(block_size=64), quantize_all_gather=True),
         Method("ternary + 8-bit all-gather", compress.Ternary, quantize_all_gather=True),
     )
 }

@@ -48,6 +48,7 @@ METHODS = {m.name: m for m in (
     Method("top-k 1%", lambda: compress.TopK(ratio=0.01, approximate=True)),
     Method("8-bit all-gather", quantize_all_gather=True),
     Method("1-bit + 8-bit all-gather", compress.OneBit, quantize_all_gather=True),
+    Method("1-bit block 64 + 8-bit all-gather", lambda: compress.OneBit(block_size=64), quantize_all_gather=True),
     Method("ternary + 8-bit all-gather", compress.Ternary, quantize_all_gather=True),
 )}
 
