@@ -142,12 +142,13 @@ def _zygote_for(rank_environment: dict[str, str]) -> _Zygote | None:
     global _zygote
     if os.environ.get("DDLCOMM_TEST_ZYGOTE", "1") == "0":
         return None
-    base = dict(os.environ, **RANK_ENV)
+    if _zygote is None or not _zygote.alive:
+        _zygote = _Zygote(dict(os.environ, **RANK_ENV))
+    # Against the environment the zygote imported torch under, not today's os.environ.
+    base = _zygote.env
     changed = {k for k in rank_environment.keys() | base.keys() if rank_environment.get(k) != base.get(k)}
     if any(not k.startswith(FORKABLE_ENV) for k in changed):
         return None
-    if _zygote is None or not _zygote.alive:
-        _zygote = _Zygote(base)
     return _zygote
 
 
