@@ -125,11 +125,20 @@ def applies(method: Method, sharding: str) -> bool:
 
 
 def _fully_shard(model: torch.nn.Module) -> torch.nn.Module:
+    """``fully_shard`` on every child with parameters (inside lists and dicts of modules,
+    which have no forward of their own), then on the root."""
     from torch.distributed.fsdp import fully_shard
 
-    for child in model.children():
-        if any(p.requires_grad for p in child.parameters()):
-            fully_shard(child)
+    def shard_children(module: torch.nn.Module) -> None:
+        for child in module.children():
+            if not any(p.requires_grad for p in child.parameters()):
+                continue
+            if isinstance(child, (torch.nn.ModuleList, torch.nn.ModuleDict)):
+                shard_children(child)
+            else:
+                fully_shard(child)
+
+    shard_children(model)
     fully_shard(model)
     return model
 
