@@ -27,9 +27,12 @@ name and checked against the size of its gradients. ``state_dict()`` / ``load_st
 carry them and the call counts through a checkpoint, one per rank, so that a resumed run
 trains bit for bit like an uninterrupted one.
 
-With momentum SGD pass ``momentum=`` (and ``torch.optim.SGD(..., momentum=0)``): each rank
-keeps the momentum of its own gradient and that is what is compressed and averaged; feeding
-compressed gradients to the optimizer's momentum loses accuracy (docs/fsdp.md). The same
+With momentum SGD pass ``momentum=`` (and ``torch.optim.SGD(..., momentum=0)``): every rank
+keeps the same averaged momentum ``buf`` of the whole module, sends ``gradient + momentum *
+buf`` through ``compressed_all_reduce`` (over the shard group, then the replicas), and the
+average becomes ``buf`` and, in the rank's chunk, the reduce-scatter's output. This is what
+the DDP hooks do with ``ddlcomm.optim.SGD``; feeding compressed gradients to the optimizer's
+momentum loses accuracy, and so does keeping a momentum per rank (docs/fsdp.md). The same
 algorithm runs on ddlcomm, gloo and nccl groups (over their all-to-all), on CPU and CUDA
 tensors.
 """
@@ -46,7 +49,8 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatt
 
 from . import _C
 from .compress import Compressor
-from .compressed import _accumulate, _Agreement, _aligned, _Wire, compressed_all_reduce, server_residual_numel
+from .compressed import (_accumulate, _Agreement, _aligned, _Wire, compressed_all_reduce, server_residual_numel,
+                         wire_bytes)
 from .hooks import CompressionStats, _CompressionOptions, _LogOnce
 
 __all__ = ["FSDPCompressionState", "CompressedReduceScatter", "compress_gradients", "AllGatherQuantization",
@@ -54,9 +58,11 @@ __all__ = ["FSDPCompressionState", "CompressedReduceScatter", "compress_gradient
 
 logger = logging.getLogger(__name__)
 
-_STATE_VERSION = 1
+_STATE_VERSION = 2  # 2: momentum= averages the momentum (server residuals)
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _encode_stream = _C.ProcessGroupDdlcomm.encode_stream
+# The state's per-module tensors, as state_dict() names them.
+_MEMORIES = ("residuals", "server_residuals", "momenta", "replica_residuals", "replica_server_residuals")
 
 
 class FSDPCompressionState(_CompressionOptions):
@@ -65,9 +71,12 @@ class FSDPCompressionState(_CompressionOptions):
 
     Attributes:
         compressor, start_compress_iter, min_compression_bytes, error_feedback: as given.
-        residuals: module name -> float32 worker residual of its reduce-scatter input.
-        momenta: module name -> this rank's momentum of that input (with ``momentum``).
-        replica_residuals: module name -> (worker, server) residuals of the HSDP all-reduce.
+        residuals: module name -> float32 worker residual of its reduce-scatter input (with
+            ``momentum``: of the all-reduced momentum).
+        server_residuals: module name -> server residual of that all-reduce (``momentum``).
+        momenta: module name -> the averaged momentum of the module, the same on every rank.
+        replica_residuals, replica_server_residuals: module name -> worker and server
+            residuals of the all-reduce over ``replicate_group`` (HSDP).
         calls: module name -> reduce-scatters issued so far.
         stats: bytes this rank sent, against an uncompressed ring reduce-scatter.
     """
@@ -80,8 +89,10 @@ class FSDPCompressionState(_CompressionOptions):
         super().__init__(compressor, start_compress_iter, min_compression_bytes, error_feedback, momentum)
         self.replicate_group = replicate_group
         self.residuals: dict[str, torch.Tensor] = {}
-        self.momenta: dict[str, torch.Tensor] = {}  # module name -> this rank's unsharded momentum
-        self.replica_residuals: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.server_residuals: dict[str, torch.Tensor] = {}
+        self.momenta: dict[str, torch.Tensor] = {}
+        self.replica_residuals: dict[str, torch.Tensor] = {}
+        self.replica_server_residuals: dict[str, torch.Tensor] = {}
         self.calls: dict[str, int] = {}
         self._index: dict[str, int] = {}  # module name -> its position, for the randomness streams
         self._verified: set[Any] = set()  # modules (and ("replica", module)) whose agreement was checked
@@ -97,10 +108,8 @@ class FSDPCompressionState(_CompressionOptions):
             "world_size": world,
             "compressor": repr(self.compressor),
             "calls": dict(self.calls),
-            "residuals": {k: v.clone() for k, v in self.residuals.items()},
             "momentum": self.momentum,
-            "momenta": {k: v.clone() for k, v in self.momenta.items()},
-            "replica_residuals": {k: (w.clone(), s.clone()) for k, (w, s) in self.replica_residuals.items()},
+            **{kind: {k: v.clone() for k, v in getattr(self, kind).items()} for kind in _MEMORIES},
             "stats": vars(self.stats).copy(),
         }
 
@@ -121,14 +130,14 @@ class FSDPCompressionState(_CompressionOptions):
             if here != (state["rank"], state["world_size"]):
                 raise ValueError(f"the state was saved by rank {state['rank']} of {state['world_size']}, this is rank "
                                  f"{here[0]} of {here[1]}: each rank loads the state_dict() it saved")
-        for name, tensor in state["residuals"].items():
-            if tensor.dtype != torch.float32 or tensor.dim() != 1:
-                raise ValueError(f"residual of {name!r} must be a 1-D float32 tensor, got {tensor.dtype} "
-                                 f"{tuple(tensor.shape)}")
+        for kind in _MEMORIES:
+            for name, tensor in state[kind].items():
+                if tensor.dtype not in (torch.float32, torch.float64) or tensor.dim() != 1:
+                    raise ValueError(f"{kind} of {name!r} must be a 1-D float tensor, got {tensor.dtype} "
+                                     f"{tuple(tensor.shape)}")
         self.calls = {str(k): int(v) for k, v in state["calls"].items()}
-        self.residuals = {str(k): v.clone() for k, v in state["residuals"].items()}
-        self.momenta = {str(k): v.clone() for k, v in state["momenta"].items()}
-        self.replica_residuals = {str(k): (w.clone(), s.clone()) for k, (w, s) in state["replica_residuals"].items()}
+        for kind in _MEMORIES:
+            setattr(self, kind, {str(k): v.clone() for k, v in state[kind].items()})
         self.stats = CompressionStats(**state["stats"])
 
     # -- internals ----------------------------------------------------------------------------
@@ -151,17 +160,27 @@ class FSDPCompressionState(_CompressionOptions):
             return "small"
         return None
 
-    def _memory(self, store: dict[str, torch.Tensor], name: str, like: torch.Tensor) -> torch.Tensor:
-        """store[name], made (zeros) on first use; checked against the module's gradients."""
+    def _memory(self, store: dict[str, torch.Tensor], name: str, numel: int, device: torch.device,
+                dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """store[name], made (zeros) on first use; checked against the size it must have."""
         tensor = store.get(name)
         if tensor is None:
-            tensor = store[name] = torch.zeros(like.numel(), dtype=torch.float32, device=like.device)
-        elif tensor.numel() != like.numel():
-            raise ValueError(f"ddlcomm fsdp: the memory of {name!r} has {tensor.numel()} elements, its gradients "
-                             f"{like.numel()}: the state belongs to another model or sharding")
-        elif tensor.device != like.device:
-            tensor = store[name] = tensor.to(like.device)
+            tensor = store[name] = torch.zeros(numel, dtype=dtype, device=device)
+        elif tensor.numel() != numel:
+            raise ValueError(f"ddlcomm fsdp: the memory of {name!r} has {tensor.numel()} elements, where its "
+                             f"gradients need {numel}: the state belongs to another model or sharding")
+        elif tensor.device != device:
+            tensor = store[name] = tensor.to(device)
         return tensor
+
+    def _residuals(self, workers: dict[str, torch.Tensor], servers: dict[str, torch.Tensor], name: str,
+                   flat: torch.Tensor, group: dist.ProcessGroup) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """The worker and server residuals of a compressed all-reduce of ``flat`` over ``group``."""
+        if not self.error_feedback:
+            return None, None
+        server = server_residual_numel(flat.numel(), group.rank(), group.size())
+        return (self._memory(workers, name, flat.numel(), flat.device),
+                self._memory(servers, name, server, flat.device))
 
     def reduce_scatter(self, name: str, output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup,
                        op: Any) -> None:
@@ -177,26 +196,24 @@ class FSDPCompressionState(_CompressionOptions):
         nbytes = input.numel() * input.element_size()
         ring = (n - 1) * nbytes // n
         self.stats.bytes_uncompressed += ring
-        flat = source = input.view(-1)
-        if self.momentum:  # the momentum of this rank's own gradient is what is reduced
-            source = self._memory(self.momenta, name, flat)
-            source.mul_(self.momentum).add_(flat)
+        flat = input.view(-1)
+        if self.momentum:
+            self._momentum_step(name, output, flat, group, op, calls, calls * 65536 + index)
+            return
         if self._uncompressed_reason(name, input, op, calls) is not None:
             self.stats.uncompressed_buckets += 1
             self.stats.bytes_sent += ring
-            if source is not flat:
-                flat.copy_(source)
             dist.reduce_scatter_tensor(output, input, op=op, group=group)
             return
         wire = _Wire(flat, group)
         agreement = _Agreement(flat, self.compressor, group, n, name not in self._verified, wire.device)
         self._verified.add(name)
-        residual = self._memory(self.residuals, name, flat) if self.error_feedback else None
+        residual = self._memory(self.residuals, name, flat.numel(), flat.device) if self.error_feedback else None
         slot = _aligned(self.compressor.compressed_nbytes(m))
         outgoing = torch.zeros(n * slot, dtype=torch.uint8, device=flat.device)
         stream = calls * 65536 + index
         for i in range(n):
-            self.compressor.encode(source[i * m:(i + 1) * m], None if residual is None else residual[i * m:(i + 1) * m],
+            self.compressor.encode(flat[i * m:(i + 1) * m], None if residual is None else residual[i * m:(i + 1) * m],
                                    stream=_encode_stream(stream, r, 0, i, n), out=outgoing[i * slot:(i + 1) * slot])
         incoming = wire.empty(n * slot)
         outgoing = wire.send(outgoing)
@@ -213,28 +230,63 @@ class FSDPCompressionState(_CompressionOptions):
         self.stats.compressed_bytes_sent += sent
         self.stats.compressed_bytes_uncompressed += ring
 
+    def _momentum_step(self, name: str, output: torch.Tensor, flat: torch.Tensor, group: dist.ProcessGroup,
+                       op: Any, calls: int, stream: int) -> None:
+        """``momentum``: ``buf`` (the module's averaged momentum, the same on every rank) becomes
+        the average of ``flat + momentum * buf`` over ``group`` and then the replicas; ``output``
+        is chunk ``rank`` of it (times the group size for SUM)."""
+        if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
+            raise ValueError(f"ddlcomm fsdp: momentum= needs SUM or AVG reduce-scatters; FSDP2 asked for {op} "
+                             "(a gradient divide factor makes it do so)")
+        n, r = group.size(), group.rank()
+        m = output.numel()
+        dtype = torch.float64 if flat.dtype == torch.float64 else torch.float32
+        buf = self._memory(self.momenta, name, flat.numel(), flat.device, dtype)
+        direction = torch.add(flat.to(dtype), buf, alpha=self.momentum)
+        compress = self._uncompressed_reason(name, flat, op, calls) is None
+        verify = name not in self._verified
+        self._verified.add(name)
+        levels = [(group, self.residuals, self.server_residuals)]
+        if self.replicate_group is not None:
+            levels.append((self.replicate_group, self.replica_residuals, self.replica_server_residuals))
+        for level, (g, workers, servers) in enumerate(levels):
+            if compress:
+                worker, server = self._residuals(workers, servers, name, direction, g)
+                compressed_all_reduce(direction, self.compressor, worker, server, group=g, average=True,
+                                      stream=stream, verify=verify).wait()
+            else:
+                dist.all_reduce(direction, group=g)
+                direction.div_(g.size())
+            if level == 0:  # the statistics compare the shard group's traffic with a reduce-scatter's
+                ring = (n - 1) * flat.numel() * flat.element_size() // n
+                sent = wire_bytes(self.compressor, flat.numel(), n, r) if compress else 2 * ring
+                self.stats.bytes_sent += sent
+                if compress:
+                    self.stats.compressed_buckets += 1
+                    self.stats.compressed_bytes_sent += sent
+                    self.stats.compressed_bytes_uncompressed += ring
+                else:
+                    self.stats.uncompressed_buckets += 1
+        buf.copy_(direction)
+        chunk = direction[r * m:(r + 1) * m]
+        output.view(-1).copy_(chunk * n if op == dist.ReduceOp.SUM else chunk)
+
     def replica_all_reduce(self, name: str, shard: torch.Tensor) -> None:
-        """HSDP: averages this rank's reduced shard over ``replicate_group``, compressed."""
+        """HSDP: averages this rank's reduced shard over ``replicate_group``, compressed (with
+        ``momentum`` the reduce-scatter has done so already)."""
+        if self.momentum:
+            return
         group = self.replicate_group
         flat = shard.view(-1)
         calls = self.calls.get(name, 1) - 1  # counted by this iteration's reduce-scatter
         if self._uncompressed_reason(name, flat, dist.ReduceOp.AVG, calls) is not None:
-            dist.all_reduce(flat, op=dist.ReduceOp.AVG, group=group)
+            dist.all_reduce(flat, group=group)
+            flat.div_(group.size())
             return
-        residuals = None, None
-        if self.error_feedback:
-            rank, world = dist.get_rank(group), dist.get_world_size(group)
-            residuals = self.replica_residuals.get(name)
-            if residuals is None or residuals[0].numel() != flat.numel():
-                if residuals is not None:
-                    raise ValueError(f"ddlcomm fsdp: the replica residual of {name!r} has {residuals[0].numel()} "
-                                     f"elements, its shard {flat.numel()}")
-                residuals = self.replica_residuals[name] = (
-                    torch.zeros(flat.numel(), device=flat.device),
-                    torch.zeros(server_residual_numel(flat.numel(), rank, world), device=flat.device))
+        worker, server = self._residuals(self.replica_residuals, self.replica_server_residuals, name, flat, group)
         verify = ("replica", name) not in self._verified  # once per module, as for the reduce-scatter
         self._verified.add(("replica", name))
-        compressed_all_reduce(flat, self.compressor, residuals[0], residuals[1], group=group, average=True,
+        compressed_all_reduce(flat, self.compressor, worker, server, group=group, average=True,
                               stream=calls * 65536 + self._index.get(name, 0), verify=verify).wait()
 
 
@@ -263,11 +315,14 @@ def compress_gradients(model: torch.nn.Module, compressor: Compressor, *, start_
     Call it after ``fully_shard``. ``replicate_group``: for HSDP, shard with ``fully_shard``
     over the ranks of one replica (a 1-D mesh) and pass the group of ranks holding the same
     shard in the other replicas: the reduced shards are then averaged over it, compressed.
-    ``momentum``: SGD's momentum, moved into the reduce-scatter. Each rank keeps the momentum
-    of its own (unsharded) gradient, and that is what is compressed and averaged; use
-    ``torch.optim.SGD`` with ``momentum=0``. With 1-bit and random-k this keeps the accuracy
-    of momentum SGD where compressing the gradient does not (docs/fsdp.md); it costs one
-    float32 buffer of the module's unsharded size per rank.
+    ``momentum``: SGD's momentum, moved into the communication; use ``torch.optim.SGD`` with
+    ``momentum=0``. Every rank keeps the module's averaged momentum ``buf`` (unsharded, the
+    same on every rank) and the reduce-scatter becomes a compressed all-reduce of ``gradient
+    + momentum * buf``, whose average is the new ``buf`` (DDP's ``ddlcomm.optim.SGD`` with a
+    compressed hook does the same). This keeps momentum SGD's accuracy with every compressor
+    (docs/fsdp.md). It costs two float32 buffers of the module's unsharded size per rank (the
+    momentum and the residual) and, with dense compressors, twice the bytes of a compressed
+    reduce-scatter; ops other than SUM and AVG are refused.
     Returns the state that holds the residuals (save its ``state_dict()`` with each rank's
     checkpoint).
     """
@@ -398,8 +453,8 @@ def quantize_all_gather(model: torch.nn.Module, *, block_size: int = 64,
     bfloat16) and every rank computes with the decoded parameters, its own shard's included.
     The sharded parameters, which the optimizer updates, stay in full precision, so the error
     does not build up: each step's parameters are within max|block| / 254 of the exact ones.
-    With momentum SGD it cost accuracy combined with 1-bit gradients (docs/fsdp.md). Call it after ``fully_shard``; combine it with
-    ``compress_gradients`` for the reduce-scatters. Returns the options and statistics.
+    Call it after ``fully_shard``; combine it with ``compress_gradients`` for the
+    reduce-scatters. Returns the options and statistics.
     """
     state = AllGatherQuantization(block_size, min_bytes)
     modules = [m for m in model.modules() if isinstance(m, FSDPModule)]

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import queue as queue_module
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -141,7 +143,18 @@ def probe(backend: str) -> dict:
         procs = [ctx.Process(target=_rank, args=(r, backend, f"{tmp}/store", queue)) for r in range(WORLD)]
         for p in procs:
             p.start()
-        cells = queue.get(timeout=600)
+        deadline = time.monotonic() + 600
+        while True:  # a rank that dies must fail the probe now, not after the deadline
+            try:
+                cells = queue.get(timeout=1)
+                break
+            except queue_module.Empty:
+                codes = [p.exitcode for p in procs]
+                if all(c is not None for c in codes) or any(c not in (None, 0) for c in codes) \
+                        or time.monotonic() > deadline:
+                    for p in procs:
+                        p.kill()
+                    raise RuntimeError(f"{backend}: the ranks gave no result (exit codes {codes})")
         for p in procs:
             p.join(timeout=60)
     return cells

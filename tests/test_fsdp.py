@@ -22,23 +22,24 @@ def _print_accuracy(results) -> None:
 
 
 def test_fsdp2_keeps_accuracy_on_the_convergence_task() -> None:
-    """The convergence benchmark's MLP (4 ranks, 300 steps, SGD momentum 0.9 at lr 0.4 and
-    AdamW at 3e-3: the rates best for plain all-reduce), one fixed seed (CPU runs are
-    deterministic). The configurations docs/fsdp.md recommends (ternary, alone and with 8-bit
-    all-gathers, with SGD; 1-bit and ternary with AdamW) must stay within 1.5 points of FSDP2
-    (about two standard deviations of a run-to-run difference, from the spread measured for
-    DDP, docs/results/convergence.md). 1-bit with SGD is left out: docs/fsdp.md shows it losing
-    points on some seeds. The control shows the task can tell: 1-bit on gradients with SGD's
-    momentum in the optimizer, rather than in the reduce-scatter, does not train."""
+    """The convergence benchmark's MLP (2 ranks of 64, 300 steps, SGD momentum 0.9 at lr 0.4
+    and AdamW at 3e-3: the rates best for plain all-reduce), seeds 0 and 1. The configurations
+    docs/fsdp.md recommends (1-bit and ternary with 8-bit all-gathers and SGD's momentum in the
+    communication; 1-bit and ternary with AdamW) must stay within 1.5 points of FSDP2 (more
+    than three standard deviations of the difference of two 2-seed means,
+    tests/test_convergence.py). The control shows the task can tell: 1-bit on gradients with
+    SGD's momentum in the optimizer does not train (17% and 81%)."""
     import json
+    import statistics
 
-    checked = {"sgd": ("ternary", "ternary + 8-bit all-gather"), "adamw": ("1-bit", "ternary")}
+    checked = {"sgd": ("1-bit + 8-bit all-gather", "ternary + 8-bit all-gather"), "adamw": ("1-bit", "ternary")}
     runs = [f"{opt}:{name}" for opt, names in checked.items() for name in ("all-reduce", *names)]
     runs.append("sgd:1-bit on gradients (no optimizer=)")
-    results = launch("convergence", "quality", 4, timeout=600, args=(";".join(runs), "0", "fsdp"))
+    results = launch("convergence", "quality", 2, timeout=600, args=(";".join(runs), "0,1", "fsdp"))
     assert_all_ok(results)
     line = next(l for l in results[0].output.splitlines() if l.startswith("QUALITY "))
-    acc = {opt: {name: v[0] for name, v in d.items()} for opt, d in json.loads(line[len("QUALITY "):]).items()}
+    acc = {opt: {name: statistics.fmean(v) for name, v in d.items()}
+           for opt, d in json.loads(line[len("QUALITY "):]).items()}
     print(acc)
     for opt, names in checked.items():
         assert acc[opt]["all-reduce"] > 95.0, acc

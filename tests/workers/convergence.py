@@ -1,7 +1,8 @@
 """Training-quality scenarios for tests/test_convergence.py, run on every rank.
 
-The task is the convergence benchmark's MLP (``ddlcomm.bench.tasks``): 4 ranks, 300 steps,
-warm-up and cosine schedule, at the learning rates that are best for plain all-reduce.
+The task is the convergence benchmark's MLP (``ddlcomm.bench.tasks``): 300 steps, warm-up and
+cosine schedule, at the learning rates that are best for plain all-reduce, and the benchmark's
+global batch of 128 split over the ranks.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from ddlcomm.bench import time_to_accuracy
 from ddlcomm.bench.convergence import METHODS, train
 from ddlcomm.bench.tasks import make_task
 
+GLOBAL_BATCH = 128  # the benchmark's 4 ranks x 32
+
 
 def quality(runs: str, seeds: str = "0", sharding: str = "ddp") -> None:
     """``runs``: "optimizer:method;..." (method names of ddlcomm.bench.convergence.METHODS),
@@ -23,7 +26,7 @@ def quality(runs: str, seeds: str = "0", sharding: str = "ddp") -> None:
     per seed]}}`` on rank 0."""
     rank, _ = init(timeout_s=300)
     torch.set_num_threads(1)
-    task = make_task("mlp")
+    task = make_task("mlp", batch=GLOBAL_BATCH // dist.get_world_size())
     out: dict = {}
     for item in runs.split(";"):
         opt_name, name = item.split(":", 1)

@@ -67,6 +67,46 @@ def reduce_scatter_math(backend: str) -> None:
         assert "another model" in str(e), e
     else:
         raise AssertionError("a residual of another size was accepted")
+    _momentum_math(dist.group.WORLD)
+
+
+def _momentum_math(group: dist.ProcessGroup, replicate_group=None) -> None:
+    """``momentum=``: the averaged momentum is the momentum of the average over every rank
+    (within fp16's error), the same bytes on every rank, and the output is its chunk (times
+    the group size for SUM); with 1-bit too, every rank holds the same momentum."""
+    n, r = group.size(), group.rank()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    m, beta = 1000, 0.9
+    g = torch.Generator().manual_seed(100 + rank)
+    for compressor in (compress.FP16(), compress.OneBit(block_size=32)):
+        state = fsdp.FSDPCompressionState(compressor, start_compress_iter=1, min_compression_bytes=0,
+                                          replicate_group=replicate_group, momentum=beta)
+        reference = torch.zeros(n * m, dtype=torch.float64)
+        for step, op in enumerate((dist.ReduceOp.AVG, dist.ReduceOp.SUM, dist.ReduceOp.AVG)):
+            x = torch.randn(n * m, generator=g)
+            total = x.double()
+            dist.all_reduce(total)  # every rank of every replica
+            reference = beta * reference + total / world
+            out = torch.empty(m)
+            state.reduce_scatter("layer", out, x, group, op)
+            state.replica_all_reduce("layer", out)  # a no-op with momentum: done above
+            buf = state.momenta["layer"]
+            chunk = buf[r * m:(r + 1) * m] * (n if op == dist.ReduceOp.SUM else 1)
+            assert torch.equal(out, chunk), f"step {step}: the output is not the momentum's chunk"
+            everyone = [torch.empty_like(buf) for _ in range(world)]
+            dist.all_gather(everyone, buf)
+            assert all(torch.equal(b, buf) for b in everyone), f"{compressor}: ranks hold different momenta"
+            if isinstance(compressor, compress.FP16):
+                err = (buf.double() - reference).abs().max()
+                assert err < 2e-2, f"step {step}: {err}"  # fp16 rounding of values up to ~10
+        assert state.stats.compressed_buckets == 2 and state.stats.uncompressed_buckets == 1, vars(state.stats)
+        assert state.server_residuals and (replicate_group is None) == (not state.replica_residuals)
+    try:
+        state.reduce_scatter("layer", torch.empty(m), torch.randn(n * m), group, dist.ReduceOp.MAX)
+    except ValueError as e:
+        assert "SUM or AVG" in str(e), e
+    else:
+        raise AssertionError("momentum with MAX was accepted")
 
 
 def _model() -> torch.nn.Module:
@@ -180,6 +220,7 @@ def hsdp() -> None:
     rank, n = init("ddlcomm")
     logging.getLogger("ddlcomm").setLevel(logging.ERROR)
     mesh = init_device_mesh("cpu", (2, n // 2), mesh_dim_names=("replicate", "shard"))
+    _momentum_math(mesh["shard"].get_group(), mesh["replicate"].get_group())
     x, y = synthetic(rank, samples=4096)
     results = {}
     for name in (None, "ternary"):
