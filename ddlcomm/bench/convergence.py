@@ -65,6 +65,8 @@ class Method:
     quantize_all_gather: bool = False  # FSDP2 only: 8-bit parameter all-gathers (ddlcomm.fsdp)
 
 
+ADAMW = {"betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}  # torch's defaults, stated
+
 METHODS = {
     m.name: m
     for m in (
@@ -82,10 +84,13 @@ METHODS = {
                direction=False, hook_options={"momentum": 0.9, "clip_norm": 4.0}, sgd_momentum=0.0,
                optimizers=("sgd",)),
         Method("1-bit block 64", lambda: compress.OneBit(block_size=64)),
+        Method("ternary block 64", lambda: compress.Ternary(block_size=64)),
+        Method("bf16", compress.BF16),
         Method("8-bit all-gather", quantize_all_gather=True),
         Method("1-bit + 8-bit all-gather", compress.OneBit, quantize_all_gather=True),
         Method("1-bit block 64 + 8-bit all-gather", lambda: compress.OneBit(block_size=64), quantize_all_gather=True),
         Method("ternary + 8-bit all-gather", compress.Ternary, quantize_all_gather=True),
+        Method("bf16 + 8-bit all-gather", compress.BF16, quantize_all_gather=True),
     )
 }
 
@@ -155,21 +160,25 @@ def train(task: Task, method: Method, opt_name: str, seed: int, lr: Optional[flo
     else:
         ddp = DistributedDataParallel(model)
     family = optim if method.compressor is not None and method.direction and sharding == "ddp" else torch.optim
-    # FSDP2 with a compressor: SGD's momentum moves into the compressed reduce-scatter (what
-    # `direction` means there), unless the method compresses gradients.
-    comm_momentum = (method.sgd_momentum if sharding == "fsdp" and method.compressor and method.direction
-                     and opt_name == "sgd" else 0.0)
+    # FSDP2 with a compressor: SGD's momentum, or Adam, moves into the compressed reduce-scatter
+    # (what `direction` means there) and a plain SGD applies the averaged direction, unless the
+    # method compresses gradients.
+    in_comm = sharding == "fsdp" and method.compressor is not None and method.direction
+    comm_momentum = method.sgd_momentum if in_comm and opt_name == "sgd" else 0.0
+    adam_betas = ADAMW["betas"] if in_comm and opt_name == "adamw" else None
     if opt_name == "sgd":
         opt = family.SGD(model.parameters(), lr=lr, momentum=method.sgd_momentum - comm_momentum)
+    elif adam_betas is not None:  # SGD's weight decay on a given direction is AdamW's decoupled one
+        opt = torch.optim.SGD(model.parameters(), lr=lr, weight_decay=ADAMW["weight_decay"])
     else:
-        opt = family.AdamW(model.parameters(), lr=lr)
+        opt = family.AdamW(model.parameters(), lr=lr, **ADAMW)
     state = None
     if sharding == "fsdp":
         if method.quantize_all_gather:
             fsdp.quantize_all_gather(model)
         if method.compressor is not None:
             state = fsdp.compress_gradients(model, method.compressor(), start_compress_iter=start_compress_iter,
-                                            momentum=comm_momentum)
+                                            momentum=comm_momentum, adam_betas=adam_betas, adam_eps=ADAMW["eps"])
     elif method.compressor is not None:
         state = hooks.CompressionState(compressor=method.compressor(), start_compress_iter=start_compress_iter,
                                        optimizer=opt if method.direction else None, **method.hook_options)

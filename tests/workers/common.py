@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import gc
 import os
 import sys
 from datetime import timedelta
@@ -110,6 +111,11 @@ def rss_bytes() -> int:
 def run(scenarios: dict) -> None:
     name = sys.argv[1]
     scenarios[name](*sys.argv[2:])
+    # Models in reference cycles (DDP's reducer, FSDP2's hooks) hold their process groups: free
+    # them now, not during interpreter finalization, where a gloo group's worker threads
+    # releasing tensors abort the process (SIGABRT, "terminate called without an active
+    # exception", once in CI on a gloo reference rank; pytorch/pytorch#179291).
+    gc.collect()
     if dist.is_initialized():
         dist.destroy_process_group()
     print(f"rank {os.environ.get('RANK')} scenario {name} OK", flush=True)

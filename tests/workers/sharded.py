@@ -68,6 +68,7 @@ def reduce_scatter_math(backend: str) -> None:
     else:
         raise AssertionError("a residual of another size was accepted")
     _momentum_math(dist.group.WORLD)
+    _adam_math(dist.group.WORLD)
 
 
 def _momentum_math(group: dist.ProcessGroup, replicate_group=None) -> None:
@@ -107,6 +108,51 @@ def _momentum_math(group: dist.ProcessGroup, replicate_group=None) -> None:
         assert "SUM or AVG" in str(e), e
     else:
         raise AssertionError("momentum with MAX was accepted")
+
+
+def _adam_math(group: dist.ProcessGroup, replicate_group=None) -> None:
+    """``adam_betas=``: the output is the chunk of the average over every rank of each rank's
+    own bias-corrected Adam step (within fp16's error; times the group size for SUM); a
+    non-finite gradient on one rank makes every rank's output non-finite and leaves that
+    rank's moments as they were."""
+    n, r = group.size(), group.rank()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    m, (beta1, beta2), eps = 1000, (0.9, 0.99), 1e-8
+    g = torch.Generator().manual_seed(200 + rank)
+    state = fsdp.FSDPCompressionState(compress.FP16(), start_compress_iter=1, min_compression_bytes=0,
+                                      replicate_group=replicate_group, adam_betas=(beta1, beta2), adam_eps=eps)
+    first = torch.zeros(n * m, dtype=torch.float64)
+    second = torch.zeros(n * m, dtype=torch.float64)
+    for step, op in enumerate((dist.ReduceOp.AVG, dist.ReduceOp.SUM, dist.ReduceOp.AVG), start=1):
+        x = torch.randn(n * m, generator=g) * (rank + 1)  # ranks' steps differ
+        first = beta1 * first + (1 - beta1) * x.double()
+        second = beta2 * second + (1 - beta2) * x.double() ** 2
+        mine = first / (1 - beta1**step) / ((second / (1 - beta2**step)).sqrt() + eps)
+        average = mine.clone()
+        dist.all_reduce(average)
+        average /= world
+        out = torch.empty(m)
+        state.reduce_scatter("layer", out, x, group, op)
+        state.replica_all_reduce("layer", out)  # a no-op with adam_betas: done above
+        expected = average[r * m:(r + 1) * m] * (n if op == dist.ReduceOp.SUM else 1)
+        err = (out.double() - expected).abs().max()
+        assert err < 1e-2 * (n if op == dist.ReduceOp.SUM else 1), f"step {step}: {err}"
+    moments = state.exp_avgs["layer"].clone(), state.exp_avg_sqs["layer"].clone()
+    x = torch.randn(n * m, generator=g)
+    if rank == world - 1:
+        x[7::m] = float("nan")  # in every rank's chunk
+    out = torch.empty(m)
+    state.reduce_scatter("layer", out, x, group, dist.ReduceOp.AVG)
+    assert not torch.isfinite(out).all(), "a NaN gradient on one rank left this rank's output finite"
+    if rank == world - 1:
+        assert torch.equal(state.exp_avgs["layer"], moments[0]) and torch.equal(state.exp_avg_sqs["layer"],
+                                                                               moments[1])
+    try:
+        fsdp.FSDPCompressionState(compress.FP16(), momentum=0.9, adam_betas=(0.9, 0.999))
+    except ValueError as e:
+        assert "exclude" in str(e), e
+    else:
+        raise AssertionError("momentum= and adam_betas= together were accepted")
 
 
 def _model() -> torch.nn.Module:
@@ -175,15 +221,20 @@ def _model_on(group: dist.ProcessGroup) -> torch.nn.Module:
 
 
 def resume(compressor: str) -> None:
-    """Saving after 5 steps and resuming in fresh objects trains bit for bit like 10 steps."""
+    """Saving after 5 steps and resuming in fresh objects trains bit for bit like 10 steps,
+    with SGD's momentum and with Adam in the reduce-scatter (the state carries both)."""
     rank, n = init("ddlcomm")
     x, y = synthetic(rank, samples=4096)
+    for options in ({"momentum": 0.9}, {"adam_betas": (0.9, 0.999)}):
+        _resume(compressor, options, x, y)
 
-    def make():  # SGD's momentum in the reduce-scatter: the state carries it too
+
+def _resume(compressor: str, options: dict, x: torch.Tensor, y: torch.Tensor) -> None:
+    def make():
         model = _model()
-        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05 if "momentum" in options else 0.002, weight_decay=0.01)
         state = fsdp.compress_gradients(model, COMPRESSORS[compressor](), start_compress_iter=2,
-                                        min_compression_bytes=0, momentum=0.9)
+                                        min_compression_bytes=0, **options)
         return model, opt, state
 
     model, opt, state = make()
@@ -200,7 +251,11 @@ def resume(compressor: str) -> None:
     state.load_state_dict(saved["compression"])
     _steps(model, opt, x, y, 5, 10)
     resumed = torch.cat([p.full_tensor().flatten() for p in model.parameters()])
-    assert torch.equal(straight, resumed), (straight - resumed).abs().max()
+    assert torch.equal(straight, resumed), (options, (straight - resumed).abs().max())
+    model, opt, state = make()  # the control: without the compression state it differs
+    set_state_dict(model, opt, model_state_dict=saved["model"], optim_state_dict=saved["opt"])
+    _steps(model, opt, x, y, 5, 10)
+    assert not torch.equal(straight, torch.cat([p.full_tensor().flatten() for p in model.parameters()])), options
 
     other = fsdp.FSDPCompressionState(compress.Ternary() if compressor != "ternary" else compress.OneBit())
     try:
@@ -221,6 +276,7 @@ def hsdp() -> None:
     logging.getLogger("ddlcomm").setLevel(logging.ERROR)
     mesh = init_device_mesh("cpu", (2, n // 2), mesh_dim_names=("replicate", "shard"))
     _momentum_math(mesh["shard"].get_group(), mesh["replicate"].get_group())
+    _adam_math(mesh["shard"].get_group(), mesh["replicate"].get_group())
     x, y = synthetic(rank, samples=4096)
     results = {}
     for name in (None, "ternary"):
