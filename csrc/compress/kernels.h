@@ -39,7 +39,7 @@ struct SparseSection {
   const uint8_t* indices;
   const uint8_t* values;
 };
-void sumSparse(const std::vector<SparseSection>& in, size_t numel, float factor, DataType outType, void* out);
+void sumSections(const std::vector<SparseSection>& in, size_t numel, float factor, DataType outType, void* out);
 // Throws Error(Protocol) unless the indices are strictly increasing and < numel.
 void checkSparseIndices(const uint8_t* indices, size_t k, size_t numel);
 

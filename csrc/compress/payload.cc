@@ -333,7 +333,7 @@ void sumSparse(const Config& config, const uint8_t* const* payloads, size_t coun
     const uint8_t* indices = payloads[j] + kHeaderBytes;
     sections.push_back({size_t(info.k), indices, indices + 4 * info.k});
   }
-  sumSparse(sections, numel, factor, outType, out);
+  sumSections(sections, numel, factor, outType, out);
 }
 
 }  // namespace ddlcomm::compress

@@ -383,7 +383,7 @@ void sumRange(const std::vector<SparseSection>& in, float factor, typename E::Ra
 
 }  // namespace
 
-void sumSparse(const std::vector<SparseSection>& in, size_t numel, float factor, DataType outType, void* out) {
+void sumSections(const std::vector<SparseSection>& in, size_t numel, float factor, DataType outType, void* out) {
   size_t entries = 0;
   for (const SparseSection& s : in) entries += s.k;
   runParts(threadsFor(entries), numel, kTile, [&](size_t, size_t begin, size_t end) {
