@@ -34,7 +34,11 @@ average becomes ``buf`` and, in the rank's chunk, the reduce-scatter's output. T
 the DDP hooks do with ``ddlcomm.optim.SGD``; feeding compressed gradients to the optimizer's
 momentum loses accuracy, and so does keeping a momentum per rank (docs/fsdp.md). With Adam
 or AdamW pass ``adam_betas=`` (and ``torch.optim.SGD(..., momentum=0, weight_decay=wd)``):
-each rank sends its own bias-corrected Adam step, as ``ddlcomm.optim.AdamW`` does under DDP.
+the first moment is averaged the same way (1-bit Adam's idea), the second moment of each
+rank's chunk comes from its own gradient, and the output is the chunk's Adam step, at most 1
+per element (averaged over the replicas under HSDP). A non-finite gradient on any rank leaves every rank's moments
+alone and makes every output non-finite. Not for use with ``torch.amp.GradScaler``: the
+scaler would divide the (scale-free) Adam step by its scale.
 The same algorithm runs on ddlcomm, gloo and nccl groups (over their all-to-all), on CPU and
 CUDA tensors.
 """
@@ -61,7 +65,7 @@ __all__ = ["FSDPCompressionState", "CompressedReduceScatter", "compress_gradient
 
 logger = logging.getLogger(__name__)
 
-_STATE_VERSION = 2  # 2: momentum= averages the momentum (server residuals); adam_betas=
+_STATE_VERSION = 3  # 2: momentum= averages the momentum; 3: adam_betas= averages the first moment
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _encode_stream = _C.ProcessGroupDdlcomm.encode_stream
 # The state's per-module tensors, as state_dict() names them.
@@ -79,8 +83,10 @@ class FSDPCompressionState(_CompressionOptions):
             ``momentum``: of the all-reduced momentum).
         server_residuals: module name -> server residual of that all-reduce (``momentum``).
         momenta: module name -> the averaged momentum of the module, the same on every rank.
-        exp_avgs, exp_avg_sqs: module name -> this rank's Adam moments of the whole module
-            (``adam_betas``).
+        exp_avgs: module name -> the averaged Adam first moment of the module, the same on
+            every rank of the shard group (``adam_betas``).
+        exp_avg_sqs: module name -> this rank's second moment of its chunk, from its own
+            gradient (``adam_betas``).
         replica_residuals, replica_server_residuals: module name -> worker and server
             residuals of the all-reduce over ``replicate_group`` (HSDP).
         calls: module name -> reduce-scatters issued so far.
@@ -253,53 +259,65 @@ class FSDPCompressionState(_CompressionOptions):
         self.stats.compressed_bytes_sent += sent
         self.stats.compressed_bytes_uncompressed += ring
 
-    def _adam_direction(self, name: str, flat: torch.Tensor, step: int, dtype: torch.dtype) -> torch.Tensor:
-        """This rank's bias-corrected Adam step ``m / (sqrt(v) + eps)`` for the module, from its
-        own moments (``ddlcomm.optim.AdamW`` under DDP does the same). A non-finite gradient
-        leaves the moments alone and goes out as it is, so the average is non-finite everywhere."""
-        if not all_finite(flat):
-            return flat.to(dtype, copy=True)
-        beta1, beta2 = self.adam_betas
-        first = self._memory(self.exp_avgs, name, flat.numel(), flat.device, dtype)
-        second = self._memory(self.exp_avg_sqs, name, flat.numel(), flat.device, dtype)
-        first.lerp_(flat.to(dtype), 1 - beta1)
-        second.mul_(beta2).addcmul_(flat, flat, value=1 - beta2)
-        denom = (second.sqrt() / math.sqrt(1 - beta2**step)).add_(self.adam_eps)
-        return torch.div(first, denom, out=denom).div_(1 - beta1**step)
+    def _poisoned(self, flat: torch.Tensor, groups: list[dist.ProcessGroup]) -> bool:
+        """Whether any rank of ``groups`` holds a non-finite gradient (one byte all-reduced): the
+        shared momentum must not take it in, on any rank."""
+        flag = torch.tensor([0 if all_finite(flat) else 1], dtype=torch.uint8, device=flat.device)
+        for g in groups:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=g)
+        return bool(flag.item())
 
     def _direction_step(self, name: str, output: torch.Tensor, flat: torch.Tensor, group: dist.ProcessGroup,
                         op: Any, calls: int, stream: int) -> None:
-        """The update direction is all-reduced instead of the gradient: with ``momentum``,
-        ``buf`` (the module's averaged momentum, the same on every rank) becomes the average of
-        ``flat + momentum * buf``; with ``adam_betas``, each rank's Adam step is averaged. Over
-        ``group`` and then the replicas; ``output`` is chunk ``rank`` of the average (times the
-        group size for SUM)."""
+        """The optimizer's momentum is all-reduced instead of the gradient. With ``momentum``,
+        ``buf`` (the same on every rank, replicas included) becomes the average of ``flat +
+        momentum * buf`` and the output is its chunk. With ``adam_betas``, the first moment (the
+        same on every rank of ``group``) becomes the average of ``lerp(m, flat, 1 - beta1)``; the
+        second moment of the rank's chunk comes from its own gradient, and the output is the
+        chunk's bias-corrected Adam step, at most 1 per element (the replicas average it in
+        ``replica_all_reduce``).
+        Uncompressed (warm-up, small modules), the average gradient feeds both moments: AdamW.
+        Times the group size for SUM. A non-finite gradient on any rank leaves every rank's
+        moments alone and makes every output non-finite."""
         if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
             raise ValueError(f"ddlcomm fsdp: momentum= and adam_betas= need SUM or AVG reduce-scatters; FSDP2 "
                              f"asked for {op} (a gradient divide factor makes it do so)")
         n, r = group.size(), group.rank()
         m = output.numel()
         dtype = torch.float64 if flat.dtype == torch.float64 else torch.float32
-        if self.adam_betas is not None:
-            direction = self._adam_direction(name, flat, calls + 1, dtype)
-        else:
-            buf = self._memory(self.momenta, name, flat.numel(), flat.device, dtype)
-            # In place, one pass: a new module-sized tensor per step cost as much again in page faults.
-            direction = torch.add(flat, buf, alpha=self.momentum, out=buf)
+        levels = [(group, self.residuals, self.server_residuals)]
+        if self.replicate_group is not None and self.adam_betas is None:
+            levels.append((self.replicate_group, self.replica_residuals, self.replica_server_residuals))
+        scale = n if op == dist.ReduceOp.SUM else 1
+        if self._poisoned(flat, [group] if self.replicate_group is None else [group, self.replicate_group]):
+            plain = flat.to(dtype, copy=True)
+            for g, _, _ in levels:
+                dist.all_reduce(plain, group=g)
+            output.view(-1).copy_(plain[r * m:(r + 1) * m])
+            return
         compress = self._uncompressed_reason(name, flat, op, calls) is None
+        adam = self.adam_betas is not None
+        if adam:
+            moment = self._memory(self.exp_avgs, name, flat.numel(), flat.device, dtype)
+            if compress:
+                gradient = flat
+                reduced = moment.lerp_(flat.to(dtype), 1 - self.adam_betas[0])
+            else:  # the average gradient feeds both moments: exactly AdamW (warm-up, small modules)
+                gradient = reduced = flat.to(dtype, copy=True)
+        else:
+            moment = self._memory(self.momenta, name, flat.numel(), flat.device, dtype)
+            # In place, one pass: a new module-sized tensor per step cost as much again in page faults.
+            reduced = torch.add(flat, moment, alpha=self.momentum, out=moment)
         verify = name not in self._verified
         self._verified.add(name)
-        levels = [(group, self.residuals, self.server_residuals)]
-        if self.replicate_group is not None:
-            levels.append((self.replicate_group, self.replica_residuals, self.replica_server_residuals))
         for level, (g, workers, servers) in enumerate(levels):
             if compress:
-                worker, server = self._residuals(workers, servers, name, direction, g)
-                compressed_all_reduce(direction, self.compressor, worker, server, group=g, average=True,
+                worker, server = self._residuals(workers, servers, name, reduced, g)
+                compressed_all_reduce(reduced, self.compressor, worker, server, group=g, average=True,
                                       stream=stream, verify=verify).wait()
             else:
-                dist.all_reduce(direction, group=g)
-                direction.div_(g.size())
+                dist.all_reduce(reduced, group=g)
+                reduced.div_(g.size())
             if level == 0:  # the statistics compare the shard group's traffic with a reduce-scatter's
                 ring = (n - 1) * flat.numel() * flat.element_size() // n
                 sent = wire_bytes(self.compressor, flat.numel(), n, r) if compress else 2 * ring
@@ -310,13 +328,30 @@ class FSDPCompressionState(_CompressionOptions):
                     self.stats.compressed_bytes_uncompressed += ring
                 else:
                     self.stats.uncompressed_buckets += 1
-        chunk = direction[r * m:(r + 1) * m]
-        output.view(-1).copy_(chunk * n if op == dist.ReduceOp.SUM else chunk)
+        chunk = moment[r * m:(r + 1) * m]
+        if not adam:
+            output.view(-1).copy_(chunk * scale if scale != 1 else chunk)
+            return
+        beta1, beta2 = self.adam_betas
+        if not compress:
+            moment.lerp_(gradient, 1 - beta1)
+        step = calls + 1
+        mine = gradient[r * m:(r + 1) * m].to(dtype)
+        second = self._memory(self.exp_avg_sqs, name, m, flat.device, dtype)
+        second.mul_(beta2).addcmul_(mine, mine, value=1 - beta2)
+        first_hat = chunk / (1 - beta1**step)
+        # The second moment is this rank's, the first the group's: where this rank's gradient is
+        # zero (a dead unit, an unused input), compression error in m would be divided by eps.
+        # Adam's own steps stay within about 1 per element; bound them there.
+        denom = (second.sqrt() / math.sqrt(1 - beta2**step))
+        torch.maximum(denom, first_hat.abs(), out=denom).add_(self.adam_eps)
+        torch.div(first_hat, denom, out=denom).mul_(scale)
+        output.view(-1).copy_(denom)
 
     def replica_all_reduce(self, name: str, shard: torch.Tensor) -> None:
-        """HSDP: averages this rank's reduced shard over ``replicate_group``, compressed (with
-        ``momentum`` or ``adam_betas`` the reduce-scatter has done so already)."""
-        if self.momentum or self.adam_betas is not None:
+        """HSDP: averages this rank's reduced shard (with ``adam_betas``: its Adam step) over
+        ``replicate_group``, compressed (with ``momentum`` the reduce-scatter has done so already)."""
+        if self.momentum:
             return
         group = self.replicate_group
         flat = shard.view(-1)

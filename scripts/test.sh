@@ -11,6 +11,11 @@ if command -v nvcc >/dev/null 2>&1 && [ -f csrc/cuda/CMakeLists.txt ]; then
   cmake -S csrc/cuda -B build/cuda -G Ninja >/dev/null
   ninja -C build/cuda
 fi
+# The CUDA kernels' CPU-emulator test program (tests/test_cuda_emulator.py runs it): a build
+# step, so it is done here, outside pytest's time; the test rebuilds it if it is stale.
+echo "== compiling the CUDA kernels' CPU-emulator test"
+cmake -S tests/cuda/emu -B build/cuda-emu -G Ninja >/dev/null
+ninja -C build/cuda-emu
 # libFuzzer with ASan/UBSan on the frame and payload parsers, ~30 s per target (docs/fuzzing.md).
 bash scripts/fuzz.sh 30
 echo "== pytest"

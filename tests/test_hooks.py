@@ -14,7 +14,8 @@ from harness import assert_all_ok, launch
 
 def test_native_and_fallback_agree_bitwise() -> None:
     # Over shared memory (the default here); test_soak runs compressed all-reduces over every transport.
-    assert_all_ok(launch("compression", "native_matches_fallback", 4, timeout=180))
+    # Two threads per rank, so that the largest vector's chunks are split across threads.
+    assert_all_ok(launch("compression", "native_matches_fallback", 4, timeout=180, env={"DDLCOMM_NUM_THREADS": "2"}))
 
 
 def test_segmented_native_and_fallback_agree_bitwise() -> None:

@@ -260,11 +260,11 @@ def connection_reset() -> None:
 
 def straggler() -> None:
     """Rank 1 stops calling collectives: the others raise once the timeout expires."""
-    timeout = 3.0
+    timeout = 2.0
     rank, n = init(timeout_s=timeout)
     dist.all_reduce(torch.ones(10))
     if rank == 1:
-        time.sleep(timeout + 4)
+        time.sleep(timeout + 3)
         # By now its peers gave up. Its next call may still complete (rank 0's data was
         # already in its socket buffer), but the one after must fail rather than hang.
         def two_more() -> None:

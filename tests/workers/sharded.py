@@ -102,6 +102,13 @@ def _momentum_math(group: dist.ProcessGroup, replicate_group=None) -> None:
                 assert err < 2e-2, f"step {step}: {err}"  # fp16 rounding of values up to ~10
         assert state.stats.compressed_buckets == 2 and state.stats.uncompressed_buckets == 1, vars(state.stats)
         assert state.server_residuals and (replicate_group is None) == (not state.replica_residuals)
+        before = state.momenta["layer"].clone()
+        x = torch.randn(n * m, generator=g)
+        if rank == world - 1:
+            x[5::m] = float("inf")  # in every rank's chunk
+        state.reduce_scatter("layer", out, x, group, dist.ReduceOp.AVG)
+        assert not torch.isfinite(out).all(), "an inf gradient on one rank left this rank's output finite"
+        assert torch.equal(state.momenta["layer"], before), "an inf gradient on one rank changed the momentum"
     try:
         state.reduce_scatter("layer", torch.empty(m), torch.randn(n * m), group, dist.ReduceOp.MAX)
     except ValueError as e:
@@ -111,42 +118,62 @@ def _momentum_math(group: dist.ProcessGroup, replicate_group=None) -> None:
 
 
 def _adam_math(group: dist.ProcessGroup, replicate_group=None) -> None:
-    """``adam_betas=``: the output is the chunk of the average over every rank of each rank's
-    own bias-corrected Adam step (within fp16's error; times the group size for SUM); a
-    non-finite gradient on one rank makes every rank's output non-finite and leaves that
-    rank's moments as they were."""
+    """``adam_betas=``: the first moment is the moment of the group's average gradient (within
+    fp16's error) and the same bytes on every rank of the group; the output is the chunk's Adam
+    step with the second moment of this rank's own gradient (of the average where uncompressed;
+    at most 1 per element; times the group size for SUM),
+    averaged over the replicas and then the same on each. A non-finite gradient on one rank
+    makes every output non-finite and leaves every rank's moments as they were."""
     n, r = group.size(), group.rank()
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     m, (beta1, beta2), eps = 1000, (0.9, 0.99), 1e-8
     g = torch.Generator().manual_seed(200 + rank)
     state = fsdp.FSDPCompressionState(compress.FP16(), start_compress_iter=1, min_compression_bytes=0,
                                       replicate_group=replicate_group, adam_betas=(beta1, beta2), adam_eps=eps)
     first = torch.zeros(n * m, dtype=torch.float64)
-    second = torch.zeros(n * m, dtype=torch.float64)
+    second = torch.zeros(m, dtype=torch.float64)
     for step, op in enumerate((dist.ReduceOp.AVG, dist.ReduceOp.SUM, dist.ReduceOp.AVG), start=1):
-        x = torch.randn(n * m, generator=g) * (rank + 1)  # ranks' steps differ
-        first = beta1 * first + (1 - beta1) * x.double()
-        second = beta2 * second + (1 - beta2) * x.double() ** 2
-        mine = first / (1 - beta1**step) / ((second / (1 - beta2**step)).sqrt() + eps)
-        average = mine.clone()
-        dist.all_reduce(average)
-        average /= world
+        x = torch.randn(n * m, generator=g) * (rank + 1)  # ranks' gradients differ in scale
+        average = x.double()
+        dist.all_reduce(average, group=group)
+        first = beta1 * first + (1 - beta1) * average / n
+        # The first call is uncompressed (start_compress_iter=1): AdamW on the average gradient.
+        mine = (average / n if step == 1 else x.double())[r * m:(r + 1) * m]
+        second = beta2 * second + (1 - beta2) * mine**2
+        first_hat = first[r * m:(r + 1) * m] / (1 - beta1**step)
+        denom = torch.maximum((second / (1 - beta2**step)).sqrt(), first_hat.abs()) + eps  # |step| <= 1
+        expected = first_hat / denom * (n if op == dist.ReduceOp.SUM else 1)
         out = torch.empty(m)
         state.reduce_scatter("layer", out, x, group, op)
-        state.replica_all_reduce("layer", out)  # a no-op with adam_betas: done above
-        expected = average[r * m:(r + 1) * m] * (n if op == dist.ReduceOp.SUM else 1)
-        err = (out.double() - expected).abs().max()
-        assert err < 1e-2 * (n if op == dist.ReduceOp.SUM else 1), f"step {step}: {err}"
+        # In the moment's units (fp16 rounding of values up to ~5), not the step's: a small
+        # second moment magnifies the moment's rounding.
+        err = ((out.double() - expected) * denom).abs().max() / (n if op == dist.ReduceOp.SUM else 1)
+        assert err < 1e-2, f"step {step}: {err}"
+        moment = state.exp_avgs["layer"]
+        everyone = [torch.empty_like(moment) for _ in range(n)]
+        dist.all_gather(everyone, moment, group=group)
+        assert all(torch.equal(e, moment) for e in everyone), f"step {step}: ranks hold different first moments"
+        if replicate_group is not None:
+            before = out.clone()
+            state.replica_all_reduce("layer", out)
+            mean = before.double()
+            dist.all_reduce(mean, group=replicate_group)
+            mean /= replicate_group.size()
+            assert (out.double() - mean).abs().max() < 1e-2 * mean.abs().max(), f"step {step}: replica average"
+            outs = [torch.empty_like(out) for _ in range(replicate_group.size())]
+            dist.all_gather(outs, out, group=replicate_group)
+            assert all(torch.equal(o, out) for o in outs), f"step {step}: replicas' steps differ"
     moments = state.exp_avgs["layer"].clone(), state.exp_avg_sqs["layer"].clone()
     x = torch.randn(n * m, generator=g)
-    if rank == world - 1:
+    if rank == dist.get_world_size() - 1:
         x[7::m] = float("nan")  # in every rank's chunk
     out = torch.empty(m)
     state.reduce_scatter("layer", out, x, group, dist.ReduceOp.AVG)
+    if replicate_group is not None:
+        state.replica_all_reduce("layer", out)
     assert not torch.isfinite(out).all(), "a NaN gradient on one rank left this rank's output finite"
-    if rank == world - 1:
-        assert torch.equal(state.exp_avgs["layer"], moments[0]) and torch.equal(state.exp_avg_sqs["layer"],
-                                                                               moments[1])
+    assert torch.equal(state.exp_avgs["layer"], moments[0]) and torch.equal(state.exp_avg_sqs["layer"], moments[1]), \
+        "a NaN gradient on one rank changed this rank's moments"
     try:
         fsdp.FSDPCompressionState(compress.FP16(), momentum=0.9, adam_betas=(0.9, 0.999))
     except ValueError as e:
