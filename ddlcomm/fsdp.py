@@ -39,8 +39,8 @@ rank's chunk comes from its own gradient, and the output is the chunk's Adam ste
 per element (averaged over the replicas under HSDP). A non-finite gradient on any rank leaves every rank's moments
 alone and makes every output non-finite. Not for use with ``torch.amp.GradScaler``: the
 scaler would divide the (scale-free) Adam step by its scale.
-The same algorithm runs on ddlcomm, gloo and nccl groups (over their all-to-all), on CPU and
-CUDA tensors.
+On ddlcomm groups the reduce-scatter is one native collective; on gloo and nccl groups, and
+for CUDA tensors, the same algorithm runs over the group's all-to-all, with the same bits.
 """
 
 from __future__ import annotations
@@ -56,8 +56,8 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatt
 
 from . import _C
 from .compress import Compressor, all_finite
-from .compressed import (_accumulate, _Agreement, _aligned, _Wire, compressed_all_reduce, server_residual_numel,
-                         wire_bytes)
+from .compressed import (_accumulate, _Agreement, _aligned, _Wire, compressed_all_reduce, native_backend,
+                         server_residual_numel, wire_bytes)
 from .hooks import CompressionStats, _CompressionOptions, _LogOnce
 
 __all__ = ["FSDPCompressionState", "CompressedReduceScatter", "compress_gradients", "AllGatherQuantization",
@@ -214,7 +214,7 @@ class FSDPCompressionState(_CompressionOptions):
     def reduce_scatter(self, name: str, output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup,
                        op: Any) -> None:
         """``output`` = the reduction of chunk ``rank`` of every rank's ``input`` (see the module docs)."""
-        n, r = group.size(), group.rank()
+        n = group.size()
         m = output.numel()
         if input.numel() != n * m:
             raise ValueError(f"ddlcomm fsdp: reduce-scatter input of {input.numel()} elements for an output of {m} "
@@ -238,9 +238,29 @@ class FSDPCompressionState(_CompressionOptions):
         agreement = _Agreement(flat, self.compressor, group, n, name not in self._verified, wire.device)
         self._verified.add(name)
         residual = self._memory(self.residuals, name, flat.numel(), flat.device) if self.error_feedback else None
+        stream = calls * 65536 + index
+        backend = native_backend(group) if not flat.is_cuda else None
+        if backend is not None:  # the same algorithm in C++, pipelined: encoding overlaps sending
+            agreement.wait()
+            backend.compressed_reduce_scatter(output.view(-1), flat, self.compressor._config, residual,
+                                              op == dist.ReduceOp.AVG, stream).wait()
+        else:
+            self._reduce_scatter_over(group, output, flat, residual, op, stream, wire, agreement)
+        sent = (n - 1) * self.compressor.compressed_nbytes(m)
+        self.stats.compressed_buckets += 1
+        self.stats.bytes_sent += sent
+        self.stats.compressed_bytes_sent += sent
+        self.stats.compressed_bytes_uncompressed += ring
+
+    def _reduce_scatter_over(self, group: dist.ProcessGroup, output: torch.Tensor, flat: torch.Tensor,
+                             residual: Optional[torch.Tensor], op: Any, stream: int, wire: _Wire,
+                             agreement: _Agreement) -> None:
+        """The compressed reduce-scatter over the group's all-to-all (gloo, nccl, CUDA tensors):
+        the bytes and the float32 sum of the native one."""
+        n, r = group.size(), group.rank()
+        m = output.numel()
         slot = _aligned(self.compressor.compressed_nbytes(m))
         outgoing = torch.zeros(n * slot, dtype=torch.uint8, device=flat.device)
-        stream = calls * 65536 + index
         for i in range(n):
             self.compressor.encode(flat[i * m:(i + 1) * m], None if residual is None else residual[i * m:(i + 1) * m],
                                    stream=_encode_stream(stream, r, 0, i, n), out=outgoing[i * slot:(i + 1) * slot])
@@ -251,13 +271,8 @@ class FSDPCompressionState(_CompressionOptions):
         acc = torch.zeros(m, dtype=torch.float32, device=flat.device)
         _accumulate(self.compressor, wire.receive(incoming.view(n, slot), self.compressor, [m] * n), acc, m)
         if op == dist.ReduceOp.AVG:
-            acc.div_(n)
+            acc.mul_(1.0 / n)  # float(1 / n), as the native one
         output.view(-1).copy_(acc)
-        sent = (n - 1) * self.compressor.compressed_nbytes(m)
-        self.stats.compressed_buckets += 1
-        self.stats.bytes_sent += sent
-        self.stats.compressed_bytes_sent += sent
-        self.stats.compressed_bytes_uncompressed += ring
 
     def _poisoned(self, flat: torch.Tensor, groups: list[dist.ProcessGroup]) -> bool:
         """Whether any rank of ``groups`` holds a non-finite gradient (one byte all-reduced): the

@@ -32,7 +32,7 @@ direction, not a gradient: clip with ``CompressionState(clip_norm=...)`` instead
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Any
 
 import torch
 

@@ -52,6 +52,10 @@ def test_ddlcomm_and_gloo_groups_train_alike() -> None:
     assert_all_ok(launch("sharded", "backends_agree", 2, timeout=180))
 
 
+def test_native_reduce_scatter_matches_the_fallback_bitwise() -> None:
+    assert_all_ok(launch("sharded", "native_reduce_scatter", 3, timeout=240))
+
+
 def test_fsdp2_resume_is_bit_identical() -> None:
     assert_all_ok(launch("sharded", "resume", 2, timeout=180, args=("onebit",)))
 

@@ -122,8 +122,6 @@ class _Bucket:
 def test_loaded_state_refuses_to_run_without_its_optimizer() -> None:
     """A pickled state drops its optimizer (the optimizer is saved by its owner); training on
     without setting it again would compress gradients into residuals of directions."""
-    import pickle
-
     params = _params()
     state = hooks.CompressionState(optimizer=optim.SGD(params, lr=0.1, momentum=0.9), min_compression_bytes=0)
     state.iter = state.start_compress_iter

@@ -12,6 +12,7 @@
 #include "collectives/collectives.h"
 #include "common/env.h"
 #include "collectives/compressed_allreduce.h"
+#include "collectives/compressed_reduce_scatter.h"
 #include "compress/parallel.h"
 #include "transport/connect.h"
 #include "torch/tensor_args.h"
@@ -148,24 +149,30 @@ int64_t ProcessGroupDdlcomm::serverResidualNumel(int64_t numel) const {
   return int64_t(serverResidualLength(size_t(numel), rank_, size_));
 }
 
+namespace {
+void checkCompressible(const at::Tensor& t, const char* op) {
+  checkTensor(t, op);
+  TORCH_CHECK_TYPE(t.scalar_type() == at::kFloat || t.scalar_type() == at::kHalf || t.scalar_type() == at::kBFloat16,
+                   "ddlcomm ", op, " needs a torch.float32, torch.float16 or torch.bfloat16 tensor, got ",
+                   dtypeName(t.scalar_type()));
+}
+
+void checkResidual(const std::optional<at::Tensor>& r, int64_t numel, const char* which) {
+  if (!r) return;
+  checkTensor(*r, which);
+  TORCH_CHECK_TYPE(r->scalar_type() == at::kFloat, "ddlcomm: the ", which, " must be torch.float32, got ",
+                   dtypeName(r->scalar_type()));
+  TORCH_CHECK_VALUE(r->is_contiguous() && r->numel() == numel, "ddlcomm: the ", which,
+                    " must be a contiguous float32 tensor of ", numel, " elements, got ", r->numel());
+}
+}  // namespace
+
 c10::intrusive_ptr<c10d::Work> ProcessGroupDdlcomm::compressedAllreduce(at::Tensor& tensor,
                                                                         const compress::Config& config,
                                                                         std::optional<at::Tensor> workerResidual,
                                                                         std::optional<at::Tensor> serverResidual,
                                                                         bool average, uint64_t stream) {
-  checkTensor(tensor, "compressed allreduce");
-  TORCH_CHECK_TYPE(tensor.scalar_type() == at::kFloat || tensor.scalar_type() == at::kHalf ||
-                       tensor.scalar_type() == at::kBFloat16,
-                   "ddlcomm compressed allreduce needs a torch.float32, torch.float16 or torch.bfloat16 tensor, got ",
-                   dtypeName(tensor.scalar_type()));
-  auto checkResidual = [](const std::optional<at::Tensor>& r, int64_t numel, const char* which) {
-    if (!r) return;
-    checkTensor(*r, which);
-    TORCH_CHECK_TYPE(r->scalar_type() == at::kFloat, "ddlcomm: the ", which, " must be torch.float32, got ",
-                     dtypeName(r->scalar_type()));
-    TORCH_CHECK_VALUE(r->is_contiguous() && r->numel() == numel, "ddlcomm: the ", which,
-                      " must be a contiguous float32 tensor of ", numel, " elements, got ", r->numel());
-  };
+  checkCompressible(tensor, "compressed allreduce");
   checkResidual(workerResidual, tensor.numel(), "worker residual");
   checkResidual(serverResidual, serverResidualNumel(tensor.numel()), "server residual");
   const DataType dtype = toDataType(tensor);
@@ -183,6 +190,37 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDdlcomm::compressedAllreduce(at::Tens
                    args.stream = stream;
                    ddlcomm::compressedAllreduce(comm, args);
                    writeBack(tensor, work);
+                 });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupDdlcomm::compressedReduceScatter(at::Tensor& output,
+                                                                            const at::Tensor& input,
+                                                                            const compress::Config& config,
+                                                                            std::optional<at::Tensor> workerResidual,
+                                                                            bool average, uint64_t stream) {
+  checkCompressible(output, "compressed reduce-scatter");
+  checkCompressible(input, "compressed reduce-scatter");
+  TORCH_CHECK_TYPE(input.scalar_type() == output.scalar_type(), "ddlcomm compressed reduce-scatter: input ",
+                   dtypeName(input.scalar_type()), " and output ", dtypeName(output.scalar_type()), " differ");
+  TORCH_CHECK_VALUE(input.numel() == output.numel() * size_, "ddlcomm compressed reduce-scatter: input of ",
+                    input.numel(), " elements for an output of ", output.numel(), " on ", size_, " ranks");
+  checkResidual(workerResidual, input.numel(), "worker residual");
+  const DataType dtype = toDataType(output);
+  return enqueue(c10d::OpType::REDUCE_SCATTER, {output},
+                 [output, input, config, workerResidual, average, stream, dtype](Communicator& comm) mutable {
+                   const at::Tensor in = input.contiguous();
+                   at::Tensor out = staged(output);
+                   CompressedReduceScatterArgs args;
+                   args.config = config;
+                   args.dtype = dtype;
+                   args.input = in.data_ptr();
+                   args.output = out.data_ptr();
+                   args.count = size_t(out.numel());
+                   args.workerResidual = workerResidual ? workerResidual->data_ptr<float>() : nullptr;
+                   args.average = average;
+                   args.stream = stream;
+                   ddlcomm::compressedReduceScatter(comm, args);
+                   writeBack(output, out);
                  });
 }
 

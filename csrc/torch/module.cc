@@ -29,6 +29,11 @@ PYBIND11_MODULE(_C, m) {
            py::arg("worker_residual") = py::none(), py::arg("server_residual") = py::none(),
            py::arg("average") = true, py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>(),
            "Compressed all-reduce with error feedback; returns a Work whose future holds [tensor].")
+      .def("compressed_reduce_scatter", &ProcessGroupDdlcomm::compressedReduceScatter, py::arg("output"),
+           py::arg("input"), py::arg("config"), py::arg("worker_residual") = py::none(), py::arg("average") = true,
+           py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>(),
+           "Compressed reduce-scatter with error feedback (ddlcomm.fsdp); returns a Work whose future holds "
+           "[output].")
       .def(
           "stats",
           [](ProcessGroupDdlcomm& pg) {

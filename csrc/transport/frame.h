@@ -23,6 +23,7 @@ enum class OpCode : uint8_t {
   Scatter = 9,
   PointToPoint = 10,  // send/recv; seq holds the user's tag
   CompressedAllreduce = 11,
+  CompressedReduceScatter = 12,
 };
 const char* opCodeName(OpCode op);
 

@@ -5,7 +5,9 @@ emulated hosts. Rank 0 prints one JSON line per measurement (prefix ``RESULT``).
 
 (a) all-reduce of a 100 MB float32 gradient: gloo fp32, ddlcomm fp32, and the compressed
     all-reduce with fp16, 1-bit, ternary and top-k 1%;
-(b) DDP training of a >= 25M-parameter model: seconds per iteration with gloo (default
+(b) ddlcomm.fsdp's compressed reduce-scatter of the same gradient: native, and the same
+    algorithm in Python over the all-to-all, against gloo's and ddlcomm's fp32 ones;
+(c) DDP training of a >= 25M-parameter model: seconds per iteration with gloo (default
     hook), PyTorch's fp16_compress_hook and powerSGD_hook (rank 4), and each ddlcomm hook,
     with the bytes each rank puts on the wire per iteration.
 """
@@ -22,8 +24,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 from torch.nn.parallel import DistributedDataParallel
 
 import ddlcomm  # noqa: F401
-from ddlcomm import compress, hooks
-from ddlcomm.compressed import compressed_all_reduce, server_residual_numel, wire_bytes
+from ddlcomm import compress, fsdp, hooks
+from ddlcomm.compressed import _Agreement, _Wire, compressed_all_reduce, server_residual_numel, wire_bytes
 
 COMPRESSORS = {
     "fp16": compress.FP16,
@@ -76,6 +78,38 @@ def allreduce_bench(gloo, numel: int, repeats: int) -> None:
         t = timed(call, repeats)
         report(kind="allreduce", method=f"ddlcomm {name}", seconds=t, speedup=base / t,
                wire_bytes=wire_bytes(comp, numel, n))
+
+
+def reduce_scatter_bench(gloo, numel: int, repeats: int) -> None:
+    """(b) ddlcomm.fsdp's compressed reduce-scatter of a `numel`-element float32 gradient: the
+    native collective against the same algorithm in Python over the all-to-all of the ddlcomm
+    group and of gloo, and the plain fp32 reduce-scatters."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    m = numel // n
+    grad = torch.randn(n * m, generator=torch.Generator().manual_seed(rank))
+    out = torch.empty(m)
+    fp32_bytes = (n - 1) * m * 4
+    base = timed(lambda: dist.reduce_scatter_tensor(out, grad, group=gloo), repeats)
+    report(kind="reduce_scatter", method="gloo fp32", seconds=base, speedup=1.0, wire_bytes=fp32_bytes)
+    t = timed(lambda: dist.reduce_scatter_tensor(out, grad), repeats)
+    report(kind="reduce_scatter", method="ddlcomm fp32", seconds=t, speedup=base / t, wire_bytes=fp32_bytes)
+    for name in ("1-bit", "ternary"):
+        comp = COMPRESSORS[name]()
+        wire = (n - 1) * comp.compressed_nbytes(m)
+        paths = (("native", dist.group.WORLD, False), ("python, ddlcomm all-to-all", dist.group.WORLD, True),
+                 ("python, gloo all-to-all", gloo, True))
+        for label, group, python in paths:
+            state = fsdp.FSDPCompressionState(comp, start_compress_iter=0, min_compression_bytes=0)
+            state.reduce_scatter("g", out, grad, group, dist.ReduceOp.AVG)  # residual allocated, agreement checked
+            residual = state.residuals["g"]
+            if python:
+                call = lambda: state._reduce_scatter_over(group, out, grad, residual, dist.ReduceOp.AVG, 0,  # noqa: E731
+                                                          _Wire(grad, group), _Agreement(grad, comp, group, n, False,
+                                                                                        grad.device))
+            else:
+                call = lambda: state.reduce_scatter("g", out, grad, group, dist.ReduceOp.AVG)  # noqa: E731
+            t = timed(call, repeats)
+            report(kind="reduce_scatter", method=f"{name} {label}", seconds=t, speedup=base / t, wire_bytes=wire)
 
 
 def make_model(width: int, depth: int) -> torch.nn.Module:
@@ -151,6 +185,7 @@ def main() -> None:
     gloo = dist.new_group(backend="gloo")
     torch.set_num_threads(1)
     allreduce_bench(gloo, args.numel, args.repeats)
+    reduce_scatter_bench(gloo, args.numel, args.repeats)
     if not args.skip_ddp:
         ddp_bench(gloo, args.width, args.depth, args.iters, args.batch)
     dist.destroy_process_group()

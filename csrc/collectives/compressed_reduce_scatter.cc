@@ -1,0 +1,73 @@
+#include "collectives/compressed_reduce_scatter.h"
+
+#include <algorithm>
+#include <vector>
+
+#include "collectives/compressed_allreduce.h"  // encodeStream
+#include "compress/elements.h"
+
+namespace ddlcomm {
+namespace {
+
+template <class E>
+void store(const float* sum, void* out, size_t count) {
+  auto* o = static_cast<typename E::Raw*>(out);
+  for (size_t i = 0; i < count; ++i) o[i] = E::store(sum[i]);
+}
+
+}  // namespace
+
+void compressedReduceScatter(Communicator& comm, const CompressedReduceScatterArgs& a) {
+  DDLCOMM_CHECK(a.dtype == DataType::Float32 || a.dtype == DataType::Float16 || a.dtype == DataType::BFloat16,
+                ErrorKind::UnsupportedType,
+                "compressed reduce-scatter needs torch.float32, torch.float16 or torch.bfloat16, got ",
+                dataTypeName(a.dtype));
+  comm.run(OpCode::CompressedReduceScatter, a.dtype, a.count, [&](Call& call) {
+    if (a.count == 0) return;
+    const int n = comm.size(), r = comm.rank();
+    const size_t es = elementSize(a.dtype);
+    const size_t bytes = compress::encodedBytes(a.config, a.count);
+    // outgoing: the n - 1 chunks for the peers; incoming: the n payloads of chunk r, by rank.
+    auto* outgoing = reinterpret_cast<uint8_t*>(comm.scratch(size_t(n) * bytes, 0));
+    auto* incoming = reinterpret_cast<uint8_t*>(comm.scratch(size_t(n) * bytes, 1));
+    auto* sum = reinterpret_cast<float*>(comm.scratch(a.count * sizeof(float), 2));
+    const char* input = static_cast<const char*>(a.input);
+    PeerExchange& scatter = call.exchange();
+    for (int s = 1; s < n; ++s) {
+      const int from = (r - s + n) % n;
+      scatter.recv(from, incoming + size_t(from) * bytes, bytes);
+    }
+    auto encodeChunk = [&](int i, uint8_t* payload) {
+      const size_t begin = size_t(i) * a.count;
+      const size_t written =
+          compress::encode(a.config, a.dtype, input + begin * es, a.workerResidual ? a.workerResidual + begin : nullptr,
+                           a.count, encodeStream(a.stream, r, 0, i, n, 0), payload, bytes);
+      DDLCOMM_CHECK(written == bytes, ErrorKind::Protocol, "payload of ", written, " bytes, expected ", bytes);
+    };
+    for (int s = 1; s < n; ++s) {
+      const int to = (r + s) % n;
+      encodeChunk(to, outgoing + size_t(to) * bytes);
+      scatter.send(to, outgoing + size_t(to) * bytes, bytes);
+    }
+    encodeChunk(r, incoming + size_t(r) * bytes);
+    std::fill(sum, sum + a.count, 0.f);
+    for (int j = 0; j < n; ++j) {
+      scatter.waitRecv(j);
+      const uint8_t* payload = incoming + size_t(j) * bytes;
+      compress::checkPayloadConfig(payload, bytes, a.config);
+      compress::decodeAccumulate(payload, bytes, sum, a.count);
+    }
+    scatter.waitSends();
+    if (a.average) {
+      const float factor = float(1.0 / double(n));
+      for (size_t i = 0; i < a.count; ++i) sum[i] *= factor;
+    }
+    switch (a.dtype) {
+      case DataType::Float16: store<compress::F16>(sum, a.output, a.count); break;
+      case DataType::BFloat16: store<compress::BF16>(sum, a.output, a.count); break;
+      default: store<compress::F32>(sum, a.output, a.count); break;
+    }
+  });
+}
+
+}  // namespace ddlcomm

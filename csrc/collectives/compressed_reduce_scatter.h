@@ -1,0 +1,31 @@
+// Compressed reduce-scatter with error feedback, for FSDP2's gradient reduce-scatter
+// (ddlcomm.fsdp). The first half of the compressed all-reduce, over the caller's chunks: every
+// rank encodes chunk i of its input and sends it to rank i, which sums the n payloads in rank
+// order. The Python algorithm over other backends (ddlcomm/fsdp.py) gives the same bits.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "collectives/communicator.h"
+#include "compress/compress.h"
+
+namespace ddlcomm {
+
+struct CompressedReduceScatterArgs {
+  compress::Config config;
+  DataType dtype = DataType::Float32;  // of input and output: float32, float16 or bfloat16
+  const void* input = nullptr;         // n * count elements; chunk i goes to rank i
+  void* output = nullptr;              // count elements: the reduction of every rank's chunk `rank`
+  size_t count = 0;
+  float* workerResidual = nullptr;  // float32[n * count], or null for no error feedback
+  bool average = true;              // multiply the float32 sum by float(1.0 / n)
+  uint64_t stream = 0;              // randomness stream of this call
+};
+
+// Chunk i is encoded with encodeStream(stream, rank, 0, i, n, 0) and leaves as soon as it is
+// encoded, this rank's own last; rank r decodes its n payloads into a float32 sum in rank
+// order (decodeAccumulate), scales it for an average, and writes it out in `dtype`.
+void compressedReduceScatter(Communicator& comm, const CompressedReduceScatterArgs& args);
+
+}  // namespace ddlcomm
