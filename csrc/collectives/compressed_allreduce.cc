@@ -181,10 +181,7 @@ size_t serverResidualLength(size_t count, int rank, int size) {
 }
 
 void compressedAllreduce(Communicator& comm, const CompressedAllreduceArgs& a) {
-  DDLCOMM_CHECK(a.dtype == DataType::Float32 || a.dtype == DataType::Float16 || a.dtype == DataType::BFloat16,
-                ErrorKind::UnsupportedType,
-                "compressed all-reduce needs torch.float32, torch.float16 or torch.bfloat16, got ",
-                dataTypeName(a.dtype));
+  compress::checkFloatType(a.dtype, "the compressed all-reduce's tensor");
   comm.run(OpCode::CompressedAllreduce, a.dtype, a.count, [&](Call& call) {
     if (a.count == 0) return;
     if (compress::isSparse(a.config.format)) {

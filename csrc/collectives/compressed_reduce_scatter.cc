@@ -18,10 +18,7 @@ void store(const float* sum, void* out, size_t count) {
 }  // namespace
 
 void compressedReduceScatter(Communicator& comm, const CompressedReduceScatterArgs& a) {
-  DDLCOMM_CHECK(a.dtype == DataType::Float32 || a.dtype == DataType::Float16 || a.dtype == DataType::BFloat16,
-                ErrorKind::UnsupportedType,
-                "compressed reduce-scatter needs torch.float32, torch.float16 or torch.bfloat16, got ",
-                dataTypeName(a.dtype));
+  compress::checkFloatType(a.dtype, "the compressed reduce-scatter's tensor");
   comm.run(OpCode::CompressedReduceScatter, a.dtype, a.count, [&](Call& call) {
     if (a.count == 0) return;
     const int n = comm.size(), r = comm.rank();

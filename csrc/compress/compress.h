@@ -111,6 +111,10 @@ PayloadInfo inspect(const uint8_t* payload, size_t bytes);
 // bfloat16 payloads, or 1-bit ones with block sizes 250 and 256, can have the same size.
 void checkPayloadConfig(const uint8_t* payload, size_t bytes, const Config& config);
 
+// Throws Error(UnsupportedType) unless `type` is one the compressors take (float32, float16,
+// bfloat16); `what` names the tensor in the message.
+void checkFloatType(DataType type, const char* what);
+
 // out[numel] (float32, float16 or bfloat16) = decode(payload), after inspect(). A numel other
 // than the payload's throws Error(InvalidArgument).
 void decode(const uint8_t* payload, size_t bytes, DataType outType, void* out, size_t numel);

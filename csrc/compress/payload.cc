@@ -85,12 +85,6 @@ Layout layoutFor(const Config& config, size_t numel) {
   return layout;
 }
 
-void checkFloatType(DataType type, const char* what) {
-  DDLCOMM_CHECK(type == DataType::Float32 || type == DataType::Float16 || type == DataType::BFloat16,
-                ErrorKind::UnsupportedType, what, " must be torch.float32, torch.float16 or torch.bfloat16, got ",
-                dataTypeName(type));
-}
-
 // The bits of the last byte of a packed section beyond the last element must be zero.
 void checkUnusedBits(const uint8_t* section, size_t bytes, uint64_t numel, unsigned bitsPerElement,
                      const char* name) {
@@ -139,6 +133,12 @@ void decodeInto(const uint8_t* payload, size_t bytes, const Output& out, size_t 
 }
 
 }  // namespace
+
+void checkFloatType(DataType type, const char* what) {
+  DDLCOMM_CHECK(type == DataType::Float32 || type == DataType::Float16 || type == DataType::BFloat16,
+                ErrorKind::UnsupportedType, what, " must be torch.float32, torch.float16 or torch.bfloat16, got ",
+                dataTypeName(type));
+}
 
 const char* formatName(Format format) {
   switch (format) {
