@@ -1,0 +1,58 @@
+"""Compressor configurations, inputs and payload-header helpers shared by the compressor tests."""
+
+from __future__ import annotations
+
+import struct
+
+import torch
+
+from ddlcomm.compress import BF16, FP16, OneBit, RandomK, Ternary, TopK
+
+HEADER = struct.Struct("<IBBBBIIQQ")  # csrc/compress/wire_format.h
+MASK64 = (1 << 64) - 1
+F32_EPS = float(torch.finfo(torch.float32).eps)
+# Inputs of at least this many elements take the sampled path of approximate top-k (sparse.cc).
+APPROX_MIN_NUMEL = 8 * (1 << 15)
+
+COMPRESSORS = {
+    "one_bit": lambda: OneBit(),
+    "one_bit_two_scales": lambda: OneBit(two_scales=True),
+    "one_bit_block37": lambda: OneBit(block_size=37),
+    "ternary": lambda: Ternary(),
+    "ternary_block5": lambda: Ternary(block_size=5),
+    "ternary_stochastic": lambda: Ternary(stochastic=True, seed=7),
+    "ternary_stochastic_clip_block5": lambda: Ternary(block_size=5, stochastic=True, clip=1.5, seed=7),
+    "top_k": lambda: TopK(ratio=0.05),
+    "top_k_approx": lambda: TopK(ratio=0.05, approximate=True),
+    "random_k": lambda: RandomK(ratio=0.1, seed=3),
+    "random_k_scaled": lambda: RandomK(k=5, seed=3, scaled=True),
+    "fp16": lambda: FP16(),
+    "bf16": lambda: BF16(),
+}
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+SIZES = [0, 1, 5, 13, 255, 257, 1000, 4099]
+
+
+def make_input(numel: int, dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(numel, generator=gen).to(dtype)
+    residual = 0.1 * torch.randn(numel, generator=gen)
+    return x, residual
+
+
+def header(payload: torch.Tensor) -> dict:
+    magic, version, fmt, flags, res0, block, res1, numel, k = HEADER.unpack(bytes(payload[:32].tolist()))
+    return dict(magic=magic, version=version, format=fmt, flags=flags, reserved0=res0, block_size=block,
+                reserved1=res1, numel=numel, k=k)
+
+
+def with_header(payload: torch.Tensor, **fields: int) -> torch.Tensor:
+    values = header(payload) | fields
+    out = payload.clone()
+    out[:32] = torch.tensor(list(HEADER.pack(*values.values())), dtype=torch.uint8)
+    return out
+
+
+def section(payload: torch.Tensor, offset: int, count: int, dtype: torch.dtype) -> torch.Tensor:
+    size = torch.empty(0, dtype=dtype).element_size()
+    return payload[32 + offset:32 + offset + count * size].clone().view(dtype)
