@@ -234,6 +234,11 @@ class FSDPCompressionState(_CompressionOptions):
             self.stats.bytes_sent += ring
             dist.reduce_scatter_tensor(output, input, op=op, group=group)
             return
+        # Random-k sends a sample, which can miss a non-finite entry: as compressed_all_reduce
+        # does, a non-finite gradient on any rank makes the output NaN everywhere.
+        if self.compressor.format == "random_k" and self._poisoned(flat, [group]):
+            output.fill_(float("nan"))
+            return
         wire = _Wire(flat, group)
         agreement = _Agreement(flat, self.compressor, group, n, name not in self._verified, wire.device)
         self._verified.add(name)

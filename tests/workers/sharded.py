@@ -264,6 +264,20 @@ def native_reduce_scatter() -> None:
                         dist.reduce_scatter_tensor(ref, x.clone(), op=op, group=gloo)
                         scale = ref.abs().max().item() + 1
                         assert (outs[0] - ref).abs().max() < 1e-2 * scale, f"{what}: far from reduce_scatter_tensor"
+    # Random-k can miss a NaN in its sample: the output is NaN everywhere all the same, and the
+    # residual is left as it was.
+    for group in (dist.group.WORLD, gloo):
+        state = fsdp.FSDPCompressionState(compress.RandomK(ratio=0.01, seed=5), start_compress_iter=0,
+                                          min_compression_bytes=0)
+        out = torch.empty(1000)
+        state.reduce_scatter("layer", out, torch.randn(n * 1000), group, dist.ReduceOp.AVG)
+        before = state.residuals["layer"].clone()
+        x = torch.randn(n * 1000)
+        if rank == 1:
+            x[3] = float("nan")
+        state.reduce_scatter("layer", out, x, group, dist.ReduceOp.AVG)
+        assert out.isnan().all(), f"random-k: {int((~out.isnan()).sum())} outputs are not NaN"
+        assert torch.equal(state.residuals["layer"], before), "random-k: the skipped call changed the residual"
     # Mismatched sizes across ranks are refused on the native path too.
     state = fsdp.FSDPCompressionState(compress.OneBit(), start_compress_iter=0, min_compression_bytes=0)
     m = 100 + (rank == 1)
