@@ -9,10 +9,15 @@
 namespace ddlcomm {
 namespace {
 
+// out = sum * factor in out's dtype, one pass (no multiply for factor 1).
 template <class E>
-void store(const float* sum, void* out, size_t count) {
+void store(const float* sum, float factor, void* out, size_t count) {
   auto* o = static_cast<typename E::Raw*>(out);
-  for (size_t i = 0; i < count; ++i) o[i] = E::store(sum[i]);
+  if (factor == 1.f) {
+    for (size_t i = 0; i < count; ++i) o[i] = E::store(sum[i]);
+  } else {
+    for (size_t i = 0; i < count; ++i) o[i] = E::store(sum[i] * factor);
+  }
 }
 
 }  // namespace
@@ -27,7 +32,9 @@ void compressedReduceScatter(Communicator& comm, const CompressedReduceScatterAr
     // outgoing: the n - 1 chunks for the peers; incoming: the n payloads of chunk r, by rank.
     auto* outgoing = reinterpret_cast<uint8_t*>(comm.scratch(size_t(n) * bytes, 0));
     auto* incoming = reinterpret_cast<uint8_t*>(comm.scratch(size_t(n) * bytes, 1));
-    auto* sum = reinterpret_cast<float*>(comm.scratch(a.count * sizeof(float), 2));
+    // A float32 output holds the sum itself; the others get it converted at the end.
+    auto* sum = a.dtype == DataType::Float32 ? static_cast<float*>(a.output)
+                                             : reinterpret_cast<float*>(comm.scratch(a.count * sizeof(float), 2));
     const char* input = static_cast<const char*>(a.input);
     PeerExchange& scatter = call.exchange();
     for (int s = 1; s < n; ++s) {
@@ -55,14 +62,13 @@ void compressedReduceScatter(Communicator& comm, const CompressedReduceScatterAr
       compress::decodeAccumulate(payload, bytes, sum, a.count);
     }
     scatter.waitSends();
-    if (a.average) {
-      const float factor = float(1.0 / double(n));
-      for (size_t i = 0; i < a.count; ++i) sum[i] *= factor;
-    }
+    const float factor = a.average ? float(1.0 / double(n)) : 1.f;
     switch (a.dtype) {
-      case DataType::Float16: store<compress::F16>(sum, a.output, a.count); break;
-      case DataType::BFloat16: store<compress::BF16>(sum, a.output, a.count); break;
-      default: store<compress::F32>(sum, a.output, a.count); break;
+      case DataType::Float16: store<compress::F16>(sum, factor, a.output, a.count); break;
+      case DataType::BFloat16: store<compress::BF16>(sum, factor, a.output, a.count); break;
+      default:
+        if (factor != 1.f) store<compress::F32>(sum, factor, a.output, a.count);
+        break;
     }
   });
 }
