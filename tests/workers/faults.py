@@ -162,6 +162,27 @@ def hook_peer_killed() -> None:
     _expect_peer_failure(timeout, train, since=lambda: last_step_done[0])
 
 
+def reduce_scatter_peer_killed() -> None:
+    """A rank dies between ddlcomm.fsdp's native compressed reduce-scatters (2M elements each):
+    every survivor's call raises DistBackendError naming it."""
+    from ddlcomm import compress, fsdp
+
+    timeout = PEER_FAILURE_TIMEOUT
+    rank, n = init(timeout_s=timeout)
+    state = fsdp.FSDPCompressionState(compress.OneBit(), start_compress_iter=0, min_compression_bytes=0)
+    grad, out = torch.randn(n * 500_000), torch.empty(500_000)
+    last_call_done = [time.monotonic()]
+
+    def reduce_scatters() -> None:
+        for step in range(1000):
+            if rank == 1 and step == 5:
+                _sigkill_self()
+            state.reduce_scatter("layer", out, grad, dist.group.WORLD, dist.ReduceOp.AVG)
+            last_call_done[0] = time.monotonic()
+
+    _expect_peer_failure(timeout, reduce_scatters, since=lambda: last_call_done[0])
+
+
 def _sigkill_self() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
@@ -327,6 +348,7 @@ def init_destroy_cycles(cycles: str) -> None:
 if __name__ == "__main__":
     run({
         "bad_arguments": bad_arguments,
+        "reduce_scatter_peer_killed": reduce_scatter_peer_killed,
         "size_mismatch": size_mismatch,
         "small_size_mismatch": small_size_mismatch,
         "dtype_mismatch": dtype_mismatch,
