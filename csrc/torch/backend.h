@@ -10,6 +10,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -186,7 +187,9 @@ class ProcessGroupDdlcomm : public c10d::Backend {
   std::vector<c10::intrusive_ptr<c10d::Work>> coalesced_;
   std::string prefix_;  // "[ddlcomm rank 1/4] " for every message
   std::atomic<uint64_t> opsIssued_{0};
-  size_t inlineBytes_ = 64 * 1024;  // DDLCOMM_INLINE_BYTES: larger operations always go to the progress thread
+  // DDLCOMM_INLINE_BYTES: larger operations always go to the progress thread. No limit by
+  // default: the caller waits either way, and the hand-off costs two wake-ups at any size.
+  size_t inlineBytes_ = std::numeric_limits<size_t>::max();
 };
 
 }  // namespace ddlcomm::torch_glue
