@@ -102,8 +102,11 @@ def make_op(name: str, nbytes: int, n: int, group) -> tuple[Callable[[], None], 
     raise ValueError(f"unknown collective {name}")
 
 
+BATCHES = 7  # a VM's stolen millisecond spoils one batch; the median ignores it
+
+
 def time_op(call: Callable[[], None], nbytes: int, budget_s: float) -> float:
-    """Median seconds per call over a few timed batches, after warm-up."""
+    """Median seconds per call over BATCHES timed batches, after warm-up."""
     call()
     call()
     dist.barrier()
@@ -111,9 +114,9 @@ def time_op(call: Callable[[], None], nbytes: int, budget_s: float) -> float:
     call()
     one = torch.tensor([time.perf_counter() - start])
     dist.all_reduce(one, op=dist.ReduceOp.MAX)  # every rank agrees on the iteration count
-    iters = int(max(2, min(200, budget_s / max(float(one.item()), 1e-6) / 3)))
+    iters = int(max(2, min(5000, budget_s / max(float(one.item()), 1e-6) / BATCHES)))
     samples = []
-    for _ in range(3):
+    for _ in range(BATCHES):
         dist.barrier()
         start = time.perf_counter()
         for _ in range(iters):

@@ -18,6 +18,8 @@ namespace {
 constexpr std::chrono::milliseconds kLivenessPeriod{100};
 // Sleep slices while network requests are pending too: the futex does not see sockets.
 constexpr std::chrono::milliseconds kMixedSlice{1};
+// Polls between pauses before a waiting rank starts yielding (a few microseconds).
+constexpr unsigned kPauseSpins = 256;
 
 void note(int rank, const std::string& text) { std::fprintf(stderr, "[ddlcomm rank %d] %s\n", rank, text.c_str()); }
 
@@ -295,12 +297,37 @@ bool ShmTransport::shmBusy() const {
 }
 
 template <typename Done>
+void ShmTransport::sleep(Deadline deadline, Done& done) {
+  const auto left = std::chrono::duration_cast<std::chrono::nanoseconds>(deadline - Clock::now());
+  if (!shmBusy()) {  // only the network can move: sleep in its epoll (wakeup() reaches it too)
+    network_->poll(std::chrono::duration_cast<std::chrono::milliseconds>(
+        std::clamp(left, std::chrono::nanoseconds(0), std::chrono::nanoseconds(kLivenessPeriod))));
+    pruneNetwork();
+    return;
+  }
+  const std::chrono::nanoseconds slice = netPending_.empty() ? kLivenessPeriod : kMixedSlice;
+  SegmentHeader& mine = own_.header();
+  mine.sleeping.store(1, std::memory_order_seq_cst);
+  const uint32_t seen = mine.doorbell.load(std::memory_order_seq_cst);
+  // Looked at again after reading the doorbell: a peer that arrived since the last look rang
+  // it before `seen` was read, and would not wake this rank.
+  if (!pumpAll() && !done()) {
+    futexWait(mine.doorbell, seen, std::max(std::chrono::nanoseconds(1000), std::min(slice, left)));
+  }
+  mine.sleeping.store(0, std::memory_order_relaxed);
+  if (!netPending_.empty()) {
+    network_->poll(std::chrono::milliseconds(0));
+    pruneNetwork();
+  }
+}
+
+template <typename Done>
 void ShmTransport::progressUntil(Done&& done, Deadline deadline, int waitedPeer, const Signature& signature) {
   SegmentHeader& mine = own_.header();
   Clock::time_point spinUntil = Clock::now() + options_.spin;
   Clock::time_point nextCheck = Clock::now() + kLivenessPeriod, nextProbe = Clock::now() + std::chrono::seconds(1);
   bool published = false;
-  unsigned spins = 0;
+  unsigned spins = 0, idle = 0;
   while (!done()) {
     throwIfBroken();
     bool moved = pumpAll();
@@ -311,13 +338,20 @@ void ShmTransport::progressUntil(Done&& done, Deadline deadline, int waitedPeer,
     if (done()) break;
     Clock::time_point now = Clock::now();
     if (moved) {
+      idle = 0;
       spinUntil = now + options_.spin;
       nextProbe = now + std::chrono::seconds(1);
       continue;
     }
     if (now < spinUntil) {
-      // Yield rather than pause: if the scheduler put a peer on this core, it runs now.
-      sched_yield();
+      // With a core per rank the peer is running elsewhere: pause a while, as a yield is a
+      // system call that delays seeing it. Then, or when ranks outnumber cores, yield: if the
+      // scheduler put a peer on this core, it runs now.
+      if (!oversubscribed_ && ++idle < kPauseSpins) {
+        cpuRelax();
+      } else {
+        sched_yield();
+      }
       continue;
     }
     if (now >= deadline) timedOut(waitedPeer, signature, "");
@@ -325,7 +359,7 @@ void ShmTransport::progressUntil(Done&& done, Deadline deadline, int waitedPeer,
       mine.waitingIn.store(waitingWord(signature), std::memory_order_relaxed);
       published = true;
     }
-    sleep(deadline);
+    sleep(deadline, done);
     now = Clock::now();
     if (now >= nextCheck) {
       checkPeers(waitedPeer, signature);
@@ -341,26 +375,6 @@ void ShmTransport::progressUntil(Done&& done, Deadline deadline, int waitedPeer,
     spinUntil = Clock::now() + options_.spin / 4;  // woken: spin a little before sleeping again
   }
   if (published) mine.waitingIn.store(0, std::memory_order_relaxed);
-}
-
-void ShmTransport::sleep(Deadline deadline) {
-  const auto left = std::chrono::duration_cast<std::chrono::nanoseconds>(deadline - Clock::now());
-  if (!shmBusy()) {  // only the network can move: sleep in its epoll (wakeup() reaches it too)
-    network_->poll(std::chrono::duration_cast<std::chrono::milliseconds>(
-        std::clamp(left, std::chrono::nanoseconds(0), std::chrono::nanoseconds(kLivenessPeriod))));
-    pruneNetwork();
-    return;
-  }
-  const std::chrono::nanoseconds slice = netPending_.empty() ? kLivenessPeriod : kMixedSlice;
-  SegmentHeader& mine = own_.header();
-  mine.sleeping.store(1, std::memory_order_seq_cst);
-  const uint32_t seen = mine.doorbell.load(std::memory_order_seq_cst);
-  if (!pumpAll()) futexWait(mine.doorbell, seen, std::max(std::chrono::nanoseconds(1000), std::min(slice, left)));
-  mine.sleeping.store(0, std::memory_order_relaxed);
-  if (!netPending_.empty()) {
-    network_->poll(std::chrono::milliseconds(0));
-    pruneNetwork();
-  }
 }
 
 // A local peer that exited, shut down, or waits in another call than this rank: fail now

@@ -100,7 +100,8 @@ class ShmTransport final : public Transport, private SharedWindows {
   // waited for in timeout and failure messages.
   template <typename Done>
   void progressUntil(Done&& done, Deadline deadline, int waitedPeer, const Signature& signature);
-  void sleep(Deadline deadline);
+  template <typename Done>
+  void sleep(Deadline deadline, Done& done);
   void checkPeers(int waitedPeer, const Signature& signature);
   [[noreturn]] void timedOut(int waitedPeer, const Signature& signature, const std::string& progress);
 
