@@ -69,20 +69,40 @@ std::vector<c10::Device> cudaDevices(const std::vector<at::Tensor>& tensors) {
   return devices;
 }
 
-DdlcommWork::DdlcommWork(int rank, c10d::OpType type, std::vector<at::Tensor> outputs, std::string prefix)
-    : Work(rank, type),
-      outputs_(std::move(outputs)),
-      future_(c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()),
-                                                       cudaDevices(outputs_))),
-      prefix_(std::move(prefix)) {}
+DdlcommWork::DdlcommWork(int rank, c10d::OpType type, std::vector<at::Tensor> outputs,
+                         std::shared_ptr<const std::string> prefix)
+    : Work(rank, type), outputs_(std::move(outputs)), prefix_(std::move(prefix)) {
+  auto devices = cudaDevices(outputs_);
+  if (!devices.empty()) future_ = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::ofTensors(), devices);
+}
+
+void DdlcommWork::settle(c10::ivalue::Future& future) const {
+  if (error_) {
+    future.setError(error_);
+  } else {
+    future.markCompleted(c10::IValue(outputs_));
+  }
+}
+
+c10::intrusive_ptr<c10::ivalue::Future> DdlcommWork::getFuture() {
+  std::lock_guard<std::mutex> lock(futureMutex_);
+  if (!future_) {
+    future_ = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::ofTensors());
+    if (completed_) settle(*future_);
+  }
+  return future_;
+}
 
 void DdlcommWork::complete(std::exception_ptr error) {
-  if (error) {
-    error = toTorchException(error, prefix_);
-    future_->setError(error);
-  } else {
-    future_->markCompleted(c10::IValue(outputs_));
+  if (error) error = toTorchException(error, *prefix_);
+  c10::intrusive_ptr<c10::ivalue::Future> future;
+  {
+    std::lock_guard<std::mutex> lock(futureMutex_);
+    completed_ = true;
+    error_ = error;
+    future = future_;
   }
+  if (future) settle(*future);
   finish(error);
 }
 
@@ -95,6 +115,7 @@ ProcessGroupDdlcomm::ProcessGroupDdlcomm(const c10::intrusive_ptr<c10d::Store>& 
     prefix_ += c10::str(" of group '", groupName, "', global rank ", globalRanks[size_t(rank)]);
   }
   prefix_ += "] ";
+  workPrefix_ = std::make_shared<const std::string>(prefix_);
   auto kv = std::make_shared<StoreAdapter>(store);
   try {
     // Every setting is read before connecting: a bad value fails at once, not after the peers joined.
@@ -248,7 +269,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDdlcomm::send(std::vector<at::Tensor>
   r.signature.count = uint64_t(user.numel());
   r.data = static_cast<char*>(p2p->work.data_ptr());
   r.bytes = size_t(p2p->work.nbytes());
-  auto work = c10::make_intrusive<DdlcommWork>(rank_, c10d::OpType::SEND, tensors, prefix_);
+  auto work = c10::make_intrusive<DdlcommWork>(rank_, c10d::OpType::SEND, tensors, workPrefix_);
   executor_->submitPointToPoint(p2p->request, true, [work, p2p](std::exception_ptr error) { work->complete(error); });
   trackCoalesced(work);
   return work;
@@ -277,7 +298,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDdlcomm::postRecv(std::vector<at::Ten
   r.signature.count = uint64_t(user.numel());
   r.data = static_cast<char*>(p2p->work.data_ptr());
   r.bytes = size_t(p2p->work.nbytes());
-  auto work = c10::make_intrusive<DdlcommWork>(rank_, c10d::OpType::RECV, tensors, prefix_);
+  auto work = c10::make_intrusive<DdlcommWork>(rank_, c10d::OpType::RECV, tensors, workPrefix_);
   executor_->submitPointToPoint(p2p->request, false, [work, p2p](std::exception_ptr error) {
     if (!error) {
       writeBack(p2p->user, p2p->work);

@@ -26,9 +26,11 @@ namespace ddlcomm::torch_glue {
 // tensors, which is what DDP chains on.
 class DdlcommWork : public c10d::Work {
  public:
-  DdlcommWork(int rank, c10d::OpType type, std::vector<at::Tensor> outputs, std::string prefix);
+  DdlcommWork(int rank, c10d::OpType type, std::vector<at::Tensor> outputs,
+              std::shared_ptr<const std::string> prefix);
   std::vector<at::Tensor> result() override { return outputs_; }
-  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
+  const std::vector<at::Tensor>& outputs() const { return outputs_; }
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
   // The sender of a receive from any rank, set before it completes.
   int sourceRank() const override;
   void setSourceRank(int rank) { sourceRank_ = rank; }
@@ -36,10 +38,17 @@ class DdlcommWork : public c10d::Work {
   void complete(std::exception_ptr error);
 
  private:
+  void settle(c10::ivalue::Future& future) const;  // completes `future` as this Work completed
+
   std::vector<at::Tensor> outputs_;
-  c10::intrusive_ptr<c10::ivalue::Future> future_;
-  std::string prefix_;
+  std::shared_ptr<const std::string> prefix_;
   std::atomic<int> sourceRank_{-1};
+  // Made when first asked for (most Work is only waited on), except for CUDA outputs: their
+  // future records its events on the streams current at completion.
+  std::mutex futureMutex_;
+  c10::intrusive_ptr<c10::ivalue::Future> future_;
+  bool completed_ = false;
+  std::exception_ptr error_;
 };
 
 // The caller's profiler state, carried to the executor thread so that a collective's span
@@ -186,6 +195,7 @@ class ProcessGroupDdlcomm : public c10d::Backend {
   bool coalescing_ = false;
   std::vector<c10::intrusive_ptr<c10d::Work>> coalesced_;
   std::string prefix_;  // "[ddlcomm rank 1/4] " for every message
+  std::shared_ptr<const std::string> workPrefix_;  // the same, shared by every Work
   std::atomic<uint64_t> opsIssued_{0};
   // DDLCOMM_INLINE_BYTES: larger operations always go to the progress thread. No limit by
   // default: the caller waits either way, and the hand-off costs two wake-ups at any size.

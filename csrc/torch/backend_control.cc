@@ -53,21 +53,24 @@ ProfilerContext::Scope::~Scope() { at::set_record_function_tls_(saved_); }
 c10::intrusive_ptr<DdlcommWork> ProcessGroupDdlcomm::enqueue(c10d::OpType type, bool callerWaits,
                                                              std::vector<at::Tensor> outputs,
                                                              std::function<void(Communicator&)> task) {
-  auto work = c10::make_intrusive<DdlcommWork>(rank_, type, outputs, prefix_);
+  auto work = c10::make_intrusive<DdlcommWork>(rank_, type, outputs, workPrefix_);
   ++opsIssued_;
   // The profiler span "ddlcomm:<op>" is recorded on the executor thread, which does the work,
   // under the caller's profiler state (thread-local in torch.profiler).
-  std::optional<ProfilerContext> profiler;
-  if (at::hasCallbacks()) profiler.emplace(c10::str("ddlcomm:", profilingName(type)), std::move(outputs));
-  std::function<void(Communicator&)> run = [task = std::move(task), profiler = std::move(profiler)](Communicator& comm) {
-    if (!profiler) return task(comm);
-    ProfilerContext::Scope scope(*profiler);
-    RECORD_FUNCTION(profiler->name, profiler->inputs);
-    task(comm);
-  };
+  std::function<void(Communicator&)> run;
+  if (at::hasCallbacks()) {
+    run = [task = std::move(task), profiler = ProfilerContext(c10::str("ddlcomm:", profilingName(type)),
+                                                                std::move(outputs))](Communicator& comm) {
+      ProfilerContext::Scope scope(profiler);
+      RECORD_FUNCTION(profiler.name, profiler.inputs);
+      task(comm);
+    };
+  } else {
+    run = std::move(task);
+  }
   Executor::Done done = [work](std::exception_ptr error) { work->complete(error); };
   size_t bytes = 0;
-  for (const auto& t : work->result()) bytes += t.defined() ? size_t(t.numel()) * t.element_size() : 0;
+  for (const auto& t : work->outputs()) bytes += t.defined() ? size_t(t.numel()) * t.element_size() : 0;
   // An operation that the caller waits for anyway runs on this thread when the group is idle:
   // the hand-off to the progress thread and back costs two wake-ups (on shared memory, 256 KiB
   // ran at half the speed through it).
@@ -132,7 +135,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDdlcomm::endCoalescing() {
     auto r = w->result();
     outputs.insert(outputs.end(), r.begin(), r.end());
   }
-  auto all = c10::make_intrusive<DdlcommWork>(rank_, c10d::OpType::COALESCED, std::move(outputs), prefix_);
+  auto all = c10::make_intrusive<DdlcommWork>(rank_, c10d::OpType::COALESCED, std::move(outputs), workPrefix_);
   if (works.empty()) {
     all->complete(nullptr);
     return all;
