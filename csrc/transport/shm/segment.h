@@ -103,9 +103,16 @@ void futexWait(std::atomic<uint32_t>& word, uint32_t expected, std::chrono::nano
 void futexWake(std::atomic<uint32_t>& word);
 
 // Wakes `header`'s owner if it sleeps; called after anything that lets the owner progress.
+// The owner sets `sleeping`, reads the doorbell, looks at its work once more, then waits on
+// the doorbell. The fence orders this rank's change before the look at `sleeping`: either
+// the owner's last look sees the change, or this rank sees it sleeping and rings. An awake
+// owner's doorbell is left alone (no cache line pulled from its core).
 inline void ring(SegmentHeader& header) {
-  header.doorbell.fetch_add(1, std::memory_order_seq_cst);
-  if (header.sleeping.load(std::memory_order_seq_cst)) futexWake(header.doorbell);
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  if (header.sleeping.load(std::memory_order_seq_cst)) {
+    header.doorbell.fetch_add(1, std::memory_order_seq_cst);
+    futexWake(header.doorbell);
+  }
 }
 
 // Watches a local peer process: whether it has exited (pidfd where the kernel has it).

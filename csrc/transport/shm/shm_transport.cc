@@ -308,6 +308,7 @@ void ShmTransport::sleep(Deadline deadline, Done& done) {
   const std::chrono::nanoseconds slice = netPending_.empty() ? kLivenessPeriod : kMixedSlice;
   SegmentHeader& mine = own_.header();
   mine.sleeping.store(1, std::memory_order_seq_cst);
+  std::atomic_thread_fence(std::memory_order_seq_cst);  // pairs with ring()'s
   const uint32_t seen = mine.doorbell.load(std::memory_order_seq_cst);
   // Looked at again after reading the doorbell: a peer that arrived since the last look rang
   // it before `seen` was read, and would not wake this rank.
@@ -424,6 +425,7 @@ void ShmTransport::poll(std::chrono::milliseconds timeout) {
     } else {
       SegmentHeader& mine = own_.header();
       mine.sleeping.store(1, std::memory_order_seq_cst);
+      std::atomic_thread_fence(std::memory_order_seq_cst);  // pairs with ring()'s
       const uint32_t seen = mine.doorbell.load(std::memory_order_seq_cst);
       if (!pumpAll()) futexWait(mine.doorbell, seen, std::min<std::chrono::nanoseconds>(timeout, kMixedSlice));
       mine.sleeping.store(0, std::memory_order_relaxed);
