@@ -128,6 +128,12 @@ class Compressor:
     """Base class: encode with error feedback, decode, decode-accumulate."""
 
     _format: Any = None  # _C.compress.Format of the subclass
+    #: The payload carries a subset of the entries (top-k, random-k): what is not sent stays
+    #: in the residual, and DGC's momentum correction applies.
+    is_sparse: bool = False
+    #: The subset is a random sample (random-k): a non-finite entry can be left out of the
+    #: payload, so the compressed collectives check finiteness on the side.
+    samples_randomly: bool = False
 
     def __init__(self, **options: Any) -> None:
         if self._format is None:
@@ -149,6 +155,12 @@ class Compressor:
 
     def __hash__(self) -> int:
         return hash((type(self), tuple(sorted(self._options.items()))))
+
+    @property
+    def config(self) -> Any:
+        """The native configuration (``_C.compress.Config``) that the kernels and the compressed
+        collectives take; read-only by convention: a compressor is immutable."""
+        return self._config
 
     @property
     def format(self) -> str:
@@ -361,6 +373,7 @@ class Ternary(Compressor):
 
 class _Sparse(Compressor):
     _DEFAULT_RATIO = 0.01
+    is_sparse = True
 
     def __init__(self, ratio: Optional[float], k: Optional[int], **options: Any) -> None:
         # One of the two decides how many entries are kept; silently preferring k would hide a mistake.
@@ -412,6 +425,7 @@ class RandomK(_Sparse):
     """
 
     _format = _native.Format.RANDOM_K
+    samples_randomly = True
 
     def __init__(self, ratio: Optional[float] = None, k: Optional[int] = None, seed: int = 0,
                  scaled: bool = False) -> None:

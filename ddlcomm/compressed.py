@@ -170,7 +170,7 @@ def start_compressed_all_reduce(
     # Random-k sends a random sample, which can miss a non-finite entry; a non-finite gradient
     # anywhere must still make the result non-finite everywhere (GradScaler skips the step),
     # and the residuals must not take it in.
-    if compressor.format == "random_k":
+    if compressor.samples_randomly:
         poisoned = torch.tensor([0 if all_finite(tensor) else 1], dtype=torch.uint8, device=wire.device)
         work = dist.all_reduce(poisoned, op=dist.ReduceOp.MAX, group=group, async_op=True)
         work.wait()
@@ -180,7 +180,7 @@ def start_compressed_all_reduce(
     backend = native_backend(group) if not tensor.is_cuda else None
     if backend is not None:
         work = backend.compressed_allreduce(
-            tensor, compressor._config, worker_residual, server_residual, average, int(stream)
+            tensor, compressor.config, worker_residual, server_residual, average, int(stream)
         )
         raw = work.get_future()
         return raw, raw.then(lambda fut: fut.value()[0])

@@ -236,7 +236,7 @@ class FSDPCompressionState(_CompressionOptions):
             return
         # Random-k sends a sample, which can miss a non-finite entry: as compressed_all_reduce
         # does, a non-finite gradient on any rank makes the output NaN everywhere.
-        if self.compressor.format == "random_k" and self._poisoned(flat, [group]):
+        if self.compressor.samples_randomly and self._poisoned(flat, [group]):
             output.fill_(float("nan"))
             return
         wire = _Wire(flat, group)
@@ -247,7 +247,7 @@ class FSDPCompressionState(_CompressionOptions):
         backend = native_backend(group) if not flat.is_cuda else None
         if backend is not None:  # the same algorithm in C++, pipelined: encoding overlaps sending
             agreement.wait()
-            backend.compressed_reduce_scatter(output.view(-1), flat, self.compressor._config, residual,
+            backend.compressed_reduce_scatter(output.view(-1), flat, self.compressor.config, residual,
                                               op == dist.ReduceOp.AVG, stream).wait()
         else:
             self._reduce_scatter_over(group, output, flat, residual, op, stream, wire, agreement)

@@ -173,7 +173,7 @@ class CompressionState(_CompressionOptions):
         compressor = self.compressor
         if start_compress_iter < 2:
             raise ValueError("start_compress_iter must be at least 2: DDP rebuilds its buckets after iteration 1")
-        if momentum and not isinstance(compressor, (TopK, RandomK)):
+        if momentum and not compressor.is_sparse:
             raise ValueError(f"momentum= is DGC's momentum correction for sparse compressors (TopK, RandomK); "
                              f"{type(compressor).__name__} sends every entry each step: use optimizer= instead")
         if clip_norm is not None and not clip_norm > 0:
@@ -438,7 +438,7 @@ def _compress(state: CompressionState, buffer: torch.Tensor, params: list[torch.
                         "or Adam this loses accuracy; pass optimizer=ddlcomm.optim.SGD/Adam/AdamW(...) to average "
                         "update directions instead (docs/choosing-a-compressor.md)", state.compressor)
     worker = server = momentum = None
-    sparse = isinstance(state.compressor, (TopK, RandomK))
+    sparse = state.compressor.is_sparse
     if state.error_feedback:
         worker, server, momentum = state.memory.buffers(signature, rank, world, bool(state.momentum and sparse),
                                                         buffer.device)

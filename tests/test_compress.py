@@ -53,6 +53,15 @@ def test_without_residual_matches_zero_residual(name: str) -> None:
     assert torch.equal(compressor.encode(x, stream=2), compressor.encode(x, torch.zeros(3000), stream=2))
 
 
+def test_public_properties_say_what_each_format_sends() -> None:
+    sparse = {"top_k", "random_k"}
+    for compressor in (OneBit(), Ternary(), TopK(), RandomK(), FP16(), BF16()):
+        assert compressor.is_sparse == (compressor.format in sparse), compressor
+        assert compressor.samples_randomly == (compressor.format == "random_k"), compressor
+        assert compressor.config.format == compressor._format
+    assert TopK(k=5).config.k == 5
+
+
 def test_encode_works_in_place_on_any_contiguous_shape() -> None:
     x, residual = make_input(6 * 70, torch.float32)
     x2d, r2d = x.view(6, 70), residual.clone().view(6, 70)
@@ -363,7 +372,7 @@ def test_non_finite_input_decodes_non_finite_and_resets_residual(name: str) -> N
     compressor = COMPRESSORS[name]()
     x, residual = make_input(1000, torch.float32, seed=8)
     bad = [3, 300, 301]
-    if compressor.format == "random_k":  # it sends what it draws: put them where it draws (indices
+    if compressor.samples_randomly:  # it sends what it draws: put them where it draws (indices
         bad = sparse_entries(compressor.encode(x))[0][:3].tolist()  # depend on seed and stream only)
         assert len(bad) == 3
     x[bad] = torch.tensor([float("nan"), float("inf"), float("-inf")])

@@ -18,7 +18,7 @@ def encode_counted(compressor: compress.Compressor, x: torch.Tensor) -> tuple[to
     stats = _C.compress.TopKStats()
     nbytes = compressor.compressed_nbytes(x.numel())
     payload = torch.empty(nbytes, dtype=torch.uint8)
-    _C.compress.encode(compressor._config, compress._DTYPE_CODES[x.dtype], x.data_ptr(), 0, x.numel(), 7,
+    _C.compress.encode(compressor.config, compress._DTYPE_CODES[x.dtype], x.data_ptr(), 0, x.numel(), 7,
                        payload.data_ptr(), nbytes, top_k_stats=stats)
     return payload, {"sampled": stats.sampled, "exact_fallbacks": stats.exact_fallbacks}
 
@@ -58,7 +58,7 @@ def test_top_k_stats_accumulate_and_default_to_none() -> None:
     nbytes = comp.compressed_nbytes(x.numel())
     payload = torch.empty(nbytes, dtype=torch.uint8)
     for _ in range(3):
-        _C.compress.encode(comp._config, compress._DTYPE_CODES[x.dtype], x.data_ptr(), 0, x.numel(), 0,
+        _C.compress.encode(comp.config, compress._DTYPE_CODES[x.dtype], x.data_ptr(), 0, x.numel(), 0,
                            payload.data_ptr(), nbytes, top_k_stats=stats)
     assert (stats.sampled, stats.exact_fallbacks) == (3, 0)
     assert torch.equal(comp.encode(x), payload)  # the wrapper passes no stats: same bytes
