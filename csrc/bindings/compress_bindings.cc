@@ -33,12 +33,10 @@ void translateErrors(std::exception_ptr error) {
   try {
     if (error) std::rethrow_exception(error);
   } catch (const Error& e) {
-    switch (e.kind()) {
-      case ErrorKind::UnsupportedType: PyErr_SetString(PyExc_TypeError, e.what()); return;
-      case ErrorKind::InvalidArgument:
-      case ErrorKind::Protocol:
-      case ErrorKind::Mismatch: PyErr_SetString(PyExc_ValueError, e.what()); return;
-      default: PyErr_SetString(PyExc_RuntimeError, e.what()); return;
+    switch (reportedAs(e.kind(), /*inCollective=*/false)) {
+      case Reported::Value: PyErr_SetString(PyExc_ValueError, e.what()); return;
+      case Reported::Type: PyErr_SetString(PyExc_TypeError, e.what()); return;
+      case Reported::Failure: PyErr_SetString(PyExc_RuntimeError, e.what()); return;
     }
   }
 }

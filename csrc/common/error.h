@@ -1,5 +1,5 @@
-// Errors raised by the torch-free layers. The torch glue maps each kind onto the torch
-// exception a user expects (ValueError, TypeError, DistBackendError).
+// Errors raised by the torch-free layers. reportedAs() says which exception a user expects
+// for each kind; the torch glue and the kernel bindings raise it in their own types.
 #pragma once
 
 #include <sstream>
@@ -43,6 +43,13 @@ template <typename... Args>
 [[noreturn]] void fail(ErrorKind kind, const Args&... args) {
   throw Error(kind, detail::concat(args...));
 }
+
+// The exception class a user expects for an Error: ValueError, TypeError, or a failure
+// (torch's DistBackendError from a collective, RuntimeError from a kernel call).
+enum class Reported { Value, Type, Failure };
+// `inCollective`: a malformed payload or a mismatch met while exchanging with peers is the
+// group's failure; in a payload the caller hands to a kernel, it is bad input.
+Reported reportedAs(ErrorKind kind, bool inCollective);
 
 // errno text for a failed syscall, e.g. "connect: Connection refused".
 std::string systemErrorText(const char* what, int err);

@@ -42,14 +42,15 @@ std::exception_ptr toTorchException(std::exception_ptr error, const std::string&
   } catch (const Error& e) {
     std::string message = prefix + e.what();
     try {
-      switch (e.kind()) {
-        case ErrorKind::InvalidArgument: TORCH_CHECK_VALUE(false, message);
-        case ErrorKind::UnsupportedType: TORCH_CHECK_TYPE(false, message);
-        default: C10_THROW_ERROR(DistBackendError, message);
+      switch (reportedAs(e.kind(), /*inCollective=*/true)) {
+        case Reported::Value: TORCH_CHECK_VALUE(false, message);
+        case Reported::Type: TORCH_CHECK_TYPE(false, message);
+        case Reported::Failure: C10_THROW_ERROR(DistBackendError, message);
       }
     } catch (...) {
       return std::current_exception();
     }
+    return error;  // not reached: every case throws
   } catch (...) {
     return std::current_exception();
   }
@@ -127,7 +128,7 @@ ProcessGroupDdlcomm::ProcessGroupDdlcomm(const c10::intrusive_ptr<c10d::Store>& 
     auto comm = std::make_unique<Communicator>(std::move(transport), kv, collectiveOptions);
     executor_ = std::make_unique<Executor>(std::move(comm));
   } catch (const Error& e) {
-    if (e.kind() == ErrorKind::InvalidArgument) TORCH_CHECK_VALUE(false, prefix_, e.what());
+    if (reportedAs(e.kind(), true) == Reported::Value) TORCH_CHECK_VALUE(false, prefix_, e.what());
     C10_THROW_ERROR(DistBackendError, prefix_ + "could not connect the group: " + e.what());
   }
 }
