@@ -206,14 +206,16 @@ def premul_sum() -> None:
 
 def profiler_spans() -> None:
     """Every collective appears in torch.profiler as "ddlcomm:<op>", with its tensor's shape,
-    on the thread that runs it: the progress thread, or the caller's for a small synchronous
-    operation on an idle group (DDLCOMM_INLINE_BYTES)."""
+    on the thread that runs it: the progress thread, or the caller's for a synchronous
+    operation on an idle group, of any size (DDLCOMM_INLINE_BYTES unset)."""
     rank, n = init()
     x, y = torch.ones(1000), torch.ones(6, dtype=torch.float64)
+    big = torch.ones(1 << 20)  # 4 MiB
     out = torch.empty(n * 6, dtype=torch.float64)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
         dist.all_reduce(x, async_op=True).wait()
         dist.all_reduce(x)
+        dist.all_reduce(big)
         dist.all_gather_into_tensor(out, y)
         dist.broadcast(x, 0)
         dist.barrier()
@@ -221,12 +223,13 @@ def profiler_spans() -> None:
     spans = {e.name: e for e in events if e.name.startswith("ddlcomm:")}
     for name in ("ddlcomm:all_reduce", "ddlcomm:all_gather_into_tensor", "ddlcomm:broadcast", "ddlcomm:barrier"):
         assert name in spans, f"{name} not in the trace: {sorted({e.name for e in events})}"
-    assert spans["ddlcomm:all_reduce"].input_shapes == [[1000]], spans["ddlcomm:all_reduce"].input_shapes
     assert spans["ddlcomm:all_gather_into_tensor"].input_shapes == [[n * 6]]
     callers = {e.thread for e in events if e.name == "c10d::allreduce_"}
-    asynchronous, synchronous = [e for e in events if e.name == "ddlcomm:all_reduce"]
+    asynchronous, synchronous, large = [e for e in events if e.name == "ddlcomm:all_reduce"]
+    assert asynchronous.input_shapes == [[1000]] and large.input_shapes == [[1 << 20]], large.input_shapes
     assert callers and asynchronous.thread not in callers, (callers, asynchronous.thread)
-    assert synchronous.thread in callers, (callers, synchronous.thread)
+    assert synchronous.thread in callers and large.thread in callers, (callers, synchronous.thread, large.thread)
+    assert_equal(big, torch.full((1 << 20,), float(n)), "large synchronous all_reduce")
     assert_equal(x, torch.full((1000,), float(n * n)), "profiled all_reduce")
     # Without a profiler nothing is recorded, and nothing breaks.
     dist.all_reduce(x)
