@@ -11,7 +11,7 @@ from ddlcomm.compress import BF16, FP16, OneBit, RandomK, Ternary, TopK
 HEADER = struct.Struct("<IBBBBIIQQ")  # csrc/compress/wire_format.h
 MASK64 = (1 << 64) - 1
 F32_EPS = float(torch.finfo(torch.float32).eps)
-# Inputs of at least this many elements take the sampled path of approximate top-k (sparse.cc).
+# Inputs of at least this many elements take the sampled path of approximate top-k (topk.cc).
 APPROX_MIN_NUMEL = 8 * (1 << 15)
 
 COMPRESSORS = {

@@ -269,7 +269,7 @@ def test_random_k_scaled_is_unbiased_and_uniform() -> None:
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("numel,k", [(200, 20), (1000, 3), (4099, 7), (5, 5), (1 << 20, 3)])
 def test_random_k_scaled_values_are_exact(numel: int, k: int, dtype: torch.dtype) -> None:
-    """Each sent value is y * float32(numel / k) in float32 arithmetic (sparse.cc: the scale is
+    """Each sent value is y * float32(numel / k) in float32 arithmetic (randomk.cc: the scale is
     float(double(numel) / double(k)), then one float32 multiply), the decoded vector holds exactly
     those, and the residual is y - decoded everywhere (y where nothing was sent). A scale off by
     any amount, even one ulp, fails here; the statistical test above cannot see a few percent."""

@@ -9,7 +9,7 @@ import torch
 
 from ddlcomm import _C, compress
 
-# sparse.cc: the sampled path needs at least 8 * 2**15 elements.
+# topk.cc: the sampled path needs at least 8 * 2**15 elements.
 SAMPLED_MIN_NUMEL = 8 * (1 << 15)
 
 

@@ -1,20 +1,8 @@
 #include "collectives/communicator.h"
 
-#include <algorithm>
-#include <thread>
-
 #include "common/env.h"
 
 namespace ddlcomm {
-namespace {
-
-const char* kFailureKey = "ddlcomm/first_failure";
-// A plain array, not a std::string: tasks on a detached courier thread may use it at exit.
-constexpr char kWaitingKey[] = "ddlcomm/failed_while_waiting/";
-// A healthy store answers in milliseconds; one that takes this long is treated as gone.
-constexpr std::chrono::milliseconds kStoreCallBound{2000};
-
-}  // namespace
 
 CollectiveOptions CollectiveOptions::fromEnvironment(std::chrono::milliseconds timeout) {
   CollectiveOptions o;
@@ -88,83 +76,17 @@ void PeerExchange::waitSends() {
 
 Communicator::Communicator(std::unique_ptr<Transport> transport, std::shared_ptr<KeyValueStore> store,
                            CollectiveOptions options)
-    : transport_(std::move(transport)), store_(std::move(store)), options_(options), courier_(store_) {
-  transport_->setFailureHook([this](ErrorKind kind, const std::string& message) { return recordFailure(kind, message); });
-  transport_->setFailureProbe([this] { return failureRecorded(); });
+    : transport_(std::move(transport)),
+      options_(options),
+      failures_(std::move(store), transport_->rank(), transport_->size()) {
+  transport_->setFailureHook(
+      [this](ErrorKind kind, const std::string& message) { return failures_.record(kind, message, options_.timeout); });
+  transport_->setFailureProbe([this] { return failures_.recorded(); });
 }
 
 Communicator::~Communicator() {
   transport_->setFailureHook(nullptr);
   transport_->setFailureProbe(nullptr);
-}
-
-bool Communicator::failureRecorded() {
-  auto found = courier_.call([](KeyValueStore& s) { return std::string(s.check(kFailureKey) ? "1" : ""); },
-                             kStoreCallBound);
-  return found && !found->empty();
-}
-
-std::string Communicator::ranksNotWaiting() {
-  // Ranks waiting in the same collective time out within about the time they entered it
-  // apart; a rank still silent after that grace period was never there.
-  const auto grace = std::clamp(options_.timeout / 10, std::chrono::milliseconds(1000), std::chrono::milliseconds(5000));
-  const Deadline deadline = Clock::now() + grace;
-  std::vector<int> silent;  // ranks with no report yet; each sweep asks only about these
-  for (int r = 0; r < size(); ++r) {
-    if (r != rank()) silent.push_back(r);
-  }
-  while (!silent.empty() && Clock::now() < deadline) {
-    auto reported = courier_.call(
-        [silent](KeyValueStore& s) {
-          std::string flags;  // '1' for each rank of `silent` that has reported
-          for (int r : silent) flags += s.check(kWaitingKey + std::to_string(r)) ? '1' : '0';
-          return flags;
-        },
-        kStoreCallBound);
-    if (!reported) return "";  // the store is unreachable: no way to tell
-    std::vector<int> still;
-    for (size_t i = 0; i < silent.size(); ++i) {
-      if ((*reported)[i] == '0') still.push_back(silent[i]);
-    }
-    silent.swap(still);
-    if (!silent.empty()) std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  }
-  std::string list;
-  for (int r : silent) list += (list.empty() ? "rank " : ", rank ") + std::to_string(r);
-  return list;
-}
-
-std::string Communicator::recordFailure(ErrorKind kind, const std::string& local) {
-  if (!store_) return local;
-  std::string message = local;
-  const bool remoteSymptom = kind == ErrorKind::PeerFailure || kind == ErrorKind::Timeout;
-  const std::string me = std::to_string(rank());
-  if (remoteSymptom) {
-    // Either way this rank was waiting in a collective when the group failed.
-    courier_.call([me](KeyValueStore& s) { s.set(kWaitingKey + me, "1"); return std::string(); }, kStoreCallBound);
-    const std::string silent = kind == ErrorKind::Timeout ? ranksNotWaiting() : "";
-    // Lead with the cause: whoever this rank waited for may itself have been waiting.
-    if (!silent.empty()) {
-      message = "likely cause: " + silent + (silent.find(',') == std::string::npos ? " was" : " were") +
-                " not waiting in any collective when this one timed out; " + message;
-    }
-  }
-  // Publish this failure unless a peer's came first; either way learn the first one.
-  const std::string mine = "rank " + me + ": " + message;
-  auto first = courier_.call(
-      [mine](KeyValueStore& s) {
-        if (s.check(kFailureKey)) return s.get(kFailureKey);
-        s.set(kFailureKey, mine);
-        return mine;
-      },
-      kStoreCallBound);
-  if (!first) {
-    message += " (the store did not answer, so other ranks' reports are unknown)";
-  } else if (remoteSymptom && *first != mine) {
-    // Lead with the root cause: this rank's own symptom may just be a peer aborting.
-    message = "the group failed first at " + *first + "; then here: " + message;
-  }
-  return message;
 }
 
 void Communicator::failed(const Error& error) {

@@ -1,6 +1,6 @@
 // A communicator: one group's transport plus what every collective needs around it:
 // sequence numbers, deadlines, scratch memory, and the failure policy (record the cause
-// in the store for the other ranks, abort the transport, throw).
+// in the store for the other ranks (failure_report.h), abort the transport, throw).
 #pragma once
 
 #include <chrono>
@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "collectives/store_courier.h"
+#include "collectives/failure_report.h"
 #include "common/dtype.h"
 #include "transport/store.h"
 #include "transport/transport.h"
@@ -121,11 +121,6 @@ class Communicator {
 
   // Same failure policy for work that is not a collective call (point-to-point).
   [[noreturn]] void failed(const Error& error);
-  // The failure hook: publish this rank's failure in the store, or, if a peer published
-  // first, lead with its message so every rank names the rank that really failed.
-  std::string recordFailure(ErrorKind kind, const std::string& message);
-  // Whether a rank has published a failure.
-  bool failureRecorded();
   void throwIfAborted() const;
   uint64_t nextSequenceNumber() { return nextSeq_++; }
 
@@ -137,16 +132,11 @@ class Communicator {
 
  private:
   std::unique_ptr<Transport> transport_;
-  std::shared_ptr<KeyValueStore> store_;
   CollectiveOptions options_;
-  StoreCourier courier_;  // every store call on the failure path goes through it
+  FailureReport failures_;  // the transport's failure hook and probe
   uint64_t nextSeq_ = 0;
   std::vector<std::vector<char>> scratch_;
   CollectiveCounters counters_;
-
-  // After a timeout: the ranks that have not reported failing while waiting in a
-  // collective too, as "rank 1, rank 3"; waits a short grace period for their reports.
-  std::string ranksNotWaiting();
 };
 
 }  // namespace ddlcomm

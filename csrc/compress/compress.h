@@ -29,7 +29,7 @@
 //    Random-k carries only its sample, which can miss a non-finite entry; the compressed
 //    all-reduce (ddlcomm/compressed.py) checks for that separately.
 //  - Top-k keeps the k largest |y| (NaN largest), ties to the lower index; approximate top-k
-//    selects exactly the same entries (it only finds them faster, see sparse.cc).
+//    selects exactly the same entries (it only finds them faster, see topk.cc).
 #pragma once
 
 #include <atomic>

@@ -26,7 +26,8 @@ void decodeTernary(size_t numel, uint32_t blockSize, const uint8_t* scales, cons
 // Throws Error(Protocol) on a code 3.
 void checkTernaryCodes(const uint8_t* codes, size_t numel);
 
-// Top-k / random-k (sparse.cc): uint32 indices[k] ascending, then float32 values[k].
+// Top-k (topk.cc) / random-k (randomk.cc): uint32 indices[k] ascending, then float32 values[k];
+// decoded, summed and checked by sparse.cc.
 void encodeTopK(const Config& config, const Input& in, uint64_t stream, size_t k, uint8_t* indices,
                 uint8_t* values, TopKStats* stats);
 void encodeRandomK(const Config& config, const Input& in, uint64_t stream, size_t k, uint8_t* indices,

@@ -32,13 +32,13 @@ std::string Signature::describe() const {
   return detail::concat(opCodeName(op), " #", seq, " (", dataTypeName(dtype), " x ", count, ", message ", step, ")");
 }
 
-FrameHeader makeFrameHeader(const Signature& sig, uint8_t piece, uint64_t bytes) {
+FrameHeader makeFrameHeader(const Signature& sig, uint8_t stripe, uint64_t bytes) {
   FrameHeader h{};
   h.magic = kFrameMagic;
   h.version = kFrameVersion;
   h.op = uint8_t(sig.op);
   h.dtype = uint8_t(sig.dtype);
-  h.piece = piece;
+  h.piece = stripe;
   h.step = sig.step;
   h.seq = sig.seq;
   h.count = sig.count;

@@ -62,9 +62,9 @@ struct FrameHeader {
 #pragma pack(pop)
 static_assert(sizeof(FrameHeader) == 40, "frame header is part of the wire format");
 
-FrameHeader makeFrameHeader(const Signature& sig, uint8_t piece, uint64_t bytes);
+FrameHeader makeFrameHeader(const Signature& sig, uint8_t stripe, uint64_t bytes);
 // Validates magic, version, enum ranges and the reserved field; throws Error(Protocol) naming
-// `peer`. Piece and bytes are the transport's to check against what it posted.
+// `peer`. The stripe index (`piece`) and bytes are the transport's to check against what it posted.
 Signature parseFrameHeader(const FrameHeader& header, int peer);
 
 }  // namespace ddlcomm

@@ -3,9 +3,15 @@
 // that waits. Messages are framed by FrameHeader and matched in order per connection; a
 // receiver that has posted nothing for a connection does not read it, so TCP flow control
 // holds the sender back instead of this process buffering unbounded data.
+//
+// One class, its parts in one file each: options.cc (environment), mesh.cc (connecting every
+// peer), connection.cc (one connection's send and receive state machine), matching.cc (which
+// posted receive an arriving message fills: collective, point-to-point, any source), and
+// tcp_transport.cc (posting, progress, wait, timeout and abort).
 #pragma once
 
 #include <chrono>
+#include <cstdint>
 #include <deque>
 #include <list>
 #include <memory>
@@ -13,24 +19,11 @@
 #include <vector>
 
 #include "transport/store.h"
+#include "transport/tcp/options.h"
 #include "transport/tcp/socket.h"
 #include "transport/transport.h"
 
 namespace ddlcomm::tcp {
-
-struct TcpOptions {
-  std::string host;                 // listen address; empty means chooseLocalHost()
-  int connectionsPerPeer = 1;       // DDLCOMM_SOCKETS_PER_PEER
-  size_t stripeMinBytes = 1 << 20;  // DDLCOMM_STRIPE_MIN_BYTES: smaller messages use one connection
-  int socketBufferBytes = 0;        // DDLCOMM_SOCKET_BUFFER_BYTES; 0 keeps kernel autotuning
-  size_t maxUnexpectedBytes = size_t(1) << 32;  // cap on one unmatched point-to-point message
-  std::chrono::milliseconds connectTimeout{std::chrono::minutes(5)};
-  // DDLCOMM_HANDSHAKE_TIMEOUT_MS: how long a connection may take to prove the group key
-  // before it is dropped (a real peer needs one round trip).
-  std::chrono::milliseconds handshakeTimeout{std::chrono::seconds(10)};
-
-  static TcpOptions fromEnvironment();
-};
 
 class TcpTransport final : public Transport {
  public:
@@ -53,7 +46,9 @@ class TcpTransport final : public Transport {
   std::string localAddress() const { return localAddress_; }
 
  private:
-  struct Piece {
+  // The part of a message that travels on one connection: all of it, or one stripe of a
+  // message split over connectionsPerPeer connections.
+  struct Stripe {
     Request* request = nullptr;
     char* data = nullptr;
     size_t bytes = 0;
@@ -74,35 +69,55 @@ class TcpTransport final : public Transport {
     bool readable = false;
     bool writable = true;
     bool closed = false;
-    std::deque<Piece> sends;
-    std::deque<Piece> collectiveRecvs;
+    std::deque<Stripe> sends;
+    std::deque<Stripe> collectiveRecvs;
     // Receive side state machine: header, then payload into `target` or `unexpected`.
     FrameHeader header{};
     size_t headerGot = 0;
     bool haveHeader = false;
     Signature signature;
-    Piece* target = nullptr;
+    Stripe* target = nullptr;
     Unexpected* unexpected = nullptr;
   };
   struct PeerState {
-    std::list<Piece> p2pRecvs;         // posted, unmatched
+    std::list<Stripe> p2pRecvs;         // posted, unmatched
     std::list<Unexpected> unexpected;  // arrived, unmatched (in arrival order)
   };
   // Point-to-point receives from any rank, in posting order: each becomes a receive from the
   // first rank whose message with its tag arrives, after the receives naming that rank.
-  std::list<Piece> anyRecvs_;
+  std::list<Stripe> anyRecvs_;
 
+  // epoll data of the wakeup eventfd; a connection's is its slot in connections_.
+  static constexpr uint64_t kWakeToken = ~uint64_t(0);
+
+  // mesh.cc
   TcpTransport(int rank, int size, const TcpOptions& options);
   void establish(KeyValueStore& store);
   Connection& connection(int peer, int index) { return connections_[size_t(peer) * options_.connectionsPerPeer + index]; }
-  int pieceCount(const Request& request) const;
+
+  // tcp_transport.cc
+  int stripeCount(const Request& request) const;
+  // Stripe `i` of `n` of the request's message, with the header that goes before it.
+  static Stripe stripeOf(Request& request, int i, int n);
   void postSendUnguarded(Request& request);
   void postRecvUnguarded(Request& request);
   void checkPeer(int peer, const char* what) const;
-
   bool pumpAll();  // non-blocking I/O on every connection; true if any byte moved
+  bool waitForEvents(int timeoutMs);
+  [[noreturn]] void timedOut(const Request& request);
+  // Request::piecesLeft counts the request's stripes still in flight.
+  static void completeStripe(Request* request) { --request->piecesLeft; }
+
+  // connection.cc
   bool writeSome(Connection& c);
   bool readSome(Connection& c);
+  // recv() into dst[0, bytes), bytes > 0: how many arrived, or 0 when none are there now.
+  size_t receiveSome(Connection& c, char* dst, size_t bytes);
+  [[noreturn]] void connectionFailed(Connection& c, const std::string& what);
+
+  // matching.cc
+  void postP2pRecv(Request& request);
+  // Whether a posted receive could take the next message on `c`; if none, `c` is not read.
   bool wantsHeader(const Connection& c) const;
   bool matchIncoming(Connection& c);
   void finishIncoming(Connection& c);
@@ -110,11 +125,7 @@ class TcpTransport final : public Transport {
   // Hands complete unexpected messages to the posted receives from any rank.
   void matchAnySource();
   // Fails unless the receive `p` can take a message `got` of `bytes` from `peer`.
-  void checkP2pMatch(const Piece& p, int peer, const Signature& got, size_t bytes);
-  [[noreturn]] void connectionFailed(Connection& c, const std::string& what);
-  bool waitForEvents(int timeoutMs);
-  [[noreturn]] void timedOut(const Request& request);
-  static void completePiece(Request* request) { --request->piecesLeft; }
+  void checkP2pMatch(const Stripe& p, int peer, const Signature& got, size_t bytes);
 
   const int rank_;
   const int size_;
