@@ -18,7 +18,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   try {
     const Signature sig = parseFrameHeader(header, 1);
     (void)sig.describe();  // names op and dtype: must stay within their tables
-    const FrameHeader again = makeFrameHeader(sig, header.piece, header.bytes);
+    const FrameHeader again = makeFrameHeader(sig, header.stripe, header.bytes);
     if (std::memcmp(&again, &header, sizeof header) != 0) {
       std::fprintf(stderr, "FINDING: parseFrameHeader accepted a header makeFrameHeader does not write\n");
       std::abort();

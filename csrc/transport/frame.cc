@@ -38,7 +38,7 @@ FrameHeader makeFrameHeader(const Signature& sig, uint8_t stripe, uint64_t bytes
   h.version = kFrameVersion;
   h.op = uint8_t(sig.op);
   h.dtype = uint8_t(sig.dtype);
-  h.piece = stripe;
+  h.stripe = stripe;
   h.step = sig.step;
   h.seq = sig.seq;
   h.count = sig.count;

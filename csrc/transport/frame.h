@@ -52,7 +52,7 @@ struct FrameHeader {
   uint8_t version;
   uint8_t op;
   uint8_t dtype;
-  uint8_t piece;  // stripe index when a message is split over several connections
+  uint8_t stripe;  // index of this part when a message is split over several connections
   uint32_t step;
   uint32_t reserved;
   uint64_t seq;
@@ -64,7 +64,7 @@ static_assert(sizeof(FrameHeader) == 40, "frame header is part of the wire forma
 
 FrameHeader makeFrameHeader(const Signature& sig, uint8_t stripe, uint64_t bytes);
 // Validates magic, version, enum ranges and the reserved field; throws Error(Protocol) naming
-// `peer`. The stripe index (`piece`) and bytes are the transport's to check against what it posted.
+// `peer`. The stripe index and bytes are the transport's to check against what it posted.
 Signature parseFrameHeader(const FrameHeader& header, int peer);
 
 }  // namespace ddlcomm

@@ -34,10 +34,11 @@ struct Request {
   char* data = nullptr;
   size_t bytes = 0;
 
-  // Filled in by the transport.
-  int piecesLeft = 0;
+  // Filled in by the transport: the messages of this request still in flight (its stripes
+  // over TCP, header and payload over UCX, one over shared memory).
+  int transfersLeft = 0;
   bool failed = false;
-  bool done() const { return piecesLeft == 0; }
+  bool done() const { return transfersLeft == 0; }
 };
 
 // What a transport says about its connections (tests and diagnostics).

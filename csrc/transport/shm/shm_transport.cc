@@ -186,7 +186,7 @@ void ShmTransport::postSend(Request& r) {
     Peer& p = *local(r.peer);
     DDLCOMM_CHECK(!p.segment.header().closed.load(), ErrorKind::PeerFailure, "rank ", rank_, " cannot send ",
                   r.signature.describe(), " to rank ", r.peer, ": it shut its transport down");
-    r.piecesLeft = 1;
+    r.transfersLeft = 1;
     r.failed = false;
     p.sends.push_back(Out{&r, makeFrameHeader(r.signature, 0, r.bytes)});
     pumpSend(p);  // eager: usually the ring has room and the message leaves right away
@@ -202,7 +202,7 @@ void ShmTransport::postRecv(Request& r) {
       pruneNetwork();
       return;
     }
-    r.piecesLeft = 1;
+    r.transfersLeft = 1;
     r.failed = false;
     local(r.peer)->recvs.push_back(In{&r});
   });
@@ -228,7 +228,7 @@ bool ShmTransport::pumpSend(Peer& p) {
     o.done += n;
     head += n;
     if (o.headerDone < sizeof(FrameHeader) || o.done < o.request->bytes) break;
-    --o.request->piecesLeft;
+    --o.request->transfersLeft;
     p.sends.pop_front();
   }
   if (head == start) return false;
@@ -268,7 +268,7 @@ bool ShmTransport::pumpRecv(Peer& p) {
     in.done += n;
     tail += n;
     if (in.done < in.request->bytes) break;
-    --in.request->piecesLeft;
+    --in.request->transfersLeft;
     p.recvs.pop_front();
     p.haveHeader = false;
     p.headerGot = 0;
@@ -502,8 +502,8 @@ void ShmTransport::abort(ErrorKind kind, const std::string& reason) noexcept {
   brokenKind_ = kind;
   brokenReason_ = failureMessage(kind, reason);
   for (Peer& p : peers_) {
-    for (Out& o : p.sends) o.request->failed = true, o.request->piecesLeft = 0;
-    for (In& i : p.recvs) i.request->failed = true, i.request->piecesLeft = 0;
+    for (Out& o : p.sends) o.request->failed = true, o.request->transfersLeft = 0;
+    for (In& i : p.recvs) i.request->failed = true, i.request->transfersLeft = 0;
     p.sends.clear();
     p.recvs.clear();
   }

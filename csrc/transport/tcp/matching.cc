@@ -45,8 +45,8 @@ bool TcpTransport::matchIncoming(Connection& c) {
   if (got.op == OpCode::PointToPoint) {
     // Senders put point-to-point messages whole on connection 0. One arriving elsewhere could
     // pair with the receive connection 0 is filling, which the first to finish frees.
-    DDLCOMM_CHECK(c.index == 0 && c.header.piece == 0, ErrorKind::Protocol, "rank ", c.peer,
-                  " sent a point-to-point message as stripe ", int(c.header.piece), " on connection ", c.index,
+    DDLCOMM_CHECK(c.index == 0 && c.header.stripe == 0, ErrorKind::Protocol, "rank ", c.peer,
+                  " sent a point-to-point message as stripe ", int(c.header.stripe), " on connection ", c.index,
                   ": they travel whole on connection 0");
     PeerState& state = peers_[size_t(c.peer)];
     bool earlierUnexpected = std::any_of(state.unexpected.begin(), state.unexpected.end(),
@@ -82,7 +82,7 @@ bool TcpTransport::matchIncoming(Connection& c) {
   if (c.collectiveRecvs.empty()) return false;
   Stripe& want = c.collectiveRecvs.front();
   const Signature& expected = want.request->signature;
-  if (expected != got || want.bytes != c.header.bytes || want.header.piece != c.header.piece) {
+  if (expected != got || want.bytes != c.header.bytes || want.header.stripe != c.header.stripe) {
     fail(ErrorKind::Mismatch, "collective mismatch between rank ", rank_, " and rank ", c.peer, ": rank ", rank_,
          " is in ", expected.describe(), " expecting ", humanBytes(want.bytes), ", but rank ", c.peer, " sent ",
          got.describe(), " with ", humanBytes(c.header.bytes),

@@ -44,7 +44,7 @@ void TcpTransport::postSendUnguarded(Request& r) {
   throwIfBroken();
   checkPeer(r.peer, "send to");
   const int n = stripeCount(r);
-  r.piecesLeft = n;
+  r.transfersLeft = n;
   r.failed = false;
   for (int i = 0; i < n; ++i) {
     Connection& c = connection(r.peer, i);
@@ -61,7 +61,7 @@ void TcpTransport::postRecv(Request& r) {
 void TcpTransport::postRecvUnguarded(Request& r) {
   throwIfBroken();
   const int n = stripeCount(r);  // 1 for point-to-point, whichever the peer
-  r.piecesLeft = n;
+  r.transfersLeft = n;
   r.failed = false;
   if (r.signature.op == OpCode::PointToPoint) return postP2pRecv(r);
   checkPeer(r.peer, "receive from");
@@ -176,7 +176,7 @@ void TcpTransport::abort(ErrorKind kind, const std::string& reason) noexcept {
   auto failAll = [](auto& stripes) {
     for (auto& p : stripes) {
       p.request->failed = true;
-      p.request->piecesLeft = 0;
+      p.request->transfersLeft = 0;
     }
     stripes.clear();
   };

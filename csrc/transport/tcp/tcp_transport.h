@@ -105,8 +105,7 @@ class TcpTransport final : public Transport {
   bool pumpAll();  // non-blocking I/O on every connection; true if any byte moved
   bool waitForEvents(int timeoutMs);
   [[noreturn]] void timedOut(const Request& request);
-  // Request::piecesLeft counts the request's stripes still in flight.
-  static void completeStripe(Request* request) { --request->piecesLeft; }
+  static void completeStripe(Request* request) { --request->transfersLeft; }
 
   // connection.cc
   bool writeSome(Connection& c);

@@ -266,7 +266,7 @@ void UcxTransport::establish(KeyValueStore& store, std::chrono::milliseconds con
         request->peer = peer;
         request->data = reinterpret_cast<char*>(buffer);
         request->bytes = sizeof(HelloMessage);
-        request->piecesLeft = 1;
+        request->transfersLeft = 1;
         Op& op = newOp(OpKind::Hello, request, peer);
         op.iov[0] = {buffer, sizeof(HelloMessage)};
         op.iovCount = 1;

@@ -97,7 +97,7 @@ void UcxTransport::postSend(Request& r) {
     checkPeer(r.peer, "send to");
     const bool p2p = r.signature.op == OpCode::PointToPoint;
     const bool split = !p2p && r.bytes >= kSplitBytes;
-    r.piecesLeft = split ? 2 : 1;
+    r.transfersLeft = split ? 2 : 1;
     r.failed = false;
     Op& op = newOp(OpKind::Send, &r, r.peer);
     if (peerStatus_[size_t(r.peer)] != UCS_OK) peerLost(r.peer, &op, peerStatus_[size_t(r.peer)]);
@@ -123,7 +123,7 @@ void UcxTransport::postRecv(Request& r) {
     const bool any = p2p && r.peer == kAnySource;
     if (!any) checkPeer(r.peer, "receive from");
     const bool split = !p2p && r.bytes >= kSplitBytes;
-    r.piecesLeft = split ? 2 : 1;
+    r.transfersLeft = split ? 2 : 1;
     r.failed = false;
     Op& op = newOp(any ? OpKind::AnySourceRecv : p2p ? OpKind::PointToPointRecv : OpKind::CollectiveRecv, &r, r.peer);
     op.iov[0] = {&op.header, sizeof(FrameHeader)};
@@ -177,7 +177,7 @@ void UcxTransport::finish(Op& op) {
   } catch (...) {
     // abort() fails the requests operations still point to; this one no longer does.
     r.failed = true;
-    r.piecesLeft = 0;
+    r.transfersLeft = 0;
     throw;
   }
 }
@@ -186,13 +186,13 @@ void UcxTransport::finishUnguarded(Op& op, Request& r) {
   if (op.kind == OpKind::Hello) {
     DDLCOMM_CHECK(op.status == UCS_OK, ErrorKind::PeerFailure, "rank ", rank_, " could not reach rank ", op.peer,
                   " over UCX: ", ucs_status_string(op.status), " (did rank ", op.peer, " exit or crash?)");
-    --r.piecesLeft;
+    --r.transfersLeft;
     return;
   }
   if (op.kind == OpKind::Send) {
     if (op.status != UCS_OK) peerLost(op.peer, &op, op.status);
     for (size_t i = 0; i < op.iovCount; ++i) bytesSent_ += op.iov[i].length;
-    --r.piecesLeft;
+    --r.transfersLeft;
     return;
   }
   finishRecv(op, r);
@@ -210,7 +210,7 @@ void UcxTransport::finishRecv(Op& op, Request& r) {
            truncated ? std::string("a longer message") : "a message of " + humanBytes(op.length),
            ". All ranks must call the same collectives in the same order with the same sizes and dtypes");
     }
-    --r.piecesLeft;
+    --r.transfersLeft;
     return;
   }
   // What the sender sent: its header, which a message too long for the receive may lack.
@@ -221,7 +221,7 @@ void UcxTransport::finishRecv(Op& op, Request& r) {
                   ": a message of ", op.length, " bytes");
     Signature got = parseFrameHeader(op.header, from);
     const size_t expected = sizeof(FrameHeader) + (op.headerOnly ? 0 : r.bytes);
-    matches = got == r.signature && op.header.bytes == r.bytes && op.length == expected && op.header.piece == 0;
+    matches = got == r.signature && op.header.bytes == r.bytes && op.length == expected && op.header.stripe == 0;
     sent = got.describe() + (op.kind == OpKind::CollectiveRecv ? " with " : ", ") + humanBytes(op.header.bytes);
   } else if (op.header.magic == kFrameMagic && (op.header.bytes > r.bytes || op.headerOnly)) {
     Signature got = parseFrameHeader(op.header, from);
@@ -240,7 +240,7 @@ void UcxTransport::finishRecv(Op& op, Request& r) {
          humanBytes(r.bytes), any ? " from any rank" : "", ", but rank ", from, " sent ", sent);
   }
   if (any) r.peer = from;
-  --r.piecesLeft;
+  --r.transfersLeft;
 }
 
 void UcxTransport::checkFailedPeers() {
@@ -369,7 +369,7 @@ void UcxTransport::abort(ErrorKind kind, const std::string& reason) noexcept {
   for (Op& op : active_) {
     if (op.request) {
       op.request->failed = true;
-      op.request->piecesLeft = 0;
+      op.request->transfersLeft = 0;
       op.request = nullptr;
     }
     if (op.completed) continue;
