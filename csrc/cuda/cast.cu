@@ -70,7 +70,7 @@ __global__ __launch_bounds__(kThreads) void castDecodeKernel(const uint16_t* __r
 template <typename XT, typename PT>
 void encodeTyped(const EncodeArgs& a) {
   const uint64_t grid = gridFor(a.numel, uint64_t(kThreads) * kUnroll);
-  auto* values = reinterpret_cast<uint16_t*>(a.payload + a.layout.dataOffset);
+  auto* values = reinterpret_cast<uint16_t*>(a.payload + a.layout.first);
   if (grid == 0) {
     launch(writeHeaderKernel, 1, 32, a.cudaStream, a.payload, a.header);
   } else {
@@ -91,7 +91,7 @@ void encodeFormat(const EncodeArgs& a) {
 template <typename PT, typename OutT, bool kAcc>
 void decodeTyped(const DecodeArgs& a) {
   launch(castDecodeKernel<PT, OutT, kAcc>, gridFor(a.numel, uint64_t(kThreads) * kUnroll), kThreads, a.cudaStream,
-         reinterpret_cast<const uint16_t*>(a.payload + a.layout.dataOffset), a.numel,
+         reinterpret_cast<const uint16_t*>(a.payload + a.layout.first), a.numel,
          static_cast<typename OutT::Raw*>(a.out));
 }
 

@@ -11,7 +11,7 @@
 #include "common/dtype.h"
 #include "compress/counter_random.h"
 #include "cuda/cuda_check.h"
-#include "cuda/layout.h"
+#include "cuda/launchers.h"
 
 namespace ddlcomm::gpu {
 

@@ -152,8 +152,8 @@ void encodeTyped(const EncodeArgs& a) {
   p.numel = a.numel;
   p.nblocks = a.layout.nblocks;
   p.blockSize = a.config.blockSize;
-  p.scales = reinterpret_cast<float*>(a.payload + a.layout.scalesOffset);
-  p.signs = a.payload + a.layout.dataOffset;
+  p.scales = reinterpret_cast<float*>(a.payload + a.layout.first);
+  p.signs = a.payload + a.layout.second;
   p.payload = a.payload;
   p.header = a.header;
   const auto* x = static_cast<const typename XT::Raw*>(a.x);
@@ -216,8 +216,8 @@ __global__ __launch_bounds__(kThreads) void onebitDecodeKernel(const float* __re
 
 template <typename OutT, bool kAcc>
 void decodeTyped(const DecodeArgs& a) {
-  const auto* scales = reinterpret_cast<const float*>(a.payload + a.layout.scalesOffset);
-  const uint8_t* signs = a.payload + a.layout.dataOffset;
+  const auto* scales = reinterpret_cast<const float*>(a.payload + a.layout.first);
+  const uint8_t* signs = a.payload + a.layout.second;
   auto* out = static_cast<typename OutT::Raw*>(a.out);
   const uint64_t grid = gridFor(a.layout.nblocks, kWarpsPerCta);
   if (a.twoScales) {

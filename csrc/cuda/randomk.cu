@@ -259,8 +259,8 @@ void encodeRandomK(const EncodeArgs& a) {
                       counts,
                       scaled ? float(double(n) / double(k)) : 1.f,
                       scaled,
-                      reinterpret_cast<uint32_t*>(a.payload + a.layout.dataOffset),
-                      reinterpret_cast<float*>(a.payload + a.layout.valuesOffset),
+                      reinterpret_cast<uint32_t*>(a.payload + a.layout.first),
+                      reinterpret_cast<float*>(a.payload + a.layout.second),
                       a.payload,
                       a.header};
   const uint64_t grid = gridFor(w.numTiles, 1);

@@ -221,8 +221,8 @@ void encodeTyped(const EncodeArgs& a) {
   p.clip = a.config.clip;
   p.seed = a.config.seed;
   p.stream = a.stream;
-  p.scales = reinterpret_cast<float*>(a.payload + a.layout.scalesOffset);
-  p.codes = a.payload + a.layout.dataOffset;
+  p.scales = reinterpret_cast<float*>(a.payload + a.layout.first);
+  p.codes = a.payload + a.layout.second;
   // The generic path packs codes in a second kernel, which needs the deterministic threshold.
   p.thresholds = !p.stochastic && p.blockSize % 4 != 0 ? static_cast<float*>(a.workspace) : nullptr;
   p.payload = a.payload;
@@ -242,7 +242,7 @@ void encodeTyped(const EncodeArgs& a) {
 template <typename OutT, bool kAcc>
 void decodeTyped(const DecodeArgs& a) {
   launch(ternaryDecodeKernel<OutT, kAcc>, gridFor(a.layout.nblocks, kWarpsPerCta), kThreads, a.cudaStream,
-         reinterpret_cast<const float*>(a.payload + a.layout.scalesOffset), a.payload + a.layout.dataOffset, a.numel,
+         reinterpret_cast<const float*>(a.payload + a.layout.first), a.payload + a.layout.second, a.numel,
          a.layout.nblocks, a.blockSize, static_cast<typename OutT::Raw*>(a.out));
 }
 

@@ -496,8 +496,8 @@ void encodeTopKTyped(const EncodeArgs& a) {
   const bool approx = a.config.approximate;
   const TopkWorkspace w = planWorkspace(approx, n, k);
   auto* st = at<TopkState>(a.workspace, w.stateOff);
-  auto* outIdx = reinterpret_cast<uint32_t*>(a.payload + a.layout.dataOffset);
-  auto* outVal = reinterpret_cast<float*>(a.payload + a.layout.valuesOffset);
+  auto* outIdx = reinterpret_cast<uint32_t*>(a.payload + a.layout.first);
+  auto* outVal = reinterpret_cast<float*>(a.payload + a.layout.second);
   const auto* x = static_cast<const typename XT::Raw*>(a.x);
 
   PrepareParams p{n, w.numTiles, st, at<uint32_t>(a.workspace, w.segOffOff), at<uint32_t>(a.workspace, w.segCntOff),
@@ -556,8 +556,8 @@ __global__ __launch_bounds__(kThreads) void scatterKernel(const uint32_t* __rest
 template <typename OutT, bool kAcc>
 void scatter(const DecodeArgs& a) {
   launch(scatterKernel<OutT, kAcc>, gridFor(a.k, kThreads * 4), kThreads, a.cudaStream,
-         reinterpret_cast<const uint32_t*>(a.payload + a.layout.dataOffset),
-         reinterpret_cast<const float*>(a.payload + a.layout.valuesOffset), a.k, a.numel,
+         reinterpret_cast<const uint32_t*>(a.payload + a.layout.first),
+         reinterpret_cast<const float*>(a.payload + a.layout.second), a.k, a.numel,
          static_cast<typename OutT::Raw*>(a.out));
 }
 
