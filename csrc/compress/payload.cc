@@ -76,8 +76,8 @@ void decodeInto(const uint8_t* payload, size_t bytes, const Output& out, size_t 
   const uint8_t* first = payload + layout.first;
   const uint8_t* second = payload + layout.second;
   switch (info.format) {
-    case Format::OneBit: return decodeOneBit(numel, info.blockSize, twoScales, first, second, out);
-    case Format::Ternary: return decodeTernary(numel, info.blockSize, first, second, out);
+    case Format::OneBit:
+    case Format::Ternary: return decodeBlocks(info.format, twoScales, numel, info.blockSize, first, second, out);
     case Format::TopK:
     case Format::RandomK: return decodeSparse(numel, info.k, first, second, out);
     case Format::Float16:
@@ -125,8 +125,8 @@ size_t encode(const Config& config, DataType xType, const void* x, float* residu
   uint8_t* first = payload + layout.first;
   uint8_t* second = payload + layout.second;
   switch (config.format) {
-    case Format::OneBit: encodeOneBit(config, in, first, second); break;
-    case Format::Ternary: encodeTernary(config, in, stream, first, second); break;
+    case Format::OneBit:
+    case Format::Ternary: encodeBlocks(config, in, stream, first, second); break;
     case Format::TopK: encodeTopK(config, in, stream, k, first, second, topKStats); break;
     case Format::RandomK: encodeRandomK(config, in, stream, k, first, second); break;
     case Format::Float16:
@@ -240,23 +240,21 @@ size_t reduceEncode(const Config& config, const uint8_t* const* payloads, size_t
       std::fill(sum.begin(), sum.begin() + ptrdiff_t(len), 0.f);
       for (size_t j = 0; j < count; ++j) {
         const uint8_t* inFirst = payloads[j] + layout.first;
-        const uint8_t* inSecond = payloads[j] + layout.second;
-        switch (config.format) {
-          case Format::OneBit:
-            decodeOneBitRange(begin, len, config.blockSize, config.twoScales, inFirst, inSecond, accumulate);
-            break;
-          case Format::Ternary: decodeTernaryRange(begin, len, config.blockSize, inFirst, inSecond, accumulate); break;
-          default: decodeCastRange(config.format, begin, len, inFirst, accumulate); break;
+        if (hasBlocks(config.format)) {
+          decodeBlocksRange(config.format, config.twoScales, begin, len, config.blockSize, inFirst,
+                            payloads[j] + layout.second, accumulate);
+        } else {
+          decodeCastRange(config.format, begin, len, inFirst, accumulate);
         }
       }
       if (factor != 1.f) {
         for (size_t i = 0; i < len; ++i) sum[i] *= factor;
       }
       const Input y{DataType::Float32, sum.data(), residual ? residual + begin : nullptr, len, begin};
-      switch (config.format) {
-        case Format::OneBit: encodeOneBitRange(config, y, first, second); break;
-        case Format::Ternary: encodeTernaryRange(config, y, stream, first, second); break;
-        default: encodeCastRange(config.format, y, first); break;
+      if (hasBlocks(config.format)) {
+        encodeBlocksRange(config, y, stream, first, second);
+      } else {
+        encodeCastRange(config.format, y, first);
       }
     }
   });
