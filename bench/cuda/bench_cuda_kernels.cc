@@ -188,7 +188,7 @@ int main(int argc, char** argv) {
                         static_cast<uint8_t*>(pays[k]->p), payCap, ws.p, wsCap, s);
       compress::PayloadInfo info{c.cfg.format, uint8_t(c.cfg.format == Format::OneBit && c.cfg.twoScales ? 1 : 0),
                                  (c.cfg.format == Format::OneBit || c.cfg.format == Format::Ternary) ? c.cfg.blockSize : 0,
-                                 n, gpu::keptEntriesCuda(c.cfg, n)};
+                                 n, compress::keptEntries(c.cfg, n)};
       if (c.cfg.format != Format::TopK && c.cfg.format != Format::RandomK) info.k = 0;
       const float decMs = medianMs(r, s, [&](int i) {
         gpu::decodeAccumulateCuda(info, static_cast<const uint8_t*>(pays[i % sets]->p), bytes,

@@ -32,7 +32,9 @@
 //    selects exactly the same entries (it only finds them faster, see topk.cc).
 #pragma once
 
+#include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 
@@ -70,12 +72,33 @@ inline uint8_t headerFlags(const Config& config) {
 }
 inline uint32_t headerBlockSize(const Config& config) { return hasBlocks(config.format) ? config.blockSize : 0; }
 
-// "one_bit", "ternary", "top_k", "random_k", "float16", "bfloat16".
-const char* formatName(Format format);
-
 // Entries kept by top-k / random-k for a vector of numel elements: min(k, numel) when k is
 // set, else round(ratio * numel) (half away from zero) clamped to [1, numel]; 0 when numel is 0.
-uint64_t keptEntries(const Config& config, size_t numel);
+inline uint64_t keptEntries(const Config& config, size_t numel) {
+  if (!isSparse(config.format) || numel == 0) return 0;
+  if (config.k > 0) return std::min<uint64_t>(config.k, numel);
+  const double k = std::round(config.ratio * double(numel));
+  return k < 1.0 ? 1 : std::min<uint64_t>(uint64_t(k), numel);
+}
+
+// The header and the section layout of every encode of numel elements with this config.
+inline PayloadHeader makeHeader(const Config& config, uint64_t numel) {
+  PayloadHeader header{};
+  header.magic = kPayloadMagic;
+  header.version = kPayloadVersion;
+  header.format = uint8_t(config.format);
+  header.flags = headerFlags(config);
+  header.blockSize = headerBlockSize(config);
+  header.numel = numel;
+  header.k = keptEntries(config, numel);
+  return header;
+}
+inline PayloadLayout payloadLayout(const Config& config, size_t numel) {
+  return payloadLayout(config.format, config.twoScales, config.blockSize, numel, keptEntries(config, numel));
+}
+
+// "one_bit", "ternary", "top_k", "random_k", "float16", "bfloat16".
+const char* formatName(Format format);
 // Payload size of every encode of numel elements with this config (exact for all formats).
 size_t encodedBytes(const Config& config, size_t numel);
 

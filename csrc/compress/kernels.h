@@ -12,18 +12,16 @@
 namespace ddlcomm::compress {
 
 // Parallel parts of 1-bit and ternary start at multiples of this many blocks, so each part's
-// bits start on a byte boundary.
+// codes start on a byte boundary.
 constexpr size_t kBlocksPerUnit = 8;
 
-// 1-bit (onebit.cc): scales float32[nblocks * (twoScales ? 2 : 1)], then sign bits.
-void encodeOneBit(const Config& config, const Input& in, uint8_t* scales, uint8_t* bits);
-void decodeOneBit(size_t numel, uint32_t blockSize, bool twoScales, const uint8_t* scales, const uint8_t* bits,
-                  const Output& out);
-
-// Ternary (ternary.cc): scales float32[nblocks], then 2-bit codes.
-void encodeTernary(const Config& config, const Input& in, uint64_t stream, uint8_t* scales, uint8_t* codes);
-void decodeTernary(size_t numel, uint32_t blockSize, const uint8_t* scales, const uint8_t* codes, const Output& out);
-// Throws Error(Protocol) on a code 3.
+// 1-bit (onebit.cc) and ternary (ternary.cc), one block codec (block_codec.h, block_codec.cc):
+// float32 scales, then codeBits(format) bits per element. `stream` feeds stochastic ternary's
+// randomness; twoScales applies to 1-bit only.
+void encodeBlocks(const Config& config, const Input& in, uint64_t stream, uint8_t* scales, uint8_t* codes);
+void decodeBlocks(Format format, bool twoScales, size_t numel, uint32_t blockSize, const uint8_t* scales,
+                  const uint8_t* codes, const Output& out);
+// Ternary: throws Error(Protocol) on a code 3.
 void checkTernaryCodes(const uint8_t* codes, size_t numel);
 
 // Top-k (topk.cc) / random-k (randomk.cc): uint32 indices[k] ascending, then float32 values[k];
@@ -52,12 +50,9 @@ void decodeCast(Format format, size_t numel, const uint8_t* values, const Output
 // payload.cc): `in` / `out` hold elements [first, first + numel) of the vector, and the
 // section pointers are the whole payload's. For 1-bit and ternary, `first` is a multiple of
 // kBlocksPerUnit blocks.
-void encodeOneBitRange(const Config& config, const Input& in, uint8_t* scales, uint8_t* bits);
-void decodeOneBitRange(size_t first, size_t numel, uint32_t blockSize, bool twoScales, const uint8_t* scales,
-                       const uint8_t* bits, const Output& out);
-void encodeTernaryRange(const Config& config, const Input& in, uint64_t stream, uint8_t* scales, uint8_t* codes);
-void decodeTernaryRange(size_t first, size_t numel, uint32_t blockSize, const uint8_t* scales, const uint8_t* codes,
-                        const Output& out);
+void encodeBlocksRange(const Config& config, const Input& in, uint64_t stream, uint8_t* scales, uint8_t* codes);
+void decodeBlocksRange(Format format, bool twoScales, size_t first, size_t numel, uint32_t blockSize,
+                       const uint8_t* scales, const uint8_t* codes, const Output& out);
 void encodeCastRange(Format format, const Input& in, uint8_t* values);
 void decodeCastRange(Format format, size_t first, size_t numel, const uint8_t* values, const Output& out);
 

@@ -14,49 +14,12 @@
 namespace ddlcomm::compress {
 namespace {
 
-constexpr size_t kHeaderBytes = sizeof(PayloadHeader);
 // Elements reduced and re-encoded at a time by reduceEncode: small enough to stay in L1/L2.
 constexpr size_t kReduceTileElements = 8192;
 // Float32 decode outputs from this size on bypass the cache (Output::streaming).
 constexpr size_t kStreamingBytes = size_t(4) << 20;
 
 bool isKnownFormat(uint8_t raw) { return raw >= uint8_t(Format::OneBit) && raw <= uint8_t(Format::BFloat16); }
-
-// Byte sizes of a payload's two sections (the second is empty for casts) and of the whole.
-struct Layout {
-  size_t first = 0, second = 0, total = 0;
-};
-
-// False when a size does not fit in size_t.
-bool computeLayout(Format format, bool twoScales, uint64_t blockSize, uint64_t numel, uint64_t k, Layout& layout) {
-  auto ceilDiv = [](uint64_t a, uint64_t b) { return a / b + (a % b != 0); };
-  bool overflow = false;
-  uint64_t first = 0, second = 0;
-  switch (format) {
-    case Format::OneBit:
-      overflow = __builtin_mul_overflow(ceilDiv(numel, blockSize), twoScales ? 8 : 4, &first);
-      second = ceilDiv(numel, 8);
-      break;
-    case Format::Ternary:
-      overflow = __builtin_mul_overflow(ceilDiv(numel, blockSize), 4, &first);
-      second = ceilDiv(numel, 4);
-      break;
-    case Format::TopK:
-    case Format::RandomK:
-      overflow = __builtin_mul_overflow(k, 4, &first);
-      second = first;
-      break;
-    case Format::Float16:
-    case Format::BFloat16:
-      overflow = __builtin_mul_overflow(numel, 2, &first);
-      break;
-  }
-  uint64_t total = 0;
-  overflow = overflow || __builtin_add_overflow(first, second, &total) ||
-             __builtin_add_overflow(total, kHeaderBytes, &total) || total > SIZE_MAX;
-  layout = {size_t(first), size_t(second), size_t(total)};
-  return !overflow;
-}
 
 void checkConfig(const Config& config) {
   DDLCOMM_CHECK(isKnownFormat(uint8_t(config.format)), ErrorKind::InvalidArgument, "unknown compression format ",
@@ -76,12 +39,10 @@ void checkConfig(const Config& config) {
   }
 }
 
-Layout layoutFor(const Config& config, size_t numel) {
+PayloadLayout layoutFor(const Config& config, size_t numel) {
   checkConfig(config);
-  Layout layout;
-  DDLCOMM_CHECK(computeLayout(config.format, config.twoScales, config.blockSize, numel, keptEntries(config, numel),
-                              layout),
-                ErrorKind::InvalidArgument, "a payload for ", numel, " elements would not fit in memory");
+  const PayloadLayout layout = payloadLayout(config, numel);
+  DDLCOMM_CHECK(layout.fits, ErrorKind::InvalidArgument, "a payload for ", numel, " elements would not fit in memory");
   return layout;
 }
 
@@ -100,16 +61,8 @@ std::string describeHeader(uint8_t format, uint32_t blockSize, uint8_t flags) {
                         blockSize, ", flags ", int(flags), ")");
 }
 
-
-void writeHeader(const Config& config, uint64_t numel, uint64_t k, uint8_t* payload) {
-  PayloadHeader header{};
-  header.magic = kPayloadMagic;
-  header.version = kPayloadVersion;
-  header.format = uint8_t(config.format);
-  header.flags = headerFlags(config);
-  header.blockSize = headerBlockSize(config);
-  header.numel = numel;
-  header.k = k;
+void writeHeader(const Config& config, uint64_t numel, uint8_t* payload) {
+  const PayloadHeader header = makeHeader(config, numel);
   std::memcpy(payload, &header, kHeaderBytes);
 }
 
@@ -118,13 +71,13 @@ void decodeInto(const uint8_t* payload, size_t bytes, const Output& out, size_t 
   DDLCOMM_CHECK(info.numel == numel, ErrorKind::InvalidArgument, "the payload holds ", info.numel,
                 " elements, the output has ", numel);
   DDLCOMM_CHECK(numel == 0 || out.data != nullptr, ErrorKind::InvalidArgument, "decode: null output");
-  Layout layout;
-  computeLayout(info.format, info.flags & kFlagTwoScales, info.blockSize, info.numel, info.k, layout);
-  const uint8_t* first = payload + kHeaderBytes;
-  const uint8_t* second = first + layout.first;
+  const bool twoScales = info.flags & kFlagTwoScales;
+  const PayloadLayout layout = payloadLayout(info.format, twoScales, info.blockSize, info.numel, info.k);
+  const uint8_t* first = payload + layout.first;
+  const uint8_t* second = payload + layout.second;
   switch (info.format) {
-    case Format::OneBit: return decodeOneBit(numel, info.blockSize, info.flags & kFlagTwoScales, first, second, out);
-    case Format::Ternary: return decodeTernary(numel, info.blockSize, first, second, out);
+    case Format::OneBit:
+    case Format::Ternary: return decodeBlocks(info.format, twoScales, numel, info.blockSize, first, second, out);
     case Format::TopK:
     case Format::RandomK: return decodeSparse(numel, info.k, first, second, out);
     case Format::Float16:
@@ -152,41 +105,34 @@ const char* formatName(Format format) {
   return "unknown";
 }
 
-uint64_t keptEntries(const Config& config, size_t numel) {
-  if (!isSparse(config.format) || numel == 0) return 0;
-  if (config.k > 0) return std::min<uint64_t>(config.k, numel);
-  const double k = std::round(config.ratio * double(numel));
-  return k < 1.0 ? 1 : std::min<uint64_t>(uint64_t(k), numel);
-}
-
-size_t encodedBytes(const Config& config, size_t numel) { return layoutFor(config, numel).total; }
+size_t encodedBytes(const Config& config, size_t numel) { return layoutFor(config, numel).bytes; }
 
 size_t encode(const Config& config, DataType xType, const void* x, float* residual, size_t numel, uint64_t stream,
               uint8_t* payload, size_t capacity, TopKStats* topKStats) {
-  const Layout layout = layoutFor(config, numel);
+  const PayloadLayout layout = layoutFor(config, numel);
   checkFloatType(xType, "the input");
-  DDLCOMM_CHECK(capacity >= layout.total, ErrorKind::InvalidArgument, "payload buffer of ", capacity,
-                " bytes is too small, the payload needs ", layout.total);
+  DDLCOMM_CHECK(capacity >= layout.bytes, ErrorKind::InvalidArgument, "payload buffer of ", capacity,
+                " bytes is too small, the payload needs ", layout.bytes);
   DDLCOMM_CHECK(numel == 0 || x != nullptr, ErrorKind::InvalidArgument, "encode: null input");
   if (isSparse(config.format)) {
     DDLCOMM_CHECK(numel <= (uint64_t(1) << 32), ErrorKind::InvalidArgument,
                   "top-k / random-k index with 32 bits: at most 2^32 elements, got ", numel);
   }
   const uint64_t k = keptEntries(config, numel);
-  writeHeader(config, numel, k, payload);
+  writeHeader(config, numel, payload);
 
   const Input in{xType, x, residual, numel};
-  uint8_t* first = payload + kHeaderBytes;
-  uint8_t* second = first + layout.first;
+  uint8_t* first = payload + layout.first;
+  uint8_t* second = payload + layout.second;
   switch (config.format) {
-    case Format::OneBit: encodeOneBit(config, in, first, second); break;
-    case Format::Ternary: encodeTernary(config, in, stream, first, second); break;
+    case Format::OneBit:
+    case Format::Ternary: encodeBlocks(config, in, stream, first, second); break;
     case Format::TopK: encodeTopK(config, in, stream, k, first, second, topKStats); break;
     case Format::RandomK: encodeRandomK(config, in, stream, k, first, second); break;
     case Format::Float16:
     case Format::BFloat16: encodeCast(config.format, in, first); break;
   }
-  return layout.total;
+  return layout.bytes;
 }
 
 PayloadInfo inspect(const uint8_t* payload, size_t bytes) {
@@ -215,18 +161,18 @@ PayloadInfo inspect(const uint8_t* payload, size_t bytes) {
   } else {
     DDLCOMM_CHECK(h.k == 0, ErrorKind::Protocol, name, " payload: k must be 0, got ", h.k);
   }
-  Layout layout;
-  DDLCOMM_CHECK(computeLayout(format, h.flags & kFlagTwoScales, h.blockSize, h.numel, h.k, layout),
-                ErrorKind::Protocol, name, " payload: header sizes overflow (numel ", h.numel, ", k ", h.k, ")");
-  DDLCOMM_CHECK(bytes == layout.total, ErrorKind::Protocol, name, " payload has ", bytes, " bytes, its header (numel ",
-                h.numel, ", k ", h.k, ", block size ", h.blockSize, ") needs ", layout.total);
+  const PayloadLayout layout = payloadLayout(format, h.flags & kFlagTwoScales, h.blockSize, h.numel, h.k);
+  DDLCOMM_CHECK(layout.fits, ErrorKind::Protocol, name, " payload: header sizes overflow (numel ", h.numel, ", k ",
+                h.k, ")");
+  DDLCOMM_CHECK(bytes == layout.bytes, ErrorKind::Protocol, name, " payload has ", bytes, " bytes, its header (numel ",
+                h.numel, ", k ", h.k, ", block size ", h.blockSize, ") needs ", layout.bytes);
 
-  const uint8_t* first = payload + kHeaderBytes;
-  const uint8_t* second = first + layout.first;
+  const uint8_t* first = payload + layout.first;
+  const uint8_t* second = payload + layout.second;
   switch (format) {
-    case Format::OneBit: checkUnusedBits(second, layout.second, h.numel, 1, name); break;
+    case Format::OneBit: checkUnusedBits(second, layout.secondBytes(), h.numel, 1, name); break;
     case Format::Ternary:
-      checkUnusedBits(second, layout.second, h.numel, 2, name);
+      checkUnusedBits(second, layout.secondBytes(), h.numel, 2, name);
       checkTernaryCodes(second, h.numel);
       break;
     case Format::TopK:
@@ -274,19 +220,15 @@ PayloadInfo checkSummand(const Config& config, const uint8_t* payload, size_t by
 
 size_t reduceEncode(const Config& config, const uint8_t* const* payloads, size_t count, size_t payloadBytes,
                     size_t numel, float factor, float* residual, uint64_t stream, uint8_t* out, size_t capacity) {
-  const Layout layout = layoutFor(config, numel);
+  const PayloadLayout layout = layoutFor(config, numel);
   DDLCOMM_CHECK(!isSparse(config.format), ErrorKind::InvalidArgument, "reduceEncode: ", formatName(config.format),
                 " payloads are summed sparsely, not re-encoded");
-  DDLCOMM_CHECK(capacity >= layout.total, ErrorKind::InvalidArgument, "payload buffer of ", capacity,
-                " bytes is too small, the payload needs ", layout.total);
-  std::vector<const uint8_t*> firstSections(count);
-  for (size_t j = 0; j < count; ++j) {
-    checkSummand(config, payloads[j], payloadBytes, numel);
-    firstSections[j] = payloads[j] + kHeaderBytes;
-  }
-  writeHeader(config, numel, 0, out);
-  uint8_t* first = out + kHeaderBytes;
-  uint8_t* second = first + layout.first;
+  DDLCOMM_CHECK(capacity >= layout.bytes, ErrorKind::InvalidArgument, "payload buffer of ", capacity,
+                " bytes is too small, the payload needs ", layout.bytes);
+  for (size_t j = 0; j < count; ++j) checkSummand(config, payloads[j], payloadBytes, numel);
+  writeHeader(config, numel, out);
+  uint8_t* first = out + layout.first;
+  uint8_t* second = out + layout.second;
 
   const size_t unit = hasBlocks(config.format) ? kBlocksPerUnit * config.blockSize : 64;
   const size_t tile = unit * std::max<size_t>(1, kReduceTileElements / unit);
@@ -296,28 +238,27 @@ size_t reduceEncode(const Config& config, const uint8_t* const* payloads, size_t
     for (size_t t = t0; t < t1; ++t) {
       const size_t begin = t * tile, len = std::min(tile, numel - begin);
       std::fill(sum.begin(), sum.begin() + ptrdiff_t(len), 0.f);
-      for (const uint8_t* in : firstSections) {
-        const uint8_t* inSecond = in + layout.first;
-        switch (config.format) {
-          case Format::OneBit:
-            decodeOneBitRange(begin, len, config.blockSize, config.twoScales, in, inSecond, accumulate);
-            break;
-          case Format::Ternary: decodeTernaryRange(begin, len, config.blockSize, in, inSecond, accumulate); break;
-          default: decodeCastRange(config.format, begin, len, in, accumulate); break;
+      for (size_t j = 0; j < count; ++j) {
+        const uint8_t* inFirst = payloads[j] + layout.first;
+        if (hasBlocks(config.format)) {
+          decodeBlocksRange(config.format, config.twoScales, begin, len, config.blockSize, inFirst,
+                            payloads[j] + layout.second, accumulate);
+        } else {
+          decodeCastRange(config.format, begin, len, inFirst, accumulate);
         }
       }
       if (factor != 1.f) {
         for (size_t i = 0; i < len; ++i) sum[i] *= factor;
       }
       const Input y{DataType::Float32, sum.data(), residual ? residual + begin : nullptr, len, begin};
-      switch (config.format) {
-        case Format::OneBit: encodeOneBitRange(config, y, first, second); break;
-        case Format::Ternary: encodeTernaryRange(config, y, stream, first, second); break;
-        default: encodeCastRange(config.format, y, first); break;
+      if (hasBlocks(config.format)) {
+        encodeBlocksRange(config, y, stream, first, second);
+      } else {
+        encodeCastRange(config.format, y, first);
       }
     }
   });
-  return layout.total;
+  return layout.bytes;
 }
 
 void sumSparse(const Config& config, const uint8_t* const* payloads, size_t count, size_t payloadBytes, size_t numel,
@@ -330,8 +271,8 @@ void sumSparse(const Config& config, const uint8_t* const* payloads, size_t coun
   std::vector<SparseSection> sections;
   for (size_t j = 0; j < count; ++j) {
     const PayloadInfo info = checkSummand(config, payloads[j], payloadBytes, numel);
-    const uint8_t* indices = payloads[j] + kHeaderBytes;
-    sections.push_back({size_t(info.k), indices, indices + 4 * info.k});
+    const PayloadLayout layout = payloadLayout(info.format, false, 0, info.numel, info.k);
+    sections.push_back({size_t(info.k), payloads[j] + layout.first, payloads[j] + layout.second});
   }
   sumSections(sections, numel, factor, outType, out);
 }

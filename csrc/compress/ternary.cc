@@ -10,16 +10,15 @@
 
 #include "common/error.h"
 #include "common/half.h"
-#include "compress/bits.h"
-#include "compress/block_sum.h"
+#include "compress/block_codec.h"
 #include "compress/kernels.h"
-#include "compress/parallel.h"
 
 namespace ddlcomm::compress {
 namespace {
 
+// The stochastic rule's scale: max |y|, clipped at clip * std when clip > 0.
 template <class E, bool EF>
-[[gnu::always_inline]] inline float blockScale(const typename E::Raw* x, const float* r, size_t len, float clip) {
+[[gnu::always_inline]] inline float maxScale(const typename E::Raw* x, const float* r, size_t len, float clip) {
   uint32_t maxBits[kLanes] = {};
   LaneSums sum, squares;
   forEachRow(len, [&](size_t off, auto n) __attribute__((always_inline)) {
@@ -77,87 +76,64 @@ template <class E, bool EF>
   return {at, sent ? kept.total() / float(sent) : 0.f, false};
 }
 
-// One rule or the other, chosen per call: Stochastic (TernGrad) or the deterministic threshold.
-template <class E, bool EF, bool Stochastic>
-[[gnu::always_inline]] inline void encodeBlocks(const Config& config, const Input& in, uint64_t stream,
-                                                uint8_t* scales, uint8_t* codes, size_t b0, size_t b1) {
-  const auto* x = static_cast<const typename E::Raw*>(in.x);
-  const size_t bs = config.blockSize;
-  BitWriter writer(codes + b0 * bs / 4);
-  for (size_t b = b0; b < b1; ++b) {
-    const size_t start = b * bs, len = std::min(bs, in.numel - start);
-    if (b + kPrefetchBlocks < b1) {
-      const size_t ahead = start + kPrefetchBlocks * bs;
-      prefetchY<E, EF>(x, in.residual, ahead, std::min(bs, in.numel - ahead));
-    }
-    const auto* xb = x + start;
-    float* rb = EF ? in.residual + start : nullptr;
-    Threshold t;
+// The ternary policy of BlockCodec, one rule or the other chosen per call: Stochastic
+// (TernGrad) or the deterministic threshold. Code 1 (bits 01) is +s, code 2 (bits 10) is -s.
+struct TernaryCode {
+  static constexpr Format kFormat = Format::Ternary;
+  static constexpr bool kVariantDecodes = false;
+  static bool variant(const Config& config) { return config.stochastic; }
+
+  using Scale = Threshold;
+
+  template <class E, bool EF, bool Stochastic>
+  [[gnu::always_inline]] static Scale blockScale(const Config& config, const typename E::Raw* x, const float* r,
+                                                 size_t len) {
     if constexpr (Stochastic) {
-      const float s = blockScale<E, EF>(xb, rb, len, config.clip);
-      t = {0.f, s, !(s <= FLT_MAX)};  // non-finite scale: every element decodes to it
+      const float s = maxScale<E, EF>(x, r, len, config.clip);
+      return {0.f, s, !(s <= FLT_MAX)};  // non-finite scale: every element decodes to it
     } else {
-      t = blockThreshold<E, EF>(xb, rb, len);
+      return blockThreshold<E, EF>(x, r, len);
     }
-    storeLE(scales + 4 * b, t.s);
-    forEachRow(len, [&](size_t off, auto n) __attribute__((always_inline)) {
-      uint32_t sent = 0, positive = 0;
-      for (size_t j = 0; j < n; ++j) {
-        const float y = loadY<E, EF>(xb, rb, off + j);
-        bool send;
-        if constexpr (Stochastic) {
-          send = counterUniform(config.seed, stream, in.first + start + off + j) * t.s < std::fabs(y);
-        } else {
-          send = std::fabs(y) > t.at;
-        }
-        send |= t.sendAll;
-        const bool isPos = y >= 0.f;
-        if constexpr (EF) rb[off + j] = residualOf(y, send ? (isPos ? t.s : -t.s) : 0.f);
-        sent |= uint32_t(send) << j;
-        positive |= uint32_t(isPos) << j;
+  }
+
+  template <bool>
+  [[gnu::always_inline]] static void storeScale(uint8_t* dst, const Scale& t) {
+    storeLE(dst, t.s);
+  }
+
+  template <bool>
+  [[gnu::always_inline]] static Scale loadScale(const uint8_t* src) {
+    return {0.f, loadLE<float>(src), false};
+  }
+
+  template <class E, bool EF, bool Stochastic, class N>
+  [[gnu::always_inline]] static uint64_t encodeRow(const Config& config, uint64_t stream, const Scale& t,
+                                                   const typename E::Raw* x, float* r, size_t index, size_t off,
+                                                   N n) {
+    uint32_t sent = 0, positive = 0;
+    for (size_t j = 0; j < n; ++j) {
+      const float y = loadY<E, EF>(x, r, off + j);
+      bool send;
+      if constexpr (Stochastic) {
+        send = counterUniform(config.seed, stream, index + off + j) * t.s < std::fabs(y);
+      } else {
+        send = std::fabs(y) > t.at;
       }
-      // code 1 (+s) = bits 01, code 2 (-s) = bits 10
-      writer.putWide(spreadBits(sent & positive) | spreadBits(sent & ~positive) << 1, 2 * n);
-    });
+      send |= t.sendAll;
+      const bool isPos = y >= 0.f;
+      if constexpr (EF) r[off + j] = residualOf(y, send ? (isPos ? t.s : -t.s) : 0.f);
+      sent |= uint32_t(send) << j;
+      positive |= uint32_t(isPos) << j;
+    }
+    return spreadBits(sent & positive) | spreadBits(sent & ~positive) << 1;
   }
-  writer.flush();
-}
 
-DDLCOMM_MULTIVERSION void encodePart(const Config& config, const Input& in, uint64_t stream, uint8_t* scales,
-                                     uint8_t* codes, size_t b0, size_t b1) {
-  withElement(in.type, [&](auto e) __attribute__((always_inline)) {
-    withFlag(in.residual != nullptr, [&](auto ef) __attribute__((always_inline)) {
-      withFlag(config.stochastic, [&](auto stochastic) __attribute__((always_inline)) {
-        encodeBlocks<decltype(e), decltype(ef)::value, decltype(stochastic)::value>(config, in, stream, scales, codes,
-                                                                                   b0, b1);
-      });
-    });
-  });
-}
-
-template <class Sink>
-[[gnu::always_inline]] inline void decodeBlocks(size_t numel, size_t bs, const uint8_t* scales, const uint8_t* codes,
-                                                Sink sink, size_t b0, size_t b1) {
-  BitReader reader(codes + b0 * bs / 4);
-  for (size_t b = b0; b < b1; ++b) {
-    const size_t start = b * bs, len = std::min(bs, numel - start);
-    const float s = loadLE<float>(scales + 4 * b);
-    forEachRow(len, [&](size_t off, auto n) __attribute__((always_inline)) {
-      const uint64_t codes = reader.getWide(2 * n);
-      const uint32_t plus = gatherEvenBits(codes), minus = gatherEvenBits(codes >> 1);
-      float row[kLanes];
-      for (size_t j = 0; j < n; ++j) row[j] = (plus >> j) & 1 ? s : (minus >> j) & 1 ? -s : 0.f;
-      sink.row(start + off, row, n);
-    });
+  template <class N>
+  [[gnu::always_inline]] static void decodeRow(uint64_t codes, const Scale& t, float* row, N n) {
+    const uint32_t plus = gatherEvenBits(codes), minus = gatherEvenBits(codes >> 1);
+    for (size_t j = 0; j < n; ++j) row[j] = (plus >> j) & 1 ? t.s : (minus >> j) & 1 ? -t.s : 0.f;
   }
-}
-
-DDLCOMM_MULTIVERSION void decodePart(size_t numel, uint32_t blockSize, const uint8_t* scales, const uint8_t* codes,
-                                     const Output& out, size_t b0, size_t b1) {
-  withSink(out, [&](auto sink) __attribute__((always_inline)) {
-    decodeBlocks(numel, blockSize, scales, codes, sink, b0, b1);
-  });
-}
+};
 
 // Nonzero when some 2-bit code in the bytes is 3.
 DDLCOMM_MULTIVERSION uint8_t invalidCodeBits(const uint8_t* codes, size_t bytes) {
@@ -168,27 +144,12 @@ DDLCOMM_MULTIVERSION uint8_t invalidCodeBits(const uint8_t* codes, size_t bytes)
 
 }  // namespace
 
-void encodeTernary(const Config& config, const Input& in, uint64_t stream, uint8_t* scales, uint8_t* codes) {
-  const size_t blocks = (in.numel + config.blockSize - 1) / config.blockSize;
-  parallelFor(blocks, config.blockSize, kBlocksPerUnit,
-              [&](size_t b0, size_t b1) { encodePart(config, in, stream, scales, codes, b0, b1); });
+DDLCOMM_MULTIVERSION void encodeTernaryPart(const BlockEncodeJob& job, size_t b0, size_t b1) {
+  BlockCodec<TernaryCode>::encodePart(job, b0, b1);
 }
 
-void decodeTernary(size_t numel, uint32_t blockSize, const uint8_t* scales, const uint8_t* codes, const Output& out) {
-  const size_t blocks = (numel + blockSize - 1) / blockSize;
-  parallelFor(blocks, blockSize, kBlocksPerUnit,
-              [&](size_t b0, size_t b1) { decodePart(numel, blockSize, scales, codes, out, b0, b1); });
-}
-
-void encodeTernaryRange(const Config& config, const Input& in, uint64_t stream, uint8_t* scales, uint8_t* codes) {
-  const size_t bs = config.blockSize;
-  encodePart(config, in, stream, scales + in.first / bs * 4, codes + in.first / 4, 0, (in.numel + bs - 1) / bs);
-}
-
-void decodeTernaryRange(size_t first, size_t numel, uint32_t blockSize, const uint8_t* scales, const uint8_t* codes,
-                        const Output& out) {
-  decodePart(numel, blockSize, scales + first / blockSize * 4, codes + first / 4, out, 0,
-             (numel + blockSize - 1) / blockSize);
+DDLCOMM_MULTIVERSION void decodeTernaryPart(const BlockDecodeJob& job, size_t b0, size_t b1) {
+  BlockCodec<TernaryCode>::decodePart(job, b0, b1);
 }
 
 void checkTernaryCodes(const uint8_t* codes, size_t numel) {

@@ -58,5 +58,62 @@ struct PayloadHeader {
 };
 #pragma pack(pop)
 static_assert(sizeof(PayloadHeader) == 32, "payload header is part of the wire format");
+constexpr uint64_t kHeaderBytes = sizeof(PayloadHeader);
+
+// 1-bit and ternary: bits of one element's code, and bytes of one block's float32 scales.
+constexpr unsigned codeBits(Format format) { return format == Format::OneBit ? 1 : 2; }
+constexpr uint64_t blockScaleBytes(Format format, bool twoScales) {
+  return format == Format::OneBit && twoScales ? 8 : 4;
+}
+
+// Where the sections above lie, from the header fields alone: the one computation of payload
+// sizes for the CPU (payload.cc) and the CUDA host code. Plain C++, usable by either build.
+struct PayloadLayout {
+  uint64_t nblocks = 0;  // scale blocks (1-bit, ternary)
+  uint64_t first = 0;    // offset of the first section: scales, indices, or the 16-bit values
+  uint64_t second = 0;   // offset of the second: sign bits, codes, or float32 values (casts: = bytes)
+  uint64_t bytes = 0;    // the whole payload
+  bool fits = false;     // false when a size overflows size_t: then nothing else is meaningful
+
+  uint64_t firstBytes() const { return second - first; }
+  uint64_t secondBytes() const { return bytes - second; }
+};
+
+// blockSize 0 gives no blocks (only reached for an empty vector: decoders check the rest).
+inline PayloadLayout payloadLayout(Format format, bool twoScales, uint64_t blockSize, uint64_t numel, uint64_t k) {
+  bool fits = true;
+  auto times = [&](uint64_t a, uint64_t b) {  // a * b, noting an overflow
+    fits = fits && (a == 0 || b <= SIZE_MAX / a);
+    return a * b;
+  };
+  auto plus = [&](uint64_t a, uint64_t b) {
+    fits = fits && b <= SIZE_MAX - a;
+    return a + b;
+  };
+  auto ceilDiv = [](uint64_t a, uint64_t b) { return a / b + (a % b != 0); };
+  PayloadLayout l;
+  l.first = kHeaderBytes;
+  uint64_t firstBytes = 0, secondBytes = 0;
+  switch (format) {
+    case Format::OneBit:
+    case Format::Ternary:
+      l.nblocks = blockSize == 0 ? 0 : ceilDiv(numel, blockSize);
+      firstBytes = times(l.nblocks, blockScaleBytes(format, twoScales));
+      secondBytes = ceilDiv(numel, 8 / codeBits(format));
+      break;
+    case Format::TopK:
+    case Format::RandomK:
+      firstBytes = secondBytes = times(k, 4);
+      break;
+    case Format::Float16:
+    case Format::BFloat16:
+      firstBytes = times(numel, 2);
+      break;
+  }
+  l.second = plus(l.first, firstBytes);
+  l.bytes = plus(l.second, secondBytes);
+  l.fits = fits;
+  return l;
+}
 
 }  // namespace ddlcomm::compress

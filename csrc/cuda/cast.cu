@@ -70,7 +70,7 @@ __global__ __launch_bounds__(kThreads) void castDecodeKernel(const uint16_t* __r
 template <typename XT, typename PT>
 void encodeTyped(const EncodeArgs& a) {
   const uint64_t grid = gridFor(a.numel, uint64_t(kThreads) * kUnroll);
-  auto* values = reinterpret_cast<uint16_t*>(a.payload + a.layout.dataOffset);
+  auto* values = reinterpret_cast<uint16_t*>(a.payload + a.layout.first);
   if (grid == 0) {
     launch(writeHeaderKernel, 1, 32, a.cudaStream, a.payload, a.header);
   } else {
@@ -81,28 +81,17 @@ void encodeTyped(const EncodeArgs& a) {
 
 template <typename PT>
 void encodeFormat(const EncodeArgs& a) {
-  switch (a.xType) {
-    case DataType::Float16: return encodeTyped<F16, PT>(a);
-    case DataType::BFloat16: return encodeTyped<BF16, PT>(a);
-    default: return encodeTyped<F32, PT>(a);
-  }
-}
-
-template <typename PT, typename OutT, bool kAcc>
-void decodeTyped(const DecodeArgs& a) {
-  launch(castDecodeKernel<PT, OutT, kAcc>, gridFor(a.numel, uint64_t(kThreads) * kUnroll), kThreads, a.cudaStream,
-         reinterpret_cast<const uint16_t*>(a.payload + a.layout.dataOffset), a.numel,
-         static_cast<typename OutT::Raw*>(a.out));
+  withFloatType(a.xType, [&](auto xt) { encodeTyped<decltype(xt), PT>(a); });
 }
 
 template <typename PT>
 void decodeFormat(const DecodeArgs& a) {
-  if (a.accumulate) return decodeTyped<PT, F32, true>(a);
-  switch (a.outType) {
-    case DataType::Float16: return decodeTyped<PT, F16, false>(a);
-    case DataType::BFloat16: return decodeTyped<PT, BF16, false>(a);
-    default: return decodeTyped<PT, F32, false>(a);
-  }
+  withOutput(a.accumulate, a.outType, [&](auto outT, auto acc) {
+    using OutT = decltype(outT);
+    launch(castDecodeKernel<PT, OutT, decltype(acc)::value>, gridFor(a.numel, uint64_t(kThreads) * kUnroll), kThreads,
+           a.cudaStream, reinterpret_cast<const uint16_t*>(a.payload + a.layout.first), a.numel,
+           static_cast<typename OutT::Raw*>(a.out));
+  });
 }
 
 }  // namespace

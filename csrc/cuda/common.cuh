@@ -7,11 +7,12 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
 
 #include "common/dtype.h"
 #include "compress/counter_random.h"
 #include "cuda/cuda_check.h"
-#include "cuda/layout.h"
+#include "cuda/launchers.h"
 
 namespace ddlcomm::gpu {
 
@@ -69,6 +70,28 @@ struct BF16 {
   static __device__ __forceinline__ float toFloat(uint16_t v) { return bf16BitsToFloat(v); }
   static __device__ __forceinline__ uint16_t fromFloat(float v) { return floatToBf16Bits(v); }
 };
+
+// The one float-dtype switch: fn(F32{}), fn(F16{}) or fn(BF16{}) for `type` (the callers have
+// rejected other dtypes). Host and device: fn's own execution space decides.
+#if defined(__CUDACC__)
+#pragma nv_exec_check_disable
+#endif
+template <typename Fn>
+__host__ __device__ __forceinline__ decltype(auto) withFloatType(DataType type, Fn&& fn) {
+  switch (type) {
+    case DataType::Float16: return fn(F16{});
+    case DataType::BFloat16: return fn(BF16{});
+    default: return fn(F32{});
+  }
+}
+
+// A decoder's output: fn(F32{}, std::true_type{}) to add into float32, else
+// fn(OutT{}, std::false_type{}) to assign in outType.
+template <typename Fn>
+void withOutput(bool accumulate, DataType outType, Fn&& fn) {
+  if (accumulate) return fn(F32{}, std::true_type{});
+  withFloatType(outType, [&](auto outT) { fn(outT, std::false_type{}); });
+}
 
 // y = x + residual, one float32 add (no contraction possible).
 template <typename XT>

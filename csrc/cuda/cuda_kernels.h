@@ -18,11 +18,9 @@
 
 namespace ddlcomm::gpu {
 
-// Entries kept by top-k / random-k: min(k, numel) when k is set, else round(ratio * numel)
-// (half away from zero) clamped to [1, numel]; 0 for numel 0. Equals compress::keptEntries.
-uint64_t keptEntriesCuda(const compress::Config& config, size_t numel);
-
-// Exact payload size for every format (approximate top-k on the GPU keeps exactly k entries).
+// Exact payload size for every format (approximate top-k on the GPU keeps exactly k entries);
+// compress::payloadLayout's, after the GPU's argument checks. Entries kept by top-k / random-k:
+// compress::keptEntries.
 size_t encodedBytesCuda(const compress::Config& config, size_t numel);
 
 // Device scratch that encodeCuda needs (0 but for top-k and random-k). Alignment: 256 bytes.

@@ -36,10 +36,6 @@ void checkConfig(const compress::Config& c, size_t numel) {
   fail(ErrorKind::InvalidArgument, "unknown compression format ", int(c.format));
 }
 
-PayloadLayout layoutFor(const compress::Config& c, size_t numel) {
-  return payloadLayout(c.format, c.twoScales, c.blockSize, numel, compress::isSparse(c.format) ? keptEntriesCuda(c, numel) : 0);
-}
-
 void checkPayloadPointer(const void* payload, const char* what) {
   DDLCOMM_CHECK(payload != nullptr, ErrorKind::InvalidArgument, what, ": null payload");
   DDLCOMM_CHECK(reinterpret_cast<uintptr_t>(payload) % 4 == 0, ErrorKind::InvalidArgument, what,
@@ -62,7 +58,7 @@ detail::DecodeArgs decodeArgs(const compress::PayloadInfo& info, const uint8_t* 
   DDLCOMM_CHECK(!compress::isSparse(info.format) || info.k <= numel, ErrorKind::Protocol, what, ": ", info.k,
                 " entries for ", numel, " elements");
   const bool two = info.format == compress::Format::OneBit && (info.flags & compress::kFlagTwoScales);
-  const PayloadLayout layout = payloadLayout(info.format, two, info.blockSize, numel, info.k);
+  const compress::PayloadLayout layout = compress::payloadLayout(info.format, two, info.blockSize, numel, info.k);
   DDLCOMM_CHECK(bytes == layout.bytes, ErrorKind::Protocol, what, ": payload has ", bytes, " bytes, its header says ",
                 layout.bytes);
   checkPayloadPointer(payload, what);
@@ -86,23 +82,17 @@ void runDecode(const detail::DecodeArgs& a) {
 
 }  // namespace
 
-uint64_t keptEntriesCuda(const compress::Config& config, size_t numel) {
-  if (!compress::isSparse(config.format) || numel == 0) return 0;
-  if (config.k > 0) return config.k < numel ? config.k : numel;
-  const double k = std::round(config.ratio * double(numel));  // half away from zero
-  return k < 1.0 ? 1 : (k < double(numel) ? uint64_t(k) : numel);
-}
-
 size_t encodedBytesCuda(const compress::Config& config, size_t numel) {
   checkConfig(config, numel);
-  return layoutFor(config, numel).bytes;
+  return compress::payloadLayout(config, numel).bytes;
 }
 
 size_t encodeWorkspaceBytes(const compress::Config& config, DataType, size_t numel) {
   checkConfig(config, numel);
   switch (config.format) {
-    case compress::Format::TopK: return detail::topkWorkspaceBytes(config.approximate, numel, keptEntriesCuda(config, numel));
-    case compress::Format::RandomK: return detail::randomkWorkspaceBytes(numel, keptEntriesCuda(config, numel));
+    case compress::Format::TopK:
+      return detail::topkWorkspaceBytes(config.approximate, numel, compress::keptEntries(config, numel));
+    case compress::Format::RandomK: return detail::randomkWorkspaceBytes(numel, compress::keptEntries(config, numel));
     case compress::Format::Ternary: return detail::ternaryWorkspaceBytes(config, numel);
     default: return 0;
   }
@@ -118,8 +108,8 @@ size_t encodeCuda(const compress::Config& config, DataType xType, const void* x,
                 dataTypeName(xType));
   DDLCOMM_CHECK(x != nullptr || numel == 0, ErrorKind::InvalidArgument, "encodeCuda: null input");
   checkPayloadPointer(payload, "encodeCuda");
-  const uint64_t k = compress::isSparse(config.format) ? keptEntriesCuda(config, numel) : 0;
-  const PayloadLayout layout = layoutFor(config, numel);
+  const uint64_t k = compress::keptEntries(config, numel);
+  const compress::PayloadLayout layout = compress::payloadLayout(config, numel);
   DDLCOMM_CHECK(capacity >= layout.bytes, ErrorKind::InvalidArgument, "encodeCuda: payload capacity ", capacity,
                 " < ", layout.bytes, " bytes needed");
   const size_t needed = encodeWorkspaceBytes(config, xType, numel);
@@ -128,8 +118,7 @@ size_t encodeCuda(const compress::Config& config, DataType xType, const void* x,
   DDLCOMM_CHECK(reinterpret_cast<uintptr_t>(workspace) % 256 == 0, ErrorKind::InvalidArgument,
                 "encodeCuda: the workspace must be 256-byte aligned");
 
-  const HeaderWords header =
-      makeHeader(config.format, compress::headerFlags(config), compress::headerBlockSize(config), numel, k);
+  const HeaderWords header = headerWords(compress::makeHeader(config, numel));
   const detail::EncodeArgs a{config, xType,  x,      residual,  numel,          stream,
                              k,      payload, layout, header,   workspace, workspaceBytes, cudaStream};
   switch (config.format) {

@@ -1,15 +1,31 @@
 // Per-format launchers behind encodeCuda / decodeCuda (dispatch.cc validates the arguments
-// and computes the layout first). Internal to csrc/cuda.
+// and computes the layout, compress/wire_format.h's, first). Internal to csrc/cuda.
 #pragma once
 
 #include <cuda_runtime_api.h>
 
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 
 #include "common/dtype.h"
 #include "compress/compress.h"
-#include "cuda/layout.h"
+
+namespace ddlcomm::gpu {
+
+// The 32 header bytes as 8 little-endian words, handed to a kernel by value.
+struct HeaderWords {
+  uint32_t w[8];
+};
+static_assert(sizeof(HeaderWords) == sizeof(compress::PayloadHeader), "one header, two views");
+
+inline HeaderWords headerWords(const compress::PayloadHeader& header) {
+  HeaderWords h;
+  std::memcpy(&h, &header, sizeof h);
+  return h;
+}
+
+}  // namespace ddlcomm::gpu
 
 namespace ddlcomm::gpu::detail {
 
@@ -22,7 +38,7 @@ struct EncodeArgs {
   uint64_t stream;  // randomness stream (not the CUDA stream)
   uint64_t k;       // entries kept (top-k, random-k)
   uint8_t* payload;
-  PayloadLayout layout;
+  compress::PayloadLayout layout;
   HeaderWords header;
   void* workspace;
   size_t workspaceBytes;
@@ -36,7 +52,7 @@ struct DecodeArgs {
   uint64_t numel;
   uint64_t k;
   const uint8_t* payload;
-  PayloadLayout layout;
+  compress::PayloadLayout layout;
   DataType outType;  // Float32 when accumulating
   void* out;
   bool accumulate;   // out (float32) += decoded

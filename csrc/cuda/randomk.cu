@@ -259,19 +259,15 @@ void encodeRandomK(const EncodeArgs& a) {
                       counts,
                       scaled ? float(double(n) / double(k)) : 1.f,
                       scaled,
-                      reinterpret_cast<uint32_t*>(a.payload + a.layout.dataOffset),
-                      reinterpret_cast<float*>(a.payload + a.layout.valuesOffset),
+                      reinterpret_cast<uint32_t*>(a.payload + a.layout.first),
+                      reinterpret_cast<float*>(a.payload + a.layout.second),
                       a.payload,
                       a.header};
-  const uint64_t grid = gridFor(w.numTiles, 1);
-  switch (a.xType) {
-    case DataType::Float16:
-      return launch(randomKWriteKernel<F16>, grid, kThreads, s, static_cast<const uint16_t*>(a.x), a.residual, p);
-    case DataType::BFloat16:
-      return launch(randomKWriteKernel<BF16>, grid, kThreads, s, static_cast<const uint16_t*>(a.x), a.residual, p);
-    default:
-      return launch(randomKWriteKernel<F32>, grid, kThreads, s, static_cast<const float*>(a.x), a.residual, p);
-  }
+  withFloatType(a.xType, [&](auto xt) {
+    using XT = decltype(xt);
+    launch(randomKWriteKernel<XT>, gridFor(w.numTiles, 1), kThreads, s, static_cast<const typename XT::Raw*>(a.x),
+           a.residual, p);
+  });
 }
 
 }  // namespace ddlcomm::gpu::detail

@@ -152,10 +152,15 @@ void reduceCuda(ReduceOp op, DataType type, void* dst, const void* src, size_t c
   if (count == 0) return;
   DDLCOMM_CHECK(dst && src, ErrorKind::InvalidArgument, "reduceCuda: null buffer for ", count, " elements");
   switch (type) {
-    case DataType::Float32: return runArith<float>(op, dst, src, count, stream);
+    case DataType::Float32:
+    case DataType::Float16:
+    case DataType::BFloat16:
+      // float32 through F32's identity conversions: the same bits as arithmetic on float.
+      return withFloatType(type, [&](auto t) {
+        using T = decltype(t);
+        runArith<typename T::Raw, T>(op, dst, src, count, stream);
+      });
     case DataType::Float64: return runArith<double>(op, dst, src, count, stream);
-    case DataType::Float16: return runArith<uint16_t, F16>(op, dst, src, count, stream);
-    case DataType::BFloat16: return runArith<uint16_t, BF16>(op, dst, src, count, stream);
     case DataType::Int8: return runInt<int8_t>(op, dst, src, count, stream);
     case DataType::UInt8: return runInt<uint8_t>(op, dst, src, count, stream);
     case DataType::Int32: return runInt<int32_t>(op, dst, src, count, stream);
@@ -171,20 +176,15 @@ void divideCuda(DataType type, void* data, size_t count, double divisor, cudaStr
   if (count == 0) return;
   DDLCOMM_CHECK(data, ErrorKind::InvalidArgument, "divideCuda: null buffer for ", count, " elements");
   const uint64_t grid = gridFor(count, kThreads * 4);
-  switch (type) {
-    case DataType::Float32:
-      return launch(divideKernel<float, void, float>, grid, kThreads, stream, static_cast<float*>(data), count,
-                    float(divisor));
-    case DataType::Float64:
-      return launch(divideKernel<double, void, double>, grid, kThreads, stream, static_cast<double*>(data), count,
-                    divisor);
-    case DataType::Float16:
-      return launch(divideKernel<uint16_t, F16, float>, grid, kThreads, stream, static_cast<uint16_t*>(data), count,
-                    float(divisor));
-    default:
-      return launch(divideKernel<uint16_t, BF16, float>, grid, kThreads, stream, static_cast<uint16_t*>(data), count,
-                    float(divisor));
+  if (type == DataType::Float64) {
+    return launch(divideKernel<double, void, double>, grid, kThreads, stream, static_cast<double*>(data), count,
+                  divisor);
   }
+  withFloatType(type, [&](auto t) {
+    using T = decltype(t);
+    launch(divideKernel<typename T::Raw, T, float>, grid, kThreads, stream, static_cast<typename T::Raw*>(data), count,
+           float(divisor));
+  });
 }
 
 }  // namespace ddlcomm::gpu

@@ -71,11 +71,10 @@ __device__ __forceinline__ bool matches(uint32_t key, uint32_t prefix, int match
 }
 
 __device__ __forceinline__ float loadAny(const void* x, DataType type, uint64_t i) {
-  switch (type) {
-    case DataType::Float16: return F16::toFloat(static_cast<const uint16_t*>(x)[i]);
-    case DataType::BFloat16: return BF16::toFloat(static_cast<const uint16_t*>(x)[i]);
-    default: return static_cast<const float*>(x)[i];
-  }
+  return withFloatType(type, [&](auto xt) {
+    using XT = decltype(xt);
+    return XT::toFloat(static_cast<const typename XT::Raw*>(x)[i]);
+  });
 }
 
 // ---- element sources --------------------------------------------------------------------
@@ -475,18 +474,11 @@ void storeYAndHeader(const EncodeArgs& a) {
   if (!a.residual || a.numel == 0) return launch(writeHeaderKernel, 1, 32, a.cudaStream, a.payload, a.header);
   const PrepareParams p{a.numel, (a.numel + kTile - 1) / kTile, nullptr, nullptr, nullptr, nullptr, nullptr, 0,
                         a.payload, a.header};
-  const uint64_t grid = gridFor(p.numTiles, 1);
-  switch (a.xType) {
-    case DataType::Float16:
-      return launch(prepareKernel<F16, kMode>, grid, kThreads, a.cudaStream, static_cast<const uint16_t*>(a.x),
-                    a.residual, p);
-    case DataType::BFloat16:
-      return launch(prepareKernel<BF16, kMode>, grid, kThreads, a.cudaStream, static_cast<const uint16_t*>(a.x),
-                    a.residual, p);
-    default:
-      return launch(prepareKernel<F32, kMode>, grid, kThreads, a.cudaStream, static_cast<const float*>(a.x),
-                    a.residual, p);
-  }
+  withFloatType(a.xType, [&](auto xt) {
+    using XT = decltype(xt);
+    launch(prepareKernel<XT, kMode>, gridFor(p.numTiles, 1), kThreads, a.cudaStream,
+           static_cast<const typename XT::Raw*>(a.x), a.residual, p);
+  });
 }
 
 template <typename XT>
@@ -496,8 +488,8 @@ void encodeTopKTyped(const EncodeArgs& a) {
   const bool approx = a.config.approximate;
   const TopkWorkspace w = planWorkspace(approx, n, k);
   auto* st = at<TopkState>(a.workspace, w.stateOff);
-  auto* outIdx = reinterpret_cast<uint32_t*>(a.payload + a.layout.dataOffset);
-  auto* outVal = reinterpret_cast<float*>(a.payload + a.layout.valuesOffset);
+  auto* outIdx = reinterpret_cast<uint32_t*>(a.payload + a.layout.first);
+  auto* outVal = reinterpret_cast<float*>(a.payload + a.layout.second);
   const auto* x = static_cast<const typename XT::Raw*>(a.x);
 
   PrepareParams p{n, w.numTiles, st, at<uint32_t>(a.workspace, w.segOffOff), at<uint32_t>(a.workspace, w.segCntOff),
@@ -553,13 +545,6 @@ __global__ __launch_bounds__(kThreads) void scatterKernel(const uint32_t* __rest
   }
 }
 
-template <typename OutT, bool kAcc>
-void scatter(const DecodeArgs& a) {
-  launch(scatterKernel<OutT, kAcc>, gridFor(a.k, kThreads * 4), kThreads, a.cudaStream,
-         reinterpret_cast<const uint32_t*>(a.payload + a.layout.dataOffset),
-         reinterpret_cast<const float*>(a.payload + a.layout.valuesOffset), a.k, a.numel,
-         static_cast<typename OutT::Raw*>(a.out));
-}
 
 }  // namespace
 
@@ -570,21 +555,20 @@ size_t topkWorkspaceBytes(bool approximate, uint64_t numel, uint64_t k) {
 
 void encodeTopK(const EncodeArgs& a) {
   if (a.k == 0) return storeYAndHeader<kStoreUnsent>(a);  // nothing is sent
-  switch (a.xType) {
-    case DataType::Float16: return encodeTopKTyped<F16>(a);
-    case DataType::BFloat16: return encodeTopKTyped<BF16>(a);
-    default: return encodeTopKTyped<F32>(a);
-  }
+  withFloatType(a.xType, [&](auto xt) { encodeTopKTyped<decltype(xt)>(a); });
 }
 
 void decodeSparse(const DecodeArgs& a) {
-  if (a.accumulate) return scatter<F32, true>(a);
-  if (a.numel > 0) DDLCOMM_CUDA_CHECK(cudaMemsetAsync(a.out, 0, a.numel * elementSize(a.outType), a.cudaStream));
-  switch (a.outType) {
-    case DataType::Float16: return scatter<F16, false>(a);
-    case DataType::BFloat16: return scatter<BF16, false>(a);
-    default: return scatter<F32, false>(a);
+  if (!a.accumulate && a.numel > 0) {
+    DDLCOMM_CUDA_CHECK(cudaMemsetAsync(a.out, 0, a.numel * elementSize(a.outType), a.cudaStream));
   }
+  withOutput(a.accumulate, a.outType, [&](auto outT, auto acc) {
+    using OutT = decltype(outT);
+    launch(scatterKernel<OutT, decltype(acc)::value>, gridFor(a.k, kThreads * 4), kThreads, a.cudaStream,
+           reinterpret_cast<const uint32_t*>(a.payload + a.layout.first),
+           reinterpret_cast<const float*>(a.payload + a.layout.second), a.k, a.numel,
+           static_cast<typename OutT::Raw*>(a.out));
+  });
 }
 
 }  // namespace ddlcomm::gpu::detail
