@@ -18,7 +18,7 @@ namespace {
 constexpr std::chrono::milliseconds kLivenessPeriod{100};
 // Sleep slices while network requests are pending too: the futex does not see sockets.
 constexpr std::chrono::milliseconds kMixedSlice{1};
-// Polls between pauses before a waiting rank starts yielding (a few microseconds).
+// Polls, each followed by a pause, before a waiting rank starts yielding.
 constexpr unsigned kPauseSpins = 256;
 
 void note(int rank, const std::string& text) { std::fprintf(stderr, "[ddlcomm rank %d] %s\n", rank, text.c_str()); }
