@@ -115,8 +115,8 @@ size_t encode(const Config& config, DataType xType, const void* x, float* residu
                 " bytes is too small, the payload needs ", layout.bytes);
   DDLCOMM_CHECK(numel == 0 || x != nullptr, ErrorKind::InvalidArgument, "encode: null input");
   if (isSparse(config.format)) {
-    DDLCOMM_CHECK(numel <= (uint64_t(1) << 32), ErrorKind::InvalidArgument,
-                  "top-k / random-k index with 32 bits: at most 2^32 elements, got ", numel);
+    DDLCOMM_CHECK(numel <= kMaxSparseNumel, ErrorKind::InvalidArgument,
+                  "top-k / random-k payloads index with uint32: at most ", kMaxSparseNumel, " elements, got ", numel);
   }
   const uint64_t k = keptEntries(config, numel);
   writeHeader(config, numel, payload);

@@ -43,6 +43,9 @@ constexpr uint32_t kPayloadMagic = 0x5a4c4444;  // "DDLZ"
 constexpr uint8_t kPayloadVersion = 1;
 constexpr uint8_t kFlagTwoScales = 1;
 constexpr uint8_t kFlagStochastic = 2;
+// Top-k / random-k index with uint32: at most this many elements, so that every index and the
+// element count itself fit in 32 bits (CPU and CUDA check the same bound).
+constexpr uint64_t kMaxSparseNumel = 0xffffffffull;
 
 #pragma pack(push, 1)
 struct PayloadHeader {

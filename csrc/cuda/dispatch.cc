@@ -10,8 +10,6 @@
 namespace ddlcomm::gpu {
 namespace {
 
-constexpr uint64_t kMaxSparseNumel = 0xffffffffull;  // payload indices are uint32
-
 void checkConfig(const compress::Config& c, size_t numel) {
   switch (c.format) {
     case compress::Format::OneBit:
@@ -24,9 +22,9 @@ void checkConfig(const compress::Config& c, size_t numel) {
       return;
     case compress::Format::TopK:
     case compress::Format::RandomK:
-      DDLCOMM_CHECK(numel <= kMaxSparseNumel, ErrorKind::InvalidArgument,
-                    "top-k / random-k payloads index with uint32: at most ", kMaxSparseNumel, " elements, got ",
-                    numel);
+      DDLCOMM_CHECK(numel <= compress::kMaxSparseNumel, ErrorKind::InvalidArgument,
+                    "top-k / random-k payloads index with uint32: at most ", compress::kMaxSparseNumel,
+                    " elements, got ", numel);
       DDLCOMM_CHECK(c.k > 0 || (c.ratio > 0.0 && c.ratio <= 1.0), ErrorKind::InvalidArgument,
                     "top-k / random-k ratio must be in (0, 1], got ", c.ratio);
       return;
