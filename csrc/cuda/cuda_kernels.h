@@ -1,4 +1,4 @@
-// CUDA twins of the CPU kernels (csrc/compress, csrc/reduce): raw device pointers, one
+// CUDA twins of the CPU compression kernels (csrc/compress): raw device pointers, one
 // cudaStream_t, no torch. Every launcher is asynchronous and stream-ordered: it never
 // synchronizes, never allocates (scratch comes from a caller-provided workspace) and throws
 // ddlcomm::Error (System) when a launch fails, InvalidArgument/UnsupportedType for bad input.
@@ -45,12 +45,5 @@ void decodeCuda(const compress::PayloadInfo& info, const uint8_t* payload, size_
 // Sparse formats (top-k, random-k) touch only the entries they carry.
 void decodeAccumulateCuda(const compress::PayloadInfo& info, const uint8_t* payload, size_t bytes, float* out,
                           size_t numel, cudaStream_t cudaStream);
-
-// dst[i] = op(dst[i], src[i]) for i < count; same semantics as ddlcomm::reduceInto (AVG
-// combines like SUM; float16/bfloat16 computed in float32 and rounded to nearest even).
-void reduceCuda(ReduceOp op, DataType type, void* dst, const void* src, size_t count, cudaStream_t cudaStream);
-
-// data[i] /= divisor (floating types), the AVG epilogue; same semantics as ddlcomm::divideBy.
-void divideCuda(DataType type, void* data, size_t count, double divisor, cudaStream_t cudaStream);
 
 }  // namespace ddlcomm::gpu

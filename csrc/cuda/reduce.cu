@@ -6,7 +6,7 @@
 #include <type_traits>
 
 #include "cuda/common.cuh"
-#include "cuda/cuda_kernels.h"
+#include "cuda/reduce_kernels.h"
 
 namespace ddlcomm::gpu {
 namespace {

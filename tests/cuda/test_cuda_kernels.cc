@@ -26,6 +26,7 @@
 #include "common/half.h"
 #include "compress/compress.h"
 #include "cuda/cuda_kernels.h"
+#include "cuda/reduce_kernels.h"
 #include "harness.h"
 #include "reduce/reduce.h"
 #include "reference.h"

@@ -7,7 +7,7 @@
 #include <exception>
 
 #include "common/error.h"
-#include "cuda/cuda_kernels.h"
+#include "cuda/reduce_kernels.h"
 #include "harness.h"
 #include "reduce/reduce.h"
 #include "reference.h"
