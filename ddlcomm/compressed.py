@@ -7,9 +7,9 @@ same kernels, the same randomness streams and the same summation order. So both 
 bitwise the same result.
 
 Quantizers and casts (1-bit, ternary, fp16, bf16) use scatter-reduce-gather with two
-levels of error feedback, in segments of 16 Mi elements (so that the native
-implementation encodes one segment while the one before it is on the wire). In each
-segment every rank encodes its part in n chunks with its worker residual; rank i decodes
+levels of error feedback, in pieces of 16 Mi elements (so that the native
+implementation encodes one piece while the one before it is on the wire). In each
+piece every rank encodes its part in n chunks with its worker residual; rank i decodes
 and sums chunk i from every rank in rank order, re-encodes the sum with its server
 residual; an all-gather of those payloads gives every rank the same bytes. Sparse formats
 (top-k, random-k) all-gather the (index, value) payloads and sum them in rank order.
@@ -78,10 +78,10 @@ def _chunk_bounds(numel: int, n: int) -> list[int]:
     return [numel * i // n for i in range(n + 1)]
 
 
-def _segments(numel: int, n: int) -> list[tuple[int, int, list[int]]]:
+def _pieces(numel: int, n: int) -> list[tuple[int, int, list[int]]]:
     # Same split as the native compressed all-reduce: (begin, end, chunk bounds relative to
-    # begin) of each segment.
-    step = _C.ProcessGroupDdlcomm.segment_elements
+    # begin) of each piece.
+    step = _C.ProcessGroupDdlcomm.piece_elements
     return [
         (begin, min(begin + step, numel), _chunk_bounds(min(step, numel - begin), n))
         for begin in range(0, numel, step)
@@ -89,13 +89,13 @@ def _segments(numel: int, n: int) -> list[tuple[int, int, list[int]]]:
 
 
 def server_chunks(numel: int, rank: int, world_size: int) -> list[tuple[int, int]]:
-    """The [begin, end) ranges of the vector that `rank` reduces (its chunk of every segment),
+    """The [begin, end) ranges of the vector that `rank` reduces (its chunk of every piece),
     in the order its server residual holds them."""
-    return [(begin + bounds[rank], begin + bounds[rank + 1]) for begin, _, bounds in _segments(numel, world_size)]
+    return [(begin + bounds[rank], begin + bounds[rank + 1]) for begin, _, bounds in _pieces(numel, world_size)]
 
 
 def server_residual_numel(numel: int, rank: int, world_size: int) -> int:
-    """Length of the server residual of `rank`: its chunk of every segment of the vector."""
+    """Length of the server residual of `rank`: its chunk of every piece of the vector."""
     return sum(end - begin for begin, end in server_chunks(numel, rank, world_size))
 
 
@@ -107,7 +107,7 @@ def wire_bytes(compressor: Compressor, numel: int, world_size: int, rank: int = 
     if compressor.format in _SPARSE:
         return (n - 1) * compressor.compressed_nbytes(numel)
     total = 0
-    for _, _, bounds in _segments(numel, n):
+    for _, _, bounds in _pieces(numel, n):
         chunk_bytes = [compressor.compressed_nbytes(bounds[i + 1] - bounds[i]) for i in range(n)]
         # all-to-all of the worker payloads (all but its own chunk), then its server payload to every peer
         total += sum(chunk_bytes) - chunk_bytes[rank] + (n - 1) * chunk_bytes[rank]
@@ -332,7 +332,7 @@ def _fallback(
         return
 
     residual_at = 0
-    for segment, (begin, end, bounds) in enumerate(_segments(numel, n)):
+    for piece, (begin, end, bounds) in enumerate(_pieces(numel, n)):
         mine = bounds[r + 1] - bounds[r]
         _scatter_reduce_gather(
             flat[begin:end],
@@ -343,7 +343,7 @@ def _fallback(
             group,
             scale,
             stream,
-            segment,
+            piece,
             agreement,
             wire,
         )
@@ -359,11 +359,11 @@ def _scatter_reduce_gather(
     group: dist.ProcessGroup,
     scale: float,
     stream: int,
-    segment: int,
+    piece: int,
     agreement: _Agreement,
     wire: _Wire,
 ) -> None:
-    """One segment of a quantized or cast compressed all-reduce, in place; chunk i is
+    """One piece of a quantized or cast compressed all-reduce, in place; chunk i is
     flat[bounds[i]:bounds[i + 1]]."""
     n, r = dist.get_world_size(group), dist.get_rank(group)
     lengths = [bounds[i + 1] - bounds[i] for i in range(n)]
@@ -376,7 +376,7 @@ def _scatter_reduce_gather(
         compressor.encode(
             flat[bounds[i] : bounds[i + 1]],
             None if worker_residual is None else worker_residual[bounds[i] : bounds[i + 1]],
-            stream=_encode_stream(stream, r, 0, i, n, segment),
+            stream=_encode_stream(stream, r, 0, i, n, piece),
             out=outgoing[at : at + slots[i]],
         )
         at += slots[i]
@@ -391,7 +391,7 @@ def _scatter_reduce_gather(
     # all_gather_single needs equal sizes: chunk payloads differ by at most one element's worth.
     widest = max(slots)
     padded = torch.zeros(widest, dtype=torch.uint8, device=flat.device)
-    compressor.encode(acc, server_residual, stream=_encode_stream(stream, r, 1, r, n, segment), out=padded)
+    compressor.encode(acc, server_residual, stream=_encode_stream(stream, r, 1, r, n, piece), out=padded)
     gathered = wire.empty(n * widest)
     _all_gather_single(gathered, wire.send(padded), group=group)
     rows = wire.receive(gathered.view(n, widest), compressor, lengths)

@@ -61,7 +61,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-# 2: server residuals follow the segmented compressed all-reduce (ddlcomm.compressed).
+# 2: server residuals follow the piecewise compressed all-reduce (ddlcomm.compressed).
 # 3: memory keyed by the bucket's parameters (ddlcomm.feedback), with layout, rank and world size.
 _STATE_VERSION = 3
 # A new DDP wrapper rebuilds its buckets after its first iteration, its second with static_graph.

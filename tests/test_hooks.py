@@ -18,8 +18,8 @@ def test_native_and_fallback_agree_bitwise() -> None:
     assert_all_ok(launch("compression", "native_matches_fallback", 4, timeout=180, env={"DDLCOMM_NUM_THREADS": "2"}))
 
 
-def test_segmented_native_and_fallback_agree_bitwise() -> None:
-    assert_all_ok(launch("compression", "segmented_matches_fallback", 4, timeout=240))
+def test_native_and_fallback_agree_bitwise_over_pieces() -> None:
+    assert_all_ok(launch("compression", "pieces_match_fallback", 4, timeout=240))
 
 
 def test_state_versions(caplog: pytest.LogCaptureFixture) -> None:

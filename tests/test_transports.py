@@ -28,7 +28,7 @@ def test_collectives_use_shared_memory_and_leave_nothing() -> None:
 
 
 def test_nothing_is_left_after_sigkill() -> None:
-    """Segments are anonymous (memfd): a rank killed mid-collective leaves no file anywhere."""
+    """Regions are anonymous (memfd): a rank killed mid-collective leaves no file anywhere."""
     before = dev_shm()
     results = launch("faults", "peer_killed", 4, timeout=90, args=("during",), env={"DDLCOMM_TRANSPORT": "shm"})
     assert results[1].returncode == -signal.SIGKILL, results[1].output

@@ -31,7 +31,7 @@ Call::Call(Communicator& comm, OpCode op, DataType dtype, uint64_t count)
   base_.op = op;
   base_.dtype = dtype;
   base_.count = count;
-  base_.seq = comm.nextSequenceNumber();
+  base_.tag = comm.nextSequenceNumber();
 }
 
 void Call::send(Request& r, int peer, const void* data, size_t bytes) {

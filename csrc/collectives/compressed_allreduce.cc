@@ -45,9 +45,9 @@ void sparseAllreduce(Call& call, const CompressedAllreduceArgs& a) {
                       a.dtype, a.data);
 }
 
-// One segment of the vector and where its payloads go in the scratch buffers.
-struct Segment {
-  size_t begin = 0;               // first element of the segment in the vector
+// One piece of the vector and where its payloads go in the scratch buffers.
+struct Piece {
+  size_t begin = 0;               // first element of the piece in the vector
   ring::Chunks chunks{0, 1};      // its n chunks, relative to `begin`
   std::vector<size_t> payloadAt;  // n + 1 offsets of its chunk payloads in `outgoing` / `gathered`
   size_t incomingAt = 0;          // offset of its n worker payloads of this rank's chunk
@@ -55,31 +55,31 @@ struct Segment {
   size_t bytes(int i) const { return payloadAt[size_t(i) + 1] - payloadAt[size_t(i)]; }
 };
 
-// Per segment: a worker payload leaves as soon as it is encoded, this rank's own chunk is
+// Per piece: a worker payload leaves as soon as it is encoded, this rank's own chunk is
 // encoded last (so the others have that long to arrive), then the chunk is reduced and
-// re-encoded in one pass (compress::reduceEncode) and all-gathered. The segments are
-// pipelined: step k encodes and reduces segment k, whose all-gather then overlaps the encode
-// of segment k+1, and decodes segment k-1. Every receive is posted up front, in the order
+// re-encoded in one pass (compress::reduceEncode) and all-gathered. The pieces are
+// pipelined: step k encodes and reduces piece k, whose all-gather then overlaps the encode
+// of piece k+1, and decodes piece k-1. Every receive is posted up front, in the order
 // every peer sends: scatter(k), then gather(k).
 void scatterReduceGather(Call& call, const CompressedAllreduceArgs& a) {
   const int n = call.comm().size(), r = call.comm().rank();
   Communicator& comm = call.comm();
   const size_t es = elementSize(a.dtype);
-  std::vector<Segment> segs;
+  std::vector<Piece> pieces;
   size_t payloadTotal = 0, incomingTotal = 0, residualTotal = 0;
-  for (size_t begin = 0; begin < a.count; begin += kSegmentElements) {
-    Segment& seg = segs.emplace_back();
-    seg.begin = begin;
-    seg.chunks = ring::Chunks{std::min(kSegmentElements, a.count - begin), n};
-    seg.payloadAt.push_back(payloadTotal);
+  for (size_t begin = 0; begin < a.count; begin += kPieceElements) {
+    Piece& piece = pieces.emplace_back();
+    piece.begin = begin;
+    piece.chunks = ring::Chunks{std::min(kPieceElements, a.count - begin), n};
+    piece.payloadAt.push_back(payloadTotal);
     for (int i = 0; i < n; ++i) {
-      payloadTotal += compress::encodedBytes(a.config, seg.chunks.length(i));
-      seg.payloadAt.push_back(payloadTotal);
+      payloadTotal += compress::encodedBytes(a.config, piece.chunks.length(i));
+      piece.payloadAt.push_back(payloadTotal);
     }
-    seg.incomingAt = incomingTotal;
-    incomingTotal += size_t(n) * seg.bytes(r);
-    seg.residualAt = residualTotal;
-    residualTotal += seg.chunks.length(r);
+    piece.incomingAt = incomingTotal;
+    incomingTotal += size_t(n) * piece.bytes(r);
+    piece.residualAt = residualTotal;
+    residualTotal += piece.chunks.length(r);
   }
   // Reduced payloads arrive in `gathered` while later worker payloads still leave `outgoing`.
   uint8_t* outgoing = reinterpret_cast<uint8_t*>(comm.scratch(2 * payloadTotal, 0));
@@ -89,74 +89,74 @@ void scatterReduceGather(Call& call, const CompressedAllreduceArgs& a) {
   const float factor = a.average ? 1.f / float(n) : 1.f;
 
   std::vector<PeerExchange*> scatter, gather;
-  for (const Segment& seg : segs) {
+  for (const Piece& piece : pieces) {
     scatter.push_back(&call.exchange());
     gather.push_back(&call.exchange());
-    const size_t mine = seg.bytes(r);
+    const size_t mine = piece.bytes(r);
     for (int s = 1; s < n; ++s) {
       const int from = (r - s + n) % n;
-      scatter.back()->recv(from, incoming + seg.incomingAt + size_t(from) * mine, mine);
+      scatter.back()->recv(from, incoming + piece.incomingAt + size_t(from) * mine, mine);
     }
     for (int s = 1; s < n; ++s) {
       const int from = (r - s + n) % n;
-      gather.back()->recv(from, gathered + seg.payloadAt[size_t(from)], seg.bytes(from));
+      gather.back()->recv(from, gathered + piece.payloadAt[size_t(from)], piece.bytes(from));
     }
   }
 
   auto encodeAndSend = [&](size_t k) {
-    const Segment& seg = segs[k];
+    const Piece& piece = pieces[k];
     auto encodeChunk = [&](int i, uint8_t* payload) {
-      const size_t begin = seg.begin + seg.chunks.begin(i);
+      const size_t begin = piece.begin + piece.chunks.begin(i);
       const size_t written = compress::encode(
           a.config, a.dtype, data + begin * es, a.workerResidual ? a.workerResidual + begin : nullptr,
-          seg.chunks.length(i), encodeStream(a.stream, r, 0, i, n, k), payload, seg.bytes(i));
-      DDLCOMM_CHECK(written == seg.bytes(i), ErrorKind::Protocol, "payload of ", written, " bytes, expected ",
-                    seg.bytes(i));
+          piece.chunks.length(i), encodeStream(a.stream, r, 0, i, n, k), payload, piece.bytes(i));
+      DDLCOMM_CHECK(written == piece.bytes(i), ErrorKind::Protocol, "payload of ", written, " bytes, expected ",
+                    piece.bytes(i));
     };
     for (int s = 1; s < n; ++s) {
       const int to = (r + s) % n;
-      encodeChunk(to, outgoing + seg.payloadAt[size_t(to)]);
-      scatter[k]->send(to, outgoing + seg.payloadAt[size_t(to)], seg.bytes(to));
+      encodeChunk(to, outgoing + piece.payloadAt[size_t(to)]);
+      scatter[k]->send(to, outgoing + piece.payloadAt[size_t(to)], piece.bytes(to));
     }
-    encodeChunk(r, incoming + seg.incomingAt + size_t(r) * seg.bytes(r));
+    encodeChunk(r, incoming + piece.incomingAt + size_t(r) * piece.bytes(r));
   };
   // Sums chunk r of every rank in rank order, in float32, re-encodes the sum with the server
   // residual and sends it to every peer.
   auto reduceAndSend = [&](size_t k) {
-    const Segment& seg = segs[k];
-    const size_t mine = seg.bytes(r);
+    const Piece& piece = pieces[k];
+    const size_t mine = piece.bytes(r);
     std::vector<const uint8_t*> payloads(static_cast<size_t>(n));
     for (int j = 0; j < n; ++j) {
       scatter[k]->waitRecv(j);
-      payloads[size_t(j)] = incoming + seg.incomingAt + size_t(j) * mine;
+      payloads[size_t(j)] = incoming + piece.incomingAt + size_t(j) * mine;
     }
-    uint8_t* reduced = gathered + seg.payloadAt[size_t(r)];
+    uint8_t* reduced = gathered + piece.payloadAt[size_t(r)];
     const size_t written = compress::reduceEncode(
-        a.config, payloads.data(), payloads.size(), mine, seg.chunks.length(r), factor,
-        a.serverResidual ? a.serverResidual + seg.residualAt : nullptr, encodeStream(a.stream, r, 1, r, n, k),
+        a.config, payloads.data(), payloads.size(), mine, piece.chunks.length(r), factor,
+        a.serverResidual ? a.serverResidual + piece.residualAt : nullptr, encodeStream(a.stream, r, 1, r, n, k),
         reduced, mine);
     DDLCOMM_CHECK(written == mine, ErrorKind::Protocol, "server payload of ", written, " bytes, expected ", mine);
     for (int s = 1; s < n; ++s) gather[k]->send((r + s) % n, reduced, mine);
   };
   // Every rank decodes the same bytes: its own chunk first, then the others as they arrive.
   auto decode = [&](size_t k) {
-    const Segment& seg = segs[k];
+    const Piece& piece = pieces[k];
     for (int s = 0; s < n; ++s) {
       const int j = (r - s + n) % n;
       gather[k]->waitRecv(j);
-      checkedDecode(a, gathered + seg.payloadAt[size_t(j)], seg.bytes(j), a.dtype,
-                    data + (seg.begin + seg.chunks.begin(j)) * es, seg.chunks.length(j));
+      checkedDecode(a, gathered + piece.payloadAt[size_t(j)], piece.bytes(j), a.dtype,
+                    data + (piece.begin + piece.chunks.begin(j)) * es, piece.chunks.length(j));
     }
   };
 
-  for (size_t k = 0; k <= segs.size(); ++k) {
-    if (k < segs.size()) {
+  for (size_t k = 0; k <= pieces.size(); ++k) {
+    if (k < pieces.size()) {
       encodeAndSend(k);
       reduceAndSend(k);
     }
     if (k > 0) decode(k - 1);
   }
-  for (size_t k = 0; k < segs.size(); ++k) {
+  for (size_t k = 0; k < pieces.size(); ++k) {
     scatter[k]->waitSends();
     gather[k]->waitSends();
   }
@@ -164,18 +164,18 @@ void scatterReduceGather(Call& call, const CompressedAllreduceArgs& a) {
 
 }  // namespace
 
-uint64_t encodeStream(uint64_t callStream, int rank, int phase, int chunk, int size, uint64_t segment) {
-  // Segment 0 keeps the streams of an unsegmented call; an odd multiplier spreads the others
+uint64_t encodeStream(uint64_t callStream, int rank, int phase, int chunk, int size, uint64_t piece) {
+  // Piece 0 keeps the streams of a one-piece call; an odd multiplier spreads the others
   // far from every stream a small call stream, rank and chunk give.
   const uint64_t base =
       ((callStream * 2 + uint64_t(phase)) * uint64_t(size) + uint64_t(rank)) * uint64_t(size) + uint64_t(chunk);
-  return base + segment * 0x9e3779b97f4a7c15ull;
+  return base + piece * 0x9e3779b97f4a7c15ull;
 }
 
 size_t serverResidualLength(size_t count, int rank, int size) {
   size_t length = 0;
-  for (size_t begin = 0; begin < count; begin += kSegmentElements) {
-    length += ring::Chunks{std::min(kSegmentElements, count - begin), size}.length(rank);
+  for (size_t begin = 0; begin < count; begin += kPieceElements) {
+    length += ring::Chunks{std::min(kPieceElements, count - begin), size}.length(rank);
   }
   return length;
 }

@@ -21,22 +21,22 @@ struct CompressedAllreduceArgs {
   uint64_t stream = 0;              // randomness stream of this call (e.g. the training step)
 };
 
-// Quantizers and casts reduce the vector in segments of kSegmentElements elements (the last
+// Quantizers and casts reduce the vector in pieces of kPieceElements elements (the last
 // one shorter), each an independent scatter-reduce-gather over its own n chunks, so that one
-// segment's all-gather overlaps the next segment's encode. Part of what the result is: the
-// Python fallback splits the same way. Two segments for 100 MB of float32: on 4 ranks sharing
-// 2 cores, more segments meant more waits for the slowest rank and were slower.
-constexpr size_t kSegmentElements = size_t(1) << 24;
+// piece's all-gather overlaps the next piece's encode. Part of what the result is: the
+// Python fallback splits the same way. Two pieces for 100 MB of float32: on 4 ranks sharing
+// 2 cores, more pieces meant more waits for the slowest rank and were slower.
+constexpr size_t kPieceElements = size_t(1) << 24;
 
 // Randomness stream of one encode: distinct per call stream, rank, phase (0 worker,
-// 1 server), chunk and segment. The Python fallback over other backends uses the same formula.
-uint64_t encodeStream(uint64_t callStream, int rank, int phase, int chunk, int size, uint64_t segment);
+// 1 server), chunk and piece. The Python fallback over other backends uses the same formula.
+uint64_t encodeStream(uint64_t callStream, int rank, int phase, int chunk, int size, uint64_t piece);
 
-// Length of the server residual of `rank`: its chunk of every segment, in segment order.
+// Length of the server residual of `rank`: its chunk of every piece, in piece order.
 size_t serverResidualLength(size_t count, int rank, int size);
 
-// Quantizers and casts (1-bit, ternary, fp16, bf16), per segment: each rank encodes the
-// segment in n chunks with the worker residual; all-to-all sends chunk i to rank i, which
+// Quantizers and casts (1-bit, ternary, fp16, bf16), per piece: each rank encodes the
+// piece in n chunks with the worker residual; all-to-all sends chunk i to rank i, which
 // decodes and sums the n payloads in rank order, re-encodes the sum with its server residual;
 // an all-gather of those payloads gives every rank the same bytes to decode.
 // Sparse formats (top-k, random-k): all-gather of every rank's (index, value) payload,

@@ -1,6 +1,6 @@
 // All-reduce through the shared-memory windows of ranks on one host. Small buffers: every
 // rank copies its input into its window and reduces all windows itself (one
-// synchronisation). Large ones, a window-sized piece at a time: each rank reduces its slice
+// synchronisation). Large ones, a window at a time: each rank reduces its slice
 // from every window into its own, then copies the other slices out (two). Either way the
 // inputs are combined in rank order by exactly one arithmetic sequence per element, so
 // every rank gets the same bits.

@@ -96,19 +96,19 @@ struct FullSource {
 };
 
 // Candidates compacted by the prepare pass: tile b's candidates, in index order, at
-// segOff[b] .. segOff[b] + segCnt[b].
+// tileOff[b] .. tileOff[b] + tileCnt[b].
 struct CandSource {
   const uint32_t* idx;
   const float* val;
-  const uint32_t* segOff;
-  const uint32_t* segCnt;
+  const uint32_t* tileOff;
+  const uint32_t* tileCnt;
   __device__ __forceinline__ uint64_t size(const TopkState* st) const { return st->candCount; }
   __device__ __forceinline__ float value(uint64_t j) const { return val[j]; }
   __device__ __forceinline__ uint32_t key(uint64_t j) const { return magnitudeKey(val[j]); }
   __device__ __forceinline__ uint64_t index(uint64_t j) const { return idx[j]; }
   __device__ __forceinline__ void tile(uint64_t b, uint64_t& start, uint32_t& count) const {
-    start = segOff[b];
-    count = segCnt[b];
+    start = tileOff[b];
+    count = tileCnt[b];
   }
 };
 
@@ -214,8 +214,8 @@ struct PrepareParams {
   uint64_t n;
   uint64_t numTiles;
   TopkState* st;
-  uint32_t* segOff;
-  uint32_t* segCnt;
+  uint32_t* tileOff;
+  uint32_t* tileCnt;
   uint32_t* candIdx;
   float* candVal;
   uint64_t candCap;
@@ -223,12 +223,12 @@ struct PrepareParams {
   HeaderWords header;
 };
 
-// Appends the tile's candidates (key >= threshold) in index order to a segment of the
+// Appends the tile's candidates (key >= threshold) in index order to a stretch of the
 // candidate buffer reserved with one atomic; y holds element r * 256 + threadIdx.x of round r.
 __device__ __forceinline__ void compactTile(const float (&y)[kRounds], uint64_t tile, uint32_t threshold,
                                             const PrepareParams& p) {
   __shared__ uint32_t counts[kRounds * kWarpsPerCta];  // per (round, warp), then their exclusive prefix
-  __shared__ uint32_t segBase;
+  __shared__ uint32_t tileBase;
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
   const uint64_t base = tile * kTile;
   uint32_t masks[kRounds];
@@ -257,26 +257,26 @@ __device__ __forceinline__ void compactTile(const float (&y)[kRounds], uint64_t 
       const unsigned long long off = atomicAdd(&p.st->candCount, (unsigned long long)inc);
       if (off + inc > p.candCap) {
         p.st->overflow = 1;  // the exact path will run; these candidates are not needed
-        segBase = 0xffffffffu;
+        tileBase = 0xffffffffu;
       } else {
-        segBase = uint32_t(off);
-        p.segOff[tile] = uint32_t(off);
-        p.segCnt[tile] = inc;
+        tileBase = uint32_t(off);
+        p.tileOff[tile] = uint32_t(off);
+        p.tileCnt[tile] = inc;
       }
     }
   }
   __syncthreads();
-  if (segBase != 0xffffffffu) {
+  if (tileBase != 0xffffffffu) {
 #pragma unroll
     for (int r = 0; r < kRounds; ++r) {
       if ((masks[r] >> lane) & 1u) {
-        const uint32_t pos = segBase + counts[r * kWarpsPerCta + warp] + __popc(masks[r] & laneMaskLt(lane));
+        const uint32_t pos = tileBase + counts[r * kWarpsPerCta + warp] + __popc(masks[r] & laneMaskLt(lane));
         p.candIdx[pos] = uint32_t(base + r * kThreads + threadIdx.x);
         p.candVal[pos] = y[r];
       }
     }
   }
-  __syncthreads();  // counts and segBase are reused by the next tile
+  __syncthreads();  // counts and tileBase are reused by the next tile
 }
 
 // What the prepare pass leaves in the residual: y, read back by the selection (which resets
@@ -430,7 +430,7 @@ constexpr size_t align256(size_t v) { return (v + 255) / 256 * 256; }
 
 struct TopkWorkspace {
   uint64_t numTiles, sampleSize, sampleRank, candCap;
-  size_t stateOff, sampleOff, greaterOff, equalOff, segOffOff, segCntOff, candIdxOff, candValOff, bytes;
+  size_t stateOff, sampleOff, greaterOff, equalOff, tileOffOff, tileCntOff, candIdxOff, candValOff, bytes;
 };
 
 TopkWorkspace planWorkspace(bool approximate, uint64_t n, uint64_t k) {
@@ -454,8 +454,8 @@ TopkWorkspace planWorkspace(bool approximate, uint64_t n, uint64_t k) {
   w.greaterOff = take(4 * w.numTiles);
   w.equalOff = take(4 * w.numTiles);
   w.sampleOff = take(4 * w.sampleSize);
-  w.segOffOff = take(approximate ? 4 * w.numTiles : 0);
-  w.segCntOff = take(approximate ? 4 * w.numTiles : 0);
+  w.tileOffOff = take(approximate ? 4 * w.numTiles : 0);
+  w.tileCntOff = take(approximate ? 4 * w.numTiles : 0);
   w.candIdxOff = take(4 * w.candCap);
   w.candValOff = take(4 * w.candCap);
   w.bytes = off;
@@ -492,7 +492,7 @@ void encodeTopKTyped(const EncodeArgs& a) {
   auto* outVal = reinterpret_cast<float*>(a.payload + a.layout.second);
   const auto* x = static_cast<const typename XT::Raw*>(a.x);
 
-  PrepareParams p{n, w.numTiles, st, at<uint32_t>(a.workspace, w.segOffOff), at<uint32_t>(a.workspace, w.segCntOff),
+  PrepareParams p{n, w.numTiles, st, at<uint32_t>(a.workspace, w.tileOffOff), at<uint32_t>(a.workspace, w.tileCntOff),
                   at<uint32_t>(a.workspace, w.candIdxOff), at<float>(a.workspace, w.candValOff), w.candCap,
                   a.payload, a.header};
   launch(initKernel, 1, kPickThreads, s, st, w.sampleRank, k);
@@ -510,7 +510,7 @@ void encodeTopKTyped(const EncodeArgs& a) {
   const uint32_t exact = approx ? 0 : 1;
   const Gate fast{k, exact, 0}, full{k, exact, 1};
   const FullSource all{a.x, a.xType, a.residual, n};
-  const CandSource cand{p.candIdx, p.candVal, p.segOff, p.segCnt};
+  const CandSource cand{p.candIdx, p.candVal, p.tileOff, p.tileCnt};
   if (approx) radixSelect(cand, st, &st->final, gridFor(w.candCap, kTile, 1024), fast, s);
   radixSelect(all, st, &st->final, gridFor(n, kTile, 1024), full, s);
 

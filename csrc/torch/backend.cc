@@ -266,7 +266,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDdlcomm::send(std::vector<at::Tensor>
   r.peer = dstRank;
   r.signature.op = OpCode::PointToPoint;
   r.signature.dtype = toDataType(user);
-  r.signature.seq = uint64_t(uint32_t(tag));
+  r.signature.tag = uint64_t(uint32_t(tag));
   r.signature.count = uint64_t(user.numel());
   r.data = static_cast<char*>(p2p->work.data_ptr());
   r.bytes = size_t(p2p->work.nbytes());
@@ -295,7 +295,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDdlcomm::postRecv(std::vector<at::Ten
   r.peer = srcRank;
   r.signature.op = OpCode::PointToPoint;
   r.signature.dtype = toDataType(user);
-  r.signature.seq = uint64_t(uint32_t(tag));
+  r.signature.tag = uint64_t(uint32_t(tag));
   r.signature.count = uint64_t(user.numel());
   r.data = static_cast<char*>(p2p->work.data_ptr());
   r.bytes = size_t(p2p->work.nbytes());

@@ -59,10 +59,10 @@ PYBIND11_MODULE(_C, m) {
           "bytes of completed sends), the ranks reached through shared "
           "memory (shared_memory_peers) and the message bytes written to their rings (shared_memory_bytes_sent).")
       .def_static("encode_stream", &ddlcomm::encodeStream, py::arg("call_stream"), py::arg("rank"), py::arg("phase"),
-                  py::arg("chunk"), py::arg("size"), py::arg("segment") = 0)
+                  py::arg("chunk"), py::arg("size"), py::arg("piece") = 0)
       .def_property_readonly_static(
-          "segment_elements", [](py::object) { return ddlcomm::kSegmentElements; },
-          "Elements per segment of a quantized or cast compressed all-reduce (the last one shorter).");
+          "piece_elements", [](py::object) { return ddlcomm::kPieceElements; },
+          "Elements per piece of a quantized or cast compressed all-reduce (the last one shorter).");
   ddlcomm::bindings::bindCompression(m);
   ddlcomm::bindings::bindCudaCompression(m);
   ddlcomm::bindings::bindTransport(m);

@@ -24,12 +24,12 @@ const char* opCodeName(OpCode op) {
 
 std::string Signature::describe() const {
   if (op == OpCode::PointToPoint) {
-    return detail::concat("send/recv with tag ", seq, " (", dataTypeName(dtype), " x ", count, ")");
+    return detail::concat("send/recv with tag ", tag, " (", dataTypeName(dtype), " x ", count, ")");
   }
   if (op == OpCode::AllToAll) {  // no count: totals differ between ranks (exchange.cc)
-    return detail::concat(opCodeName(op), " #", seq, " (", dataTypeName(dtype), ", message ", step, ")");
+    return detail::concat(opCodeName(op), " #", tag, " (", dataTypeName(dtype), ", message ", step, ")");
   }
-  return detail::concat(opCodeName(op), " #", seq, " (", dataTypeName(dtype), " x ", count, ", message ", step, ")");
+  return detail::concat(opCodeName(op), " #", tag, " (", dataTypeName(dtype), " x ", count, ", message ", step, ")");
 }
 
 FrameHeader makeFrameHeader(const Signature& sig, uint8_t stripe, uint64_t bytes) {
@@ -40,7 +40,7 @@ FrameHeader makeFrameHeader(const Signature& sig, uint8_t stripe, uint64_t bytes
   h.dtype = uint8_t(sig.dtype);
   h.stripe = stripe;
   h.step = sig.step;
-  h.seq = sig.seq;
+  h.tag = sig.tag;
   h.count = sig.count;
   h.bytes = bytes;
   return h;
@@ -65,7 +65,7 @@ Signature parseFrameHeader(const FrameHeader& h, int peer) {
   Signature sig;
   sig.op = OpCode(h.op);
   sig.dtype = DataType(h.dtype);
-  sig.seq = h.seq;
+  sig.tag = h.tag;
   sig.step = h.step;
   sig.count = h.count;
   return sig;

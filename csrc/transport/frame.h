@@ -21,7 +21,7 @@ enum class OpCode : uint8_t {
   Barrier = 7,
   Gather = 8,
   Scatter = 9,
-  PointToPoint = 10,  // send/recv; seq holds the user's tag
+  PointToPoint = 10,  // send/recv: the signature's tag is the user's
   CompressedAllreduce = 11,
   CompressedReduceScatter = 12,
 };
@@ -32,12 +32,12 @@ const char* opCodeName(OpCode op);
 struct Signature {
   OpCode op = OpCode::Allreduce;
   DataType dtype = DataType::UInt8;
-  uint64_t seq = 0;    // collective sequence number in the group, or the p2p tag
+  uint64_t tag = 0;    // what receives match on: the collective's sequence number in the group, or the send/recv tag
   uint32_t step = 0;   // message index within one collective between the same two ranks
   uint64_t count = 0;  // element count of the whole call, so size mismatches are named (0 for all_to_all)
 
   bool operator==(const Signature& o) const {
-    return op == o.op && dtype == o.dtype && seq == o.seq && step == o.step && count == o.count;
+    return op == o.op && dtype == o.dtype && tag == o.tag && step == o.step && count == o.count;
   }
   bool operator!=(const Signature& o) const { return !(*this == o); }
   std::string describe() const;  // e.g. "allreduce #12 (float32 x 1024, step 3)"
@@ -55,7 +55,7 @@ struct FrameHeader {
   uint8_t stripe;  // index of this part when a message is split over several connections
   uint32_t step;
   uint32_t reserved;
-  uint64_t seq;
+  uint64_t tag;
   uint64_t count;
   uint64_t bytes;  // payload bytes that follow this header on the same connection
 };

@@ -346,7 +346,7 @@ FRAME_HEADER_BYTES = 40  # csrc/transport/frame.h
 def wire_bytes_measured() -> None:
     """What a compressed all-reduce puts on the group's sockets (TCP_INFO tcpi_bytes_sent, summed
     over its connections) is ddlcomm.compressed.wire_bytes plus one frame header per message:
-    n - 1 messages for the sparse formats (an all-gather), 2 (n - 1) per segment for the others
+    n - 1 messages for the sparse formats (an all-gather), 2 (n - 1) per piece for the others
     (an all-to-all, then an all-gather). Random-k is left out: it all-reduces a finiteness flag first."""
     from ddlcomm import compress
     from ddlcomm.compressed import compressed_all_reduce, wire_bytes
@@ -365,7 +365,7 @@ def wire_bytes_measured() -> None:
         after = ddlcomm_stats()
         dist.barrier(group=gloo)  # every rank has its numbers before any can fail and close its sockets
         sent = after["bytes_sent"] - before["bytes_sent"]
-        messages = (n - 1) * (1 if comp.format in ("top_k", "random_k") else 2)  # one segment here
+        messages = (n - 1) * (1 if comp.format in ("top_k", "random_k") else 2)  # one piece here
         expected = wire_bytes(comp, numel, n, rank) + FRAME_HEADER_BYTES * messages
         assert sent == expected, (f"{name}: {sent} bytes left rank {rank}'s sockets, expected {expected} "
                                   f"(wire_bytes {wire_bytes(comp, numel, n, rank)} + {messages} frame headers)")

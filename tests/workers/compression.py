@@ -67,13 +67,13 @@ def native_matches_fallback() -> None:
             _assert_native_matches_fallback(name, numel, gloo, stream=11)
 
 
-def segmented_matches_fallback() -> None:
-    """A vector longer than one segment (the second one short): the native pipeline over its
-    segments and the fallback's plain loop over them give the same bits, on every rank."""
+def pieces_match_fallback() -> None:
+    """A vector longer than one piece (the second one short): the native pipeline over its
+    pieces and the fallback's plain loop over them give the same bits, on every rank."""
     init()
     gloo = dist.new_group(backend="gloo")
     for name in ("onebit", "ternary", "bf16"):
-        _assert_native_matches_fallback(name, ProcessGroupDdlcomm.segment_elements + 70_001, gloo, stream=4)
+        _assert_native_matches_fallback(name, ProcessGroupDdlcomm.piece_elements + 70_001, gloo, stream=4)
 
 
 def non_finite() -> None:
@@ -296,7 +296,7 @@ def direction_mode() -> None:
 if __name__ == "__main__":
     run({
         "native_matches_fallback": native_matches_fallback,
-        "segmented_matches_fallback": segmented_matches_fallback,
+        "pieces_match_fallback": pieces_match_fallback,
         "non_finite": non_finite,
         "hook_mechanics": hook_mechanics,
         "direction_mode": direction_mode,

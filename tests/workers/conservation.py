@@ -51,13 +51,13 @@ COMPRESSORS = {
 }
 SPARSE = {"top_k", "random_k"}
 STOCHASTIC = ("ternary_stochastic", "randomk")
-SEGMENTED = ("ternary_stochastic", "bf16")  # checked on a vector of two segments too
+TWO_PIECES = ("ternary_stochastic", "bf16")  # checked on a vector of two pieces too
 
 
 def own_chunks(numel: int, rank: int, n: int) -> list[tuple[int, int]]:
     """The positions rank `rank` reduces, from the documented split (not the package's helper):
-    segments of segment_elements, chunk i of a segment of length L is [L*i//n, L*(i+1)//n)."""
-    step = ProcessGroupDdlcomm.segment_elements
+    pieces of piece_elements, chunk i of a piece of length L is [L*i//n, L*(i+1)//n)."""
+    step = ProcessGroupDdlcomm.piece_elements
     chunks = []
     for begin in range(0, numel, step):
         length = min(step, numel - begin)
@@ -66,7 +66,7 @@ def own_chunks(numel: int, rank: int, n: int) -> list[tuple[int, int]]:
 
 
 def sample_positions(numel: int, n: int, window: int, stride: int) -> torch.Tensor:
-    """Positions to check on a long vector: every one within `window` of a chunk or segment
+    """Positions to check on a long vector: every one within `window` of a chunk or piece
     boundary (where a wrong offset shows first), and every `stride`-th one elsewhere."""
     keep = torch.zeros(numel, dtype=torch.bool)
     keep[::stride] = True
@@ -149,16 +149,16 @@ def check_conservation(name: str, numel: int, group, gloo: dist.ProcessGroup, st
 
 def conservation(gloo: dist.ProcessGroup) -> None:
     """Every compressor on a ddlcomm (native) and a gloo (fallback) group, sizes from smaller than
-    the group to several reduce tiles per chunk; then a vector longer than one segment (the
-    second one short), checked near every chunk and segment boundary and at a sample elsewhere."""
+    the group to several reduce tiles per chunk; then a vector longer than one piece (the
+    second one short), checked near every chunk and piece boundary and at a sample elsewhere."""
     for numel in (1, 6, 4099, 70_001):
         for group in (None, gloo):
             for stream, name in enumerate(COMPRESSORS):
                 check_conservation(name, numel, group, gloo, stream)
-    numel = ProcessGroupDdlcomm.segment_elements + 70_001
+    numel = ProcessGroupDdlcomm.piece_elements + 70_001
     positions = sample_positions(numel, dist.get_world_size(), window=4096, stride=61)
     for group in (None, gloo):
-        for name in SEGMENTED:
+        for name in TWO_PIECES:
             check_conservation(name, numel, group, gloo, stream=7, positions=positions)
 
 

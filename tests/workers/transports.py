@@ -14,7 +14,7 @@ from common import assert_equal, ddlcomm_stats, init, run
 
 
 def memfd_links() -> list[str]:
-    """This process's open file descriptors that are ddlcomm segments."""
+    """This process's open file descriptors that are ddlcomm regions."""
     links = []
     for fd in Path("/proc/self/fd").iterdir():
         try:
@@ -26,8 +26,8 @@ def memfd_links() -> list[str]:
     return links
 
 
-def mapped_segments() -> int:
-    """Distinct ddlcomm segments mapped into this process."""
+def mapped_regions() -> int:
+    """Distinct ddlcomm regions mapped into this process."""
     inodes = set()
     for line in Path("/proc/self/maps").read_text().splitlines():
         fields = line.split()
@@ -48,7 +48,7 @@ GLOO = None
 
 def shared_memory_used() -> None:
     """Every byte of every collective between ranks of one host goes through shared memory;
-    the sockets carry nothing; nothing can open the segments any more."""
+    the sockets carry nothing; nothing can open the regions any more."""
     global GLOO
     rank, n = init()
     GLOO = dist.new_group(backend="gloo")
@@ -67,8 +67,8 @@ def shared_memory_used() -> None:
     # The all-reduce reads the peers' windows; the broadcast's 1 MiB reaches n - 1 ranks through the rings.
     assert tcp == 0, f"{tcp} bytes went over TCP"
     assert (n - 1) << 20 <= shm < (n - 1) * (2 << 20), f"{shm} bytes through the rings"
-    assert not memfd_links(), f"segment file descriptors still open: {memfd_links()}"
-    assert mapped_segments() == n, f"{mapped_segments()} segments mapped, expected this rank's and {n - 1} peers'"
+    assert not memfd_links(), f"region file descriptors still open: {memfd_links()}"
+    assert mapped_regions() == n, f"{mapped_regions()} regions mapped, expected this rank's and {n - 1} peers'"
     # Point-to-point messages go through the network transport underneath.
     peer = rank ^ 1
     if peer < n:

@@ -41,7 +41,7 @@ void copyFromRing(const char* ring, size_t capacity, uint64_t pos, char* dst, si
   if (n > first) std::memcpy(dst + first, ring, n - first);
 }
 
-uint64_t waitingWord(const Signature& s) { return s.seq << 16 | uint64_t(s.dtype) << 8 | uint64_t(s.op); }
+uint64_t waitingWord(const Signature& s) { return s.tag << 16 | uint64_t(s.dtype) << 8 | uint64_t(s.op); }
 
 std::string callName(uint64_t word) {
   return detail::concat(opCodeName(OpCode(word & 0xff)), " #", word >> 16);
@@ -96,26 +96,26 @@ std::unique_ptr<Transport> ShmTransport::layer(std::unique_ptr<Transport> networ
 
   std::string offer;
   try {
-    t->own_ = Segment::create(t->layout_);
+    t->own_ = Region::create(t->layout_);
     offer = detail::concat(t->own_.header().pid, " ", t->own_.fd(), " ", t->own_.nonceHex());
   } catch (const Error& e) {
     if (options.required) note(rank, e.what());
     offer = std::string("none ") + e.what();
   }
-  store.set(prefix + "segment/" + me, offer);
+  store.set(prefix + "region/" + me, offer);
 
-  std::string mapped(size_t(size), '0');  // which peers' segments this rank mapped
-  std::vector<Segment> segments(static_cast<size_t>(size));
+  std::string mapped(size_t(size), '0');  // which peers' regions this rank mapped
+  std::vector<Region> regions(static_cast<size_t>(size));
   std::string problem;
   for (int r : local) {
     if (r == rank) continue;
-    std::istringstream theirs(store.get(prefix + "segment/" + std::to_string(r)));
+    std::istringstream theirs(store.get(prefix + "region/" + std::to_string(r)));
     std::string pid, fd, nonce;
     theirs >> pid >> fd >> nonce;
     try {
-      DDLCOMM_CHECK(pid != "none", ErrorKind::System, "rank ", r, " has no segment: ", theirs.str().substr(5));
-      DDLCOMM_CHECK(t->own_.valid(), ErrorKind::System, "this rank has no segment: ", offer.substr(5));
-      segments[size_t(r)] = Segment::open(std::stoi(pid), std::stoi(fd), nonce, t->layout_);
+      DDLCOMM_CHECK(pid != "none", ErrorKind::System, "rank ", r, " has no region: ", theirs.str().substr(5));
+      DDLCOMM_CHECK(t->own_.valid(), ErrorKind::System, "this rank has no region: ", offer.substr(5));
+      regions[size_t(r)] = Region::open(std::stoi(pid), std::stoi(fd), nonce, t->layout_);
       mapped[size_t(r)] = '1';
     } catch (const std::exception& e) {
       if (problem.empty()) problem = detail::concat("cannot share memory with rank ", r, ": ", e.what());
@@ -134,16 +134,16 @@ std::unique_ptr<Transport> ShmTransport::layer(std::unique_ptr<Transport> networ
     }
     Peer p;
     p.rank = r;
-    p.segment = std::move(segments[size_t(r)]);
-    p.watch = ProcessWatch(p.segment.header().pid);
-    p.outControl = reinterpret_cast<RingControl*>(p.segment.base() + t->layout_.ringControl(localIndex(rank)));
-    p.outData = p.segment.base() + t->layout_.ringData(localIndex(rank));
+    p.region = std::move(regions[size_t(r)]);
+    p.watch = ProcessWatch(p.region.header().pid);
+    p.outControl = reinterpret_cast<RingControl*>(p.region.base() + t->layout_.ringControl(localIndex(rank)));
+    p.outData = p.region.base() + t->layout_.ringData(localIndex(rank));
     p.inControl = reinterpret_cast<RingControl*>(t->own_.base() + t->layout_.ringControl(localIndex(r)));
     p.inData = t->own_.base() + t->layout_.ringData(localIndex(r));
     t->peerIndex_[size_t(r)] = int(t->peers_.size());
     t->peers_.push_back(std::move(p));
   }
-  // Every peer that could map this rank's segment has: nobody can open it any more.
+  // Every peer that could map this rank's region has: nobody can open it any more.
   t->own_.closeFd();
   if (!problem.empty() || t->peers_.size() + 1 < local.size()) {
     DDLCOMM_CHECK(!options.required, ErrorKind::System, "DDLCOMM_TRANSPORT=shm: ",
@@ -184,7 +184,7 @@ void ShmTransport::postSend(Request& r) {
       return;
     }
     Peer& p = *local(r.peer);
-    DDLCOMM_CHECK(!p.segment.header().closed.load(), ErrorKind::PeerFailure, "rank ", rank_, " cannot send ",
+    DDLCOMM_CHECK(!p.region.header().closed.load(), ErrorKind::PeerFailure, "rank ", rank_, " cannot send ",
                   r.signature.describe(), " to rank ", r.peer, ": it shut its transport down");
     r.transfersLeft = 1;
     r.failed = false;
@@ -234,7 +234,7 @@ bool ShmTransport::pumpSend(Peer& p) {
   if (head == start) return false;
   p.outControl->head.store(head, std::memory_order_release);
   bytesSent_ += head - start;
-  ring(p.segment.header());
+  ring(p.region.header());
   return true;
 }
 
@@ -275,7 +275,7 @@ bool ShmTransport::pumpRecv(Peer& p) {
   }
   if (tail == start) return false;
   p.inControl->tail.store(tail, std::memory_order_release);
-  ring(p.segment.header());  // its sender may be waiting for room
+  ring(p.region.header());  // its sender may be waiting for room
   return true;
 }
 
@@ -306,7 +306,7 @@ void ShmTransport::sleep(Deadline deadline, Done& done) {
     return;
   }
   const std::chrono::nanoseconds slice = netPending_.empty() ? kLivenessPeriod : kMixedSlice;
-  SegmentHeader& mine = own_.header();
+  RegionHeader& mine = own_.header();
   mine.sleeping.store(1, std::memory_order_seq_cst);
   std::atomic_thread_fence(std::memory_order_seq_cst);  // pairs with ring()'s
   const uint32_t seen = mine.doorbell.load(std::memory_order_seq_cst);
@@ -324,7 +324,7 @@ void ShmTransport::sleep(Deadline deadline, Done& done) {
 
 template <typename Done>
 void ShmTransport::progressUntil(Done&& done, Deadline deadline, int waitedPeer, const Signature& signature) {
-  SegmentHeader& mine = own_.header();
+  RegionHeader& mine = own_.header();
   Clock::time_point spinUntil = Clock::now() + options_.spin;
   Clock::time_point nextCheck = Clock::now() + kLivenessPeriod, nextProbe = Clock::now() + std::chrono::seconds(1);
   bool published = false;
@@ -383,7 +383,7 @@ void ShmTransport::progressUntil(Done&& done, Deadline deadline, int waitedPeer,
 void ShmTransport::checkPeers(int waitedPeer, const Signature& signature) {
   const uint64_t mine = waitingWord(signature);
   for (Peer& p : peers_) {
-    const SegmentHeader& h = p.segment.header();
+    const RegionHeader& h = p.region.header();
     const bool involved = p.rank == waitedPeer || !p.sends.empty() || !p.recvs.empty() ||
                           (syncing_ && h.arrived.load() < generation_);
     if (!involved) continue;
@@ -423,7 +423,7 @@ void ShmTransport::poll(std::chrono::milliseconds timeout) {
     if (peers_.empty() || !shmBusy()) {
       network_->poll(timeout);
     } else {
-      SegmentHeader& mine = own_.header();
+      RegionHeader& mine = own_.header();
       mine.sleeping.store(1, std::memory_order_seq_cst);
       std::atomic_thread_fence(std::memory_order_seq_cst);  // pairs with ring()'s
       const uint32_t seen = mine.doorbell.load(std::memory_order_seq_cst);
@@ -454,7 +454,7 @@ void ShmTransport::timedOut(int waitedPeer, const Signature& signature, const st
 }
 
 char* ShmTransport::window(int rank, int half) {
-  const Segment& s = rank == rank_ ? own_ : local(rank)->segment;
+  const Region& s = rank == rank_ ? own_ : local(rank)->region;
   return s.base() + layout_.window(half);
 }
 
@@ -462,17 +462,17 @@ void ShmTransport::sync(const Signature& signature, uint64_t bytes, Deadline dea
   guarded([&] {
     throwIfBroken();
     const uint64_t g = ++generation_;
-    SegmentHeader& mine = own_.header();
-    mine.calls[g % 2] = SegmentHeader::Call{g, signature.seq, signature.count, bytes, uint8_t(signature.op),
+    RegionHeader& mine = own_.header();
+    mine.calls[g % 2] = RegionHeader::Call{g, signature.tag, signature.count, bytes, uint8_t(signature.op),
                                             uint8_t(signature.dtype)};
     mine.arrived.store(g, std::memory_order_seq_cst);
-    for (Peer& p : peers_) ring(p.segment.header());
+    for (Peer& p : peers_) ring(p.region.header());
     syncing_ = true;
     int late = -1;
     progressUntil(
         [&] {
           for (const Peer& p : peers_) {
-            if (p.segment.header().arrived.load(std::memory_order_acquire) < g) {
+            if (p.region.header().arrived.load(std::memory_order_acquire) < g) {
               late = p.rank;
               return false;
             }
@@ -482,12 +482,12 @@ void ShmTransport::sync(const Signature& signature, uint64_t bytes, Deadline dea
         deadline, late, signature);
     syncing_ = false;
     for (const Peer& p : peers_) {
-      const SegmentHeader::Call& c = p.segment.header().calls[g % 2];
-      if (c.generation == g && c.seq == signature.seq && c.op == uint8_t(signature.op) &&
+      const RegionHeader::Call& c = p.region.header().calls[g % 2];
+      if (c.generation == g && c.tag == signature.tag && c.op == uint8_t(signature.op) &&
           c.dtype == uint8_t(signature.dtype) && c.count == signature.count && c.bytes == bytes) {
         continue;
       }
-      Signature theirs{OpCode(c.op), DataType(c.dtype), c.seq, 0, c.count};
+      Signature theirs{OpCode(c.op), DataType(c.dtype), c.tag, 0, c.count};
       fail(ErrorKind::Mismatch, "collective mismatch between rank ", rank_, " and rank ", p.rank, ": rank ", rank_,
            " is in ", signature.describe(), " with ", bytes, " bytes in shared memory, but rank ", p.rank, " is in ",
            theirs.describe(), " with ", c.bytes,
@@ -510,7 +510,7 @@ void ShmTransport::abort(ErrorKind kind, const std::string& reason) noexcept {
   // Peers waiting on this rank see it gone at their next look, like a closed socket.
   if (own_.valid()) {
     own_.header().closed.store(1);
-    for (Peer& p : peers_) ring(p.segment.header());
+    for (Peer& p : peers_) ring(p.region.header());
   }
   if (network_) network_->abort(kind, brokenReason_);
   netPending_.clear();

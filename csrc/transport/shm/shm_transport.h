@@ -1,11 +1,11 @@
 // Shared-memory transport: messages between ranks of one host go through byte rings in the
-// receiver's segment (framed by FrameHeader, matched in order like a connection), and the
-// segments double as windows that collectives read in place. Everything else (ranks on
+// receiver's region (framed by FrameHeader, matched in order like a connection), and the
+// regions double as windows that collectives read in place. Everything else (ranks on
 // other hosts, point-to-point messages) goes through the network transport underneath,
 // which also carries the group's authentication.
 //
 // Waiting: spin while peers are making progress, then sleep on the futex doorbell in this
-// rank's segment, which peers bump after writing to it. Liveness of local peers comes from
+// rank's region, which peers bump after writing to it. Liveness of local peers comes from
 // pidfds (their exit is seen within kLivenessPeriod), deadlines and the failure probe apply
 // as over TCP.
 #pragma once
@@ -16,7 +16,7 @@
 #include <string>
 #include <vector>
 
-#include "transport/shm/segment.h"
+#include "transport/shm/region.h"
 #include "transport/store.h"
 #include "transport/transport.h"
 
@@ -38,7 +38,7 @@ struct ShmOptions {
 
 class ShmTransport final : public Transport, private SharedWindows {
  public:
-  // Maps the segments of the ranks on this host and returns the layered transport, or
+  // Maps the regions of the ranks on this host and returns the layered transport, or
   // `network` itself when no peer can share memory with this rank (logged).
   static std::unique_ptr<Transport> layer(std::unique_ptr<Transport> network, KeyValueStore& store,
                                           const ShmOptions& options);
@@ -69,11 +69,11 @@ class ShmTransport final : public Transport, private SharedWindows {
   };
   struct Peer {
     int rank = -1;
-    Segment segment;  // the peer's, mapped here
+    Region region;  // the peer's, mapped here
     ProcessWatch watch;
-    RingControl* outControl = nullptr;  // this rank's ring into the peer's segment
+    RingControl* outControl = nullptr;  // this rank's ring into the peer's region
     char* outData = nullptr;
-    RingControl* inControl = nullptr;  // the peer's ring into this rank's segment
+    RingControl* inControl = nullptr;  // the peer's ring into this rank's region
     char* inData = nullptr;
     std::deque<Out> sends;
     std::deque<In> recvs;
@@ -116,7 +116,7 @@ class ShmTransport final : public Transport, private SharedWindows {
   const int size_;
   ShmOptions options_;
   Layout layout_;
-  Segment own_;
+  Region own_;
   std::vector<Peer> peers_;
   std::vector<int> peerIndex_;       // rank -> index in peers_, -1 for the network
   std::vector<Request*> netPending_;  // posted to the network, not seen done yet

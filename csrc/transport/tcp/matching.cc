@@ -25,7 +25,7 @@ void TcpTransport::postP2pRecv(Request& r) {
   PeerState& state = peers_[size_t(r.peer)];
   state.p2pRecvs.push_back(stripeOf(r, 0, 1));
   auto it = std::find_if(state.unexpected.begin(), state.unexpected.end(),
-                         [&](const Unexpected& u) { return u.signature.seq == r.signature.seq; });
+                         [&](const Unexpected& u) { return u.signature.tag == r.signature.tag; });
   if (it != state.unexpected.end()) {
     if (it->done == it->data.size()) completeUnexpected(state, it);
     return;
@@ -50,10 +50,10 @@ bool TcpTransport::matchIncoming(Connection& c) {
                   ": they travel whole on connection 0");
     PeerState& state = peers_[size_t(c.peer)];
     bool earlierUnexpected = std::any_of(state.unexpected.begin(), state.unexpected.end(),
-                                         [&](const Unexpected& u) { return u.signature.seq == got.seq; });
+                                         [&](const Unexpected& u) { return u.signature.tag == got.tag; });
     if (!earlierUnexpected) {
       for (Stripe& p : state.p2pRecvs) {
-        if (p.request->signature.seq != got.seq) continue;
+        if (p.request->signature.tag != got.tag) continue;
         if (p.request->signature != got || p.bytes != c.header.bytes) {
           fail(ErrorKind::Mismatch, "rank ", rank_, " posted a receive for ", p.request->signature.describe(), ", ",
                humanBytes(p.bytes), ", but rank ", c.peer, " sent ", got.describe(), ", ",
@@ -64,7 +64,7 @@ bool TcpTransport::matchIncoming(Connection& c) {
       }
       // No receive names this rank: the first receive from any rank with this tag takes it.
       for (auto p = anyRecvs_.begin(); p != anyRecvs_.end(); ++p) {
-        if (p->request->signature.seq != got.seq) continue;
+        if (p->request->signature.tag != got.tag) continue;
         checkP2pMatch(*p, c.peer, got, c.header.bytes);
         p->request->peer = c.peer;
         state.p2pRecvs.splice(state.p2pRecvs.end(), anyRecvs_, p);  // the node, and c.target, stay put
@@ -119,10 +119,10 @@ void TcpTransport::finishIncoming(Connection& c) {
 // An unexpected message is complete: hand it to the first posted receive with its tag.
 void TcpTransport::completeUnexpected(PeerState& state, std::list<Unexpected>::iterator it) {
   for (auto p = state.p2pRecvs.begin(); p != state.p2pRecvs.end(); ++p) {
-    if (p->request->signature.seq != it->signature.seq) continue;
+    if (p->request->signature.tag != it->signature.tag) continue;
     // Only the oldest unexpected message with this tag may match.
     for (auto older = state.unexpected.begin(); older != it; ++older) {
-      if (older->signature.seq == it->signature.seq) return;
+      if (older->signature.tag == it->signature.tag) return;
     }
     if (p->request->signature != it->signature || p->bytes != it->data.size()) {
       fail(ErrorKind::Mismatch, "rank ", rank_, " posted a receive for ", p->request->signature.describe(), ", ",
@@ -148,16 +148,16 @@ void TcpTransport::checkP2pMatch(const Stripe& p, int peer, const Signature& got
 
 void TcpTransport::matchAnySource() {
   for (auto p = anyRecvs_.begin(); p != anyRecvs_.end();) {
-    const uint64_t tag = p->request->signature.seq;
+    const uint64_t tag = p->request->signature.tag;
     bool matched = false;
     for (int peer = 0; peer < size_ && !matched; ++peer) {
       PeerState& state = peers_[size_t(peer)];
       // Only this rank's oldest message with the tag, complete, and wanted by no receive naming the rank.
       auto it = std::find_if(state.unexpected.begin(), state.unexpected.end(),
-                             [&](const Unexpected& u) { return u.signature.seq == tag; });
+                             [&](const Unexpected& u) { return u.signature.tag == tag; });
       if (it == state.unexpected.end() || it->done != it->data.size()) continue;
       if (std::any_of(state.p2pRecvs.begin(), state.p2pRecvs.end(),
-                      [&](const Stripe& q) { return q.request->signature.seq == tag; })) {
+                      [&](const Stripe& q) { return q.request->signature.tag == tag; })) {
         continue;
       }
       checkP2pMatch(*p, peer, it->signature, it->data.size());

@@ -101,7 +101,7 @@ void UcxTransport::postSend(Request& r) {
     r.failed = false;
     Op& op = newOp(OpKind::Send, &r, r.peer);
     if (peerStatus_[size_t(r.peer)] != UCS_OK) peerLost(r.peer, &op, peerStatus_[size_t(r.peer)]);
-    const ucp_tag_t tag = p2p ? makeTag(kPointToPointTag, rank_, r.signature.seq) : makeTag(kCollectiveTag, rank_, 0);
+    const ucp_tag_t tag = p2p ? makeTag(kPointToPointTag, rank_, r.signature.tag) : makeTag(kCollectiveTag, rank_, 0);
     op.header = makeFrameHeader(r.signature, 0, r.bytes);
     op.iov[0] = {&op.header, sizeof(FrameHeader)};
     op.iov[1] = {r.data, r.bytes};
@@ -133,9 +133,9 @@ void UcxTransport::postRecv(Request& r) {
     // A peer whose endpoint failed may still have delivered this message: the receive is
     // posted anyway (UCX matches what already arrived), and fails only if it stays pending.
     if (any) {
-      submitRecv(op, makeTag(kPointToPointTag, 0, r.signature.seq), kKindMask | kLowMask);
+      submitRecv(op, makeTag(kPointToPointTag, 0, r.signature.tag), kKindMask | kLowMask);
     } else if (p2p) {
-      submitRecv(op, makeTag(kPointToPointTag, r.peer, r.signature.seq), ~ucp_tag_t(0));
+      submitRecv(op, makeTag(kPointToPointTag, r.peer, r.signature.tag), ~ucp_tag_t(0));
     } else {
       submitRecv(op, makeTag(kCollectiveTag, r.peer, 0), kKindMask | kSourceMask);
       if (split) {

@@ -1,4 +1,4 @@
-#include "transport/shm/segment.h"
+#include "transport/shm/region.h"
 
 #include <fcntl.h>
 #include <linux/futex.h>
@@ -48,9 +48,9 @@ std::string hostFacts() {
                         " uid=", ::geteuid());
 }
 
-Segment& Segment::operator=(Segment&& other) noexcept {
+Region& Region::operator=(Region&& other) noexcept {
   if (this != &other) {
-    this->~Segment();
+    this->~Region();
     base_ = other.base_;
     bytes_ = other.bytes_;
     fd_ = other.fd_;
@@ -60,21 +60,21 @@ Segment& Segment::operator=(Segment&& other) noexcept {
   return *this;
 }
 
-Segment::~Segment() {
+Region::~Region() {
   if (base_) ::munmap(base_, bytes_);
   closeFd();
   base_ = nullptr;
 }
 
-void Segment::closeFd() {
+void Region::closeFd() {
   if (fd_ >= 0) ::close(fd_);
   fd_ = -1;
 }
 
-std::string Segment::nonceHex() const { return toHex(header().nonce, sizeof header().nonce); }
+std::string Region::nonceHex() const { return toHex(header().nonce, sizeof header().nonce); }
 
-Segment Segment::create(const Layout& layout) {
-  Segment s;
+Region Region::create(const Layout& layout) {
+  Region s;
   s.fd_ = int(::syscall(SYS_memfd_create, "ddlcomm", unsigned(MFD_CLOEXEC)));
   DDLCOMM_CHECK(s.fd_ >= 0, ErrorKind::System, systemErrorText("memfd_create", errno));
   // memfd files start world-accessible through /proc; only this user's processes may map it.
@@ -88,7 +88,7 @@ Segment Segment::create(const Layout& layout) {
     s.base_ = nullptr;
     fail(ErrorKind::System, systemErrorText("mmap", errno));
   }
-  SegmentHeader& h = *new (s.base_) SegmentHeader();  // placement: the memory is the segment's
+  RegionHeader& h = *new (s.base_) RegionHeader();  // placement: the memory is the region's
   std::random_device random;
   for (auto& b : h.nonce) b = uint8_t(random());
   h.pid = ::getpid();
@@ -96,18 +96,18 @@ Segment Segment::create(const Layout& layout) {
   h.ringBytes = layout.ringBytes;
   h.windowBytes = layout.windowBytes;
   std::atomic_thread_fence(std::memory_order_release);
-  h.magic = kSegmentMagic;
+  h.magic = kRegionMagic;
   return s;
 }
 
-Segment Segment::open(int pid, int fd, const std::string& nonceHex, const Layout& layout) {
-  Segment s;
+Region Region::open(int pid, int fd, const std::string& nonceHex, const Layout& layout) {
+  Region s;
   const std::string path = detail::concat("/proc/", pid, "/fd/", fd);
   s.fd_ = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
   DDLCOMM_CHECK(s.fd_ >= 0, ErrorKind::System, systemErrorText(("open " + path).c_str(), errno));
   struct stat st {};
   DDLCOMM_CHECK(::fstat(s.fd_, &st) == 0 && size_t(st.st_size) == layout.total(), ErrorKind::System, path,
-                " is not a segment of the expected size ", layout.total());
+                " is not a region of the expected size ", layout.total());
   s.bytes_ = layout.total();
   s.base_ = ::mmap(nullptr, s.bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, s.fd_, 0);
   if (s.base_ == MAP_FAILED) {
@@ -115,10 +115,10 @@ Segment Segment::open(int pid, int fd, const std::string& nonceHex, const Layout
     fail(ErrorKind::System, systemErrorText(("mmap " + path).c_str(), errno));
   }
   s.closeFd();  // the mapping keeps the memory
-  const SegmentHeader& h = s.header();
-  DDLCOMM_CHECK(h.magic == kSegmentMagic && s.nonceHex() == nonceHex && h.ringBytes == layout.ringBytes &&
+  const RegionHeader& h = s.header();
+  DDLCOMM_CHECK(h.magic == kRegionMagic && s.nonceHex() == nonceHex && h.ringBytes == layout.ringBytes &&
                     h.windowBytes == layout.windowBytes && h.localRanks == layout.localRanks,
-                ErrorKind::System, path, " is not the segment its owner published");
+                ErrorKind::System, path, " is not the region its owner published");
   return s;
 }
 

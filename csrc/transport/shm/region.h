@@ -1,4 +1,4 @@
-// Shared memory between the ranks of one host: each rank's segment (an anonymous memfd,
+// Shared memory between the ranks of one host: each rank's region (an anonymous memfd,
 // owner-only, never in /dev/shm), its layout, and the futex doorbell its owner sleeps on.
 #pragma once
 
@@ -14,15 +14,15 @@
 namespace ddlcomm::shm {
 
 // What two ranks must share to try mapping each other's memory: the boot, the user namespace
-// (ownership of the segment) and the pid namespace (peers are reached, and watched, by pid).
+// (ownership of the region) and the pid namespace (peers are reached, and watched, by pid).
 // Published through the store; the mapping is then verified by a nonce.
 std::string hostFacts();
 
-// The control block at the start of every segment. Written by its owner, read by peers,
+// The control block at the start of every region. Written by its owner, read by peers,
 // except `doorbell`, which peers bump to wake the owner.
-struct alignas(64) SegmentHeader {
+struct alignas(64) RegionHeader {
   uint64_t magic;
-  uint8_t nonce[16];  // random, published through the store: proves a peer mapped this segment
+  uint8_t nonce[16];  // random, published through the store: proves a peer mapped this region
   int32_t pid;
   int32_t localRanks;
   uint64_t ringBytes;
@@ -31,7 +31,7 @@ struct alignas(64) SegmentHeader {
   alignas(64) std::atomic<uint32_t> doorbell;  // futex word: bumped when the owner can make progress
   std::atomic<uint32_t> sleeping;              // the owner is about to sleep on `doorbell`
   std::atomic<uint32_t> closed;                // the owner shut its transport down
-  // What the owner is waiting in (seq << 16 | dtype << 8 | op), for naming mismatched calls
+  // What the owner is waiting in (tag << 16 | dtype << 8 | op), for naming mismatched calls
   // that never exchange a message; 0 when it is not waiting.
   std::atomic<uint64_t> waitingIn;
 
@@ -39,7 +39,7 @@ struct alignas(64) SegmentHeader {
   alignas(64) std::atomic<uint64_t> arrived;
   struct Call {
     uint64_t generation;
-    uint64_t seq;
+    uint64_t tag;
     uint64_t count;
     uint64_t bytes;
     uint8_t op;
@@ -47,49 +47,49 @@ struct alignas(64) SegmentHeader {
   } calls[2];  // by generation % 2: a peer is never more than one generation ahead
 };
 
-// A byte ring from one rank to another, in the receiver's segment. Each index is written by
+// A byte ring from one rank to another, in the receiver's region. Each index is written by
 // one side only; both only grow.
 struct RingControl {
   alignas(64) std::atomic<uint64_t> head;  // bytes written (sender)
   alignas(64) std::atomic<uint64_t> tail;  // bytes consumed (receiver)
 };
 
-// Where things are in a segment of `localRanks` rings of `ringBytes` and two windows.
+// Where things are in a region of `localRanks` rings of `ringBytes` and two windows.
 struct Layout {
   int localRanks = 0;
   size_t ringBytes = 0;
   size_t windowBytes = 0;  // of each of the two halves; 0 without windows
 
-  size_t ringControl(int i) const { return sizeof(SegmentHeader) + size_t(i) * sizeof(RingControl); }
+  size_t ringControl(int i) const { return sizeof(RegionHeader) + size_t(i) * sizeof(RingControl); }
   size_t ringData(int i) const { return align(ringControl(localRanks)) + size_t(i) * ringBytes; }
   size_t window(int half) const { return align(ringData(localRanks)) + size_t(half) * windowBytes; }
   size_t total() const { return window(2); }
   static size_t align(size_t offset) { return (offset + 4095) & ~size_t(4095); }
 };
 
-constexpr uint64_t kSegmentMagic = 0x4d48534d4f434444ull;  // "DDCOMSHM"
+constexpr uint64_t kRegionMagic = 0x4d48534d4f434444ull;  // "DDCOMSHM"
 
-// A mapped segment (RAII). The owner creates it and keeps the fd open so that peers can
+// A mapped region (RAII). The owner creates it and keeps the fd open so that peers can
 // open it through /proc/<pid>/fd/<fd>; nothing is ever named in a filesystem.
-class Segment {
+class Region {
  public:
-  Segment() = default;
-  // Creates and maps an owner-only segment with all its pages reserved (so running out of
+  Region() = default;
+  // Creates and maps an owner-only region with all its pages reserved (so running out of
   // memory fails here, not later with SIGBUS), and fills in the header.
-  static Segment create(const Layout& layout);
-  // Maps a peer's segment; throws Error(System) if it cannot be opened or is not the one the
+  static Region create(const Layout& layout);
+  // Maps a peer's region; throws Error(System) if it cannot be opened or is not the one the
   // owner published (magic, nonce).
-  static Segment open(int pid, int fd, const std::string& nonceHex, const Layout& layout);
-  ~Segment();
-  Segment(Segment&& other) noexcept { *this = std::move(other); }
-  Segment& operator=(Segment&& other) noexcept;
+  static Region open(int pid, int fd, const std::string& nonceHex, const Layout& layout);
+  ~Region();
+  Region(Region&& other) noexcept { *this = std::move(other); }
+  Region& operator=(Region&& other) noexcept;
 
   bool valid() const { return base_ != nullptr; }
   int fd() const { return fd_; }
   char* base() const { return static_cast<char*>(base_); }
-  SegmentHeader& header() const { return *reinterpret_cast<SegmentHeader*>(base_); }
+  RegionHeader& header() const { return *reinterpret_cast<RegionHeader*>(base_); }
   std::string nonceHex() const;
-  // Owner: stop offering the segment to peers (they have all mapped it).
+  // Owner: stop offering the region to peers (they have all mapped it).
   void closeFd();
 
  private:
@@ -107,7 +107,7 @@ void futexWake(std::atomic<uint32_t>& word);
 // the doorbell. The fence orders this rank's change before the look at `sleeping`: either
 // the owner's last look sees the change, or this rank sees it sleeping and rings. An awake
 // owner's doorbell is left alone (no cache line pulled from its core).
-inline void ring(SegmentHeader& header) {
+inline void ring(RegionHeader& header) {
   std::atomic_thread_fence(std::memory_order_seq_cst);
   if (header.sleeping.load(std::memory_order_seq_cst)) {
     header.doorbell.fetch_add(1, std::memory_order_seq_cst);
