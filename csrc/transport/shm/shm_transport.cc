@@ -427,7 +427,9 @@ void ShmTransport::poll(std::chrono::milliseconds timeout) {
       mine.sleeping.store(1, std::memory_order_seq_cst);
       std::atomic_thread_fence(std::memory_order_seq_cst);  // pairs with ring()'s
       const uint32_t seen = mine.doorbell.load(std::memory_order_seq_cst);
-      if (!pumpAll()) futexWait(mine.doorbell, seen, std::min<std::chrono::nanoseconds>(timeout, kMixedSlice));
+      if (!wakeRequested_.exchange(false) && !pumpAll()) {
+        futexWait(mine.doorbell, seen, std::min<std::chrono::nanoseconds>(timeout, kMixedSlice));
+      }
       mine.sleeping.store(0, std::memory_order_relaxed);
       pumpAll();
       network_->poll(std::chrono::milliseconds(0));
@@ -437,6 +439,7 @@ void ShmTransport::poll(std::chrono::milliseconds timeout) {
 }
 
 void ShmTransport::wakeup() {
+  wakeRequested_.store(true);  // before ring()'s fence and look at `sleeping`
   ring(own_.header());
   network_->wakeup();
 }

@@ -10,6 +10,7 @@
 // as over TCP.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <deque>
 #include <memory>
@@ -124,6 +125,9 @@ class ShmTransport final : public Transport, private SharedWindows {
   bool mixed_ = false;  // some peers are reached through the network
   bool oversubscribed_ = false;  // more local ranks than cores: yield while spinning
   bool syncing_ = false;
+  // Set by wakeup() (any thread), taken by poll() before it sleeps: a wakeup that comes
+  // before poll() marks itself sleeping is not lost (the doorbell is rung only for sleepers).
+  std::atomic<bool> wakeRequested_{false};
   uint64_t generation_ = 0;
   uint64_t fills_ = 0;
   uint64_t bytesSent_ = 0;
