@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Emulate a slow cluster network on one Linux machine with network namespaces.
 
 Every rank ("host") gets its own network namespace holding one end of a veth
@@ -26,12 +25,12 @@ switch), so a round trip crosses four: RTT = 4 * delay.
 Shaping uses ``netem rate R [delay D] [loss L] limit N``.  Kernels built
 without netem (CONFIG_NET_SCH_NETEM unset) fall back to ``tbf``, which limits
 the rate only; delay and loss then come from netfilter rules and a packet
-delayer in each rank's namespace (bench/slownet_netfilter.py).  Rates, delays
-and losses are written as tc writes them (bench/slownet_shaping.py).
+delayer in each rank's namespace (netfilter.py).  Rates, delays
+and losses are written as tc writes them (units.py).
 
 Command line (one process per rank, env:// rendezvous variables set)::
 
-    python bench/slownet.py --ranks 4 --rate 1gbit --delay 0.1ms -- CMD ARGS...
+    python -m ddlcomm.bench.slownet --ranks 4 --rate 1gbit --delay 0.1ms -- CMD ARGS...
 
 Library::
 
@@ -59,8 +58,8 @@ import threading
 import time
 from typing import IO, Any, Sequence
 
-from slownet_netfilter import CHAIN, DELAYER, Netfilter, no_netem, probe_iptables  # noqa: F401
-from slownet_shaping import (  # noqa: F401  (the library's names, as before the split)
+from .netfilter import CHAIN, DELAYER, Netfilter, no_netem, probe_iptables  # noqa: F401
+from .units import (  # noqa: F401  (the library's names, as before the split)
     Probe, Shaping, SlowNetError, SlowNetUnavailable, parse_loss, parse_rate, parse_time, sh)
 
 PREFIX = "ddl"
@@ -363,7 +362,8 @@ class SlowNet:
         if self.keep:
             if self.namespaces:
                 print(f"[slownet] keeping namespaces {' '.join(self.namespaces)}; remove with "
-                      f"`ip netns del NAME` or `slownet.py --cleanup-stale`", file=sys.stderr)
+                      f"`ip netns del NAME` or `python -m ddlcomm.bench.slownet --cleanup-stale`",
+                      file=sys.stderr)
             if self._netfilter and self._netfilter.delayers:
                 print("[slownet] the packet delayers exit with this process; their queues "
                       "then drop all traffic", file=sys.stderr)
@@ -562,6 +562,7 @@ def _arg(parse: Any) -> Any:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
+        prog="python -m ddlcomm.bench.slownet",
         description="Run COMMAND once per rank, each in its own network namespace, "
                     "joined by a star of rate/delay-limited links.",
         usage="%(prog)s [options] -- COMMAND [ARGS...]")
@@ -628,6 +629,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 128 + caught[0]
     return code
 
-
-if __name__ == "__main__":
-    sys.exit(main())

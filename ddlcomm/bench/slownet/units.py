@@ -1,6 +1,6 @@
-"""How bench/slownet.py describes a link and runs commands: rates, delays and losses in tc's
-syntax, what the kernel was found to support, and the errors every part of the emulation
-raises. The standard library only."""
+"""How the slow-network emulation describes a link and runs commands: rates, delays and
+losses in tc's syntax, what the kernel was found to support, and the errors every part of
+the emulation raises. The standard library only."""
 
 from __future__ import annotations
 

@@ -1,9 +1,8 @@
-#!/usr/bin/env python3
 """Compressed all-reduce and DDP hooks on an emulated slow network, 4 ranks, one run.
 
-    sudo python bench/slownet_bench.py --rates 1gbit,10gbit --out bench/results
+    sudo python -m ddlcomm.bench.slownet.compressed --rates 1gbit,10gbit --out results
 
-For each link rate it builds the emulated cluster of bench/slownet.py (one network
+For each link rate it builds the emulated cluster of ddlcomm.bench.slownet (one network
 namespace per rank, a bridge, every link shaped with tc), runs
 ``python -m ddlcomm.bench.compressed`` on every rank, prints the tables, and writes
 ``slownet.json`` and ``slownet.png`` (time vs link bandwidth) into --out.
@@ -19,8 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from slownet import SlowNet  # noqa: E402
+from .network import SlowNet
 
 
 def collect_results(net: SlowNet, argv: list[str], timeout: float, what: str) -> list[dict]:
@@ -128,10 +126,10 @@ def require_slownet(name: str) -> None:
 
 
 def main() -> None:
-    parser = bench_parser(__doc__, "bench/results", 1500, worker="ddlcomm.bench.compressed")
+    parser = bench_parser(__doc__, "results", 1500, worker="ddlcomm.bench.compressed")
     parser.add_argument("--ranks", type=int, default=4)
     args = parser.parse_args()
-    require_slownet("slownet_bench")
+    require_slownet("ddlcomm.bench.slownet.compressed")
     extra = worker_args(args)
     results: list[dict] = []
     for rate in args.rates.split(","):

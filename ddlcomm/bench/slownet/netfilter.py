@@ -1,5 +1,5 @@
-"""Delay and loss without netem, for bench/slownet.py: netfilter rules and a packet delayer
-in each rank's namespace.
+"""Delay and loss without netem, for the emulated network (network.py): netfilter rules and
+a packet delayer in each rank's namespace.
 
 Kernels built without netem (CONFIG_NET_SCH_NETEM unset) shape the rate with
 ``tbf``, which limits the rate only; delay and loss then come from netfilter,
@@ -9,7 +9,7 @@ at its end:
 
 * loss: ``-m statistic --mode random --probability L -j DROP``, twice (one
   independent draw per link crossed);
-* delay: ``-j NFQUEUE`` to bench/nfq_delay.py, a process in that namespace
+* delay: ``-j NFQUEUE`` to nfq_delay.py, a process in that namespace
   that accepts each packet 2*D after it arrived, in arrival order.  The rule
   has no ``--queue-bypass``: if the delayer is gone, packets are dropped, so a
   broken fixture shows up as a dead network, never as a fast one.
@@ -35,7 +35,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from slownet_shaping import Probe, Shaping, SlowNetError, sh
+from .units import Probe, Shaping, SlowNetError, sh
 
 CHAIN = "SLOWNET"  # iptables chain of the fixture
 DELAYER = Path(__file__).resolve().with_name("nfq_delay.py")
