@@ -592,14 +592,14 @@ def test_cli_cleans_up_on_signal(sig: int, code: int) -> None:
 
 def test_cli_preconditions_exit_2(monkeypatch: pytest.MonkeyPatch,
                                   capsys: pytest.CaptureFixture[str]) -> None:
-    monkeypatch.setattr(slownet.network.os, "geteuid", lambda: 1000)
+    monkeypatch.setattr(slownet.probe.os, "geteuid", lambda: 1000)
     assert slownet.main(["--ranks", "2", "--", "true"]) == 2
     err = capsys.readouterr().err
     assert "root" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
 
-    monkeypatch.setattr(slownet.network.os, "geteuid", lambda: 0)
-    real_which = slownet.network.shutil.which
-    monkeypatch.setattr(slownet.network.shutil, "which", lambda t: None if t == "tc" else real_which(t))
+    monkeypatch.setattr(slownet.probe.os, "geteuid", lambda: 0)
+    real_which = slownet.probe.shutil.which
+    monkeypatch.setattr(slownet.probe.shutil, "which", lambda t: None if t == "tc" else real_which(t))
     assert slownet.main(["--ranks", "2", "--", "true"]) == 2
     err = capsys.readouterr().err
     assert "`tc` not found" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1

@@ -1,7 +1,7 @@
-"""``python -m ddlcomm.bench.slownet [options] -- COMMAND [ARGS...]``."""
+"""``python -m ddlcomm.bench.slownet [options] -- COMMAND [ARGS...]``: see cli.py."""
 
 import sys
 
-from .network import main
+from .cli import main
 
 sys.exit(main())

@@ -11,34 +11,12 @@ Needs root and iproute2; exits non-zero with the reason when namespaces are unav
 
 from __future__ import annotations
 
-import argparse
 import json
-import subprocess
 import sys
-import time
 from pathlib import Path
 
+from .driver import bench_parser, collect_results, require_slownet, save_figure, worker_args
 from .network import SlowNet
-
-
-def collect_results(net: SlowNet, argv: list[str], timeout: float, what: str) -> list[dict]:
-    """Runs ``argv`` on every rank of ``net``; returns the ``RESULT {json}`` lines rank 0 printed.
-    Raises SystemExit with rank 0's output when a rank fails."""
-    procs = []
-    for rank in range(net.ranks):
-        env = net.env(rank, 29500)
-        env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-        # rank 0 reports; the others stay quiet unless they fail
-        procs.append(net.popen(rank, argv, env=env, stdout=subprocess.PIPE if rank == 0 else subprocess.DEVNULL,
-                               stderr=subprocess.STDOUT if rank == 0 else None, cwd="/"))
-    deadline = time.monotonic() + timeout
-    out, _ = procs[0].communicate(timeout=max(1, deadline - time.monotonic()))
-    for proc in procs[1:]:
-        proc.wait(timeout=max(1, deadline - time.monotonic()))
-    if any(p.returncode for p in procs):
-        print(out.decode()[-3000:], file=sys.stderr)
-        raise SystemExit(f"a rank failed ({what}): exit codes {[p.returncode for p in procs]}")
-    return [json.loads(line[len("RESULT "):]) for line in out.decode().splitlines() if line.startswith("RESULT ")]
 
 
 def run_rate(rate: str, ranks: int, extra: list[str], timeout: float) -> list[dict]:
@@ -92,37 +70,6 @@ def plot(results: list[dict], path: Path) -> None:
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
     save_figure(fig, path)
-
-
-def save_figure(fig, path: Path) -> None:
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-
-
-def bench_parser(doc: str, out: str, timeout: float, worker: str | None = None) -> argparse.ArgumentParser:
-    """The options every emulated-network benchmark takes: link rates, output folder, timeout,
-    and (with ``worker``) the options after ``--`` that go to that worker (``worker_args``)."""
-    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rates", default="1gbit,10gbit")
-    parser.add_argument("--out", default=out)
-    parser.add_argument("--timeout", type=float, default=timeout)
-    if worker:
-        parser.add_argument("worker_args", nargs=argparse.REMAINDER, help=f"passed to {worker} after --",
-                            type=str)
-    return parser
-
-
-def worker_args(args: argparse.Namespace) -> list[str]:
-    """The options given after ``--`` (see bench_parser)."""
-    return [a for a in args.worker_args if a != "--"]
-
-
-def require_slownet(name: str) -> None:
-    """Exits with status 2 and the reason when network namespaces are unavailable."""
-    ok, reason = SlowNet.available()
-    if not ok:
-        print(f"{name}: cannot emulate a network here: {reason}", file=sys.stderr)
-        raise SystemExit(2)
 
 
 def main() -> None:

@@ -18,7 +18,7 @@ import os
 import sys
 from pathlib import Path
 
-from .compressed import bench_parser, collect_results, require_slownet, worker_args
+from .driver import bench_parser, collect_results, require_slownet, worker_args
 from .network import SlowNet
 
 

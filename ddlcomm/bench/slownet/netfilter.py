@@ -23,45 +23,23 @@ TSO/GSO packet of up to 64 KB is dropped whole.
 
 The rules live in the rank namespaces, so they vanish with them; the delayers
 are killed and reaped on close.  ``--shaper tbf`` forces this fixture where
-netem exists too.  Without netem or a working iptables, asking for delay or
-loss is an error rather than being silently ignored.
+netem exists too.  Without netem or a working iptables (probe.py looks for
+one that can add these rules), asking for delay or loss is an error rather
+than being silently ignored.
 """
 
 from __future__ import annotations
 
 import select
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
-from .units import Probe, Shaping, SlowNetError, sh
+from .commands import SlowNetError, sh
+from .units import Shaping
 
 CHAIN = "SLOWNET"  # iptables chain of the fixture
 DELAYER = Path(__file__).resolve().with_name("nfq_delay.py")
-
-
-def probe_iptables(ns: str) -> str | None:
-    """The first of iptables-legacy, iptables that can add the fixture's rules in ``ns``."""
-    rules = (["-m", "statistic", "--mode", "random", "--probability", "0.5", "-j", "DROP"],
-             ["-j", "NFQUEUE", "--queue-num", "0"])
-    for tool in ("iptables-legacy", "iptables"):
-        if shutil.which(tool) is None:
-            continue
-        try:
-            for rule in rules:
-                sh("ip", "netns", "exec", ns, tool, "-w", "10", "-A", "OUTPUT", *rule)
-        except SlowNetError:
-            continue
-        return tool
-    return None
-
-
-def no_netem(p: Probe) -> str:
-    """Why delay/loss do not come from netem, when the tbf shaper is active."""
-    return ("the tbf shaper was chosen" if p.netem
-            else "this kernel lacks the netem qdisc (CONFIG_NET_SCH_NETEM)")
-
 
 
 class Netfilter:

@@ -17,7 +17,7 @@ import json
 import sys
 from pathlib import Path
 
-from .compressed import bench_parser, collect_results, require_slownet, save_figure
+from .driver import bench_parser, collect_results, require_slownet, save_figure
 from .network import SlowNet
 
 # (task, optimizer, worker options): the CNN's first linear layer is wide (8.4M parameters,
