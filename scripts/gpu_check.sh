@@ -80,7 +80,8 @@ fi
 skipped bench || step bench 150 bench.log "$BUILD/bench_cuda_kernels" --csv="$RESULTS/bench.csv"
 # A 25 MB DDP bucket (24 MiB): encode+EF plus decode-accumulate against the 1 ms target.
 skipped bucket || step bucket 60 bucket.log "$BUILD/bench_cuda_kernels" --min-mib=24 --max-mib=24
-skipped torch || step torch 150 torch.log env PYTHONUNBUFFERED=1 python3 "$ROOT/bench/cuda/bench_torch_ops.py" \
+# By its path: it imports torch only, and the extension is built further down.
+skipped torch || step torch 150 torch.log env PYTHONUNBUFFERED=1 python3 "$ROOT/ddlcomm/bench/cuda/torch_ops.py" \
   --bench "$BUILD/bench_cuda_kernels" --sizes-mib 1,16,64,256
 
 # The extension against this torch (architectures from TORCH_CUDA_ARCH_LIST), then the CUDA

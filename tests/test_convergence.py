@@ -56,16 +56,12 @@ def test_compressed_hooks_keep_accuracy_with_momentum_sgd_and_adamw() -> None:
 
 
 def test_time_to_accuracy_benchmark_runs_every_method() -> None:
-    """The time-to-accuracy benchmark's worker and report (bench/time_to_accuracy.py, run on
-    an emulated network only by hand): every method trains, its curve is timed, and the report
-    sets the target from gloo fp32."""
+    """The time-to-accuracy benchmark's worker and report (ddlcomm.bench.slownet.time_to_accuracy,
+    run on an emulated network only by hand): every method trains, its curve is timed, and the
+    report sets the target from gloo fp32."""
     import math
-    import sys
-    from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-    from time_to_accuracy import report, summarise
-
+    from ddlcomm.bench.slownet.time_to_accuracy import report, summarise
     from ddlcomm.bench.time_to_accuracy import METHODS
 
     results = launch("convergence", "time_to_accuracy_curves", 2, timeout=300, args=("cnn", "sgd"))

@@ -1,7 +1,7 @@
 """Compressed all-reduce and DDP hooks, timed on whatever network the ranks run on.
 
-Launched once per rank (env:// rendezvous), normally by ``bench/slownet_bench.py`` inside
-emulated hosts. Rank 0 prints one JSON line per measurement (prefix ``RESULT``).
+Launched once per rank (env:// rendezvous), normally by ``ddlcomm.bench.slownet.compressed``
+inside emulated hosts. Rank 0 prints one JSON line per measurement (prefix ``RESULT``).
 
 (a) all-reduce of a 100 MB float32 gradient: gloo fp32, ddlcomm fp32, and the compressed
     all-reduce with fp16, 1-bit, ternary and top-k 1%;

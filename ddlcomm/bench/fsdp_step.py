@@ -1,11 +1,12 @@
 """FSDP2 step time of a >= 100M-parameter model, timed on whatever network the ranks run on.
 
-Launched once per rank (env:// rendezvous), normally by ``bench/slownet_fsdp.py`` inside the
-emulated hosts of ``bench/slownet.py``. Rank 0 prints one ``RESULT {json}`` line per method:
-the seconds per training step (the slowest rank's) and the bytes each rank put on the wire in
-one step. Those are counted by the kernel (``/proc/net/dev``, every interface but loopback)
-when the ranks have network namespaces of their own, so TCP/IP headers, the agreement checks
-and FSDP2's own traffic are in them; on loopback they are ``null``.
+Launched once per rank (env:// rendezvous), normally by ``ddlcomm.bench.slownet.fsdp_step``
+inside the emulated hosts of ``ddlcomm.bench.slownet``. Rank 0 prints one ``RESULT {json}``
+line per method: the seconds per training step (the slowest rank's) and the bytes each rank
+put on the wire in one step. Those are counted by the kernel (``/proc/net/dev``, every
+interface but loopback) when the ranks have network namespaces of their own, so TCP/IP
+headers, the agreement checks and FSDP2's own traffic are in them; on loopback they are
+``null``.
 
 Methods: FSDP2 on a gloo group and on the ddlcomm group (uncompressed), then on the ddlcomm
 group ``ddlcomm.fsdp``'s compressed reduce-scatter (fp16, 1-bit, ternary, top-k 1%; SGD's

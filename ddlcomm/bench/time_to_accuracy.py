@@ -1,13 +1,14 @@
 """Time to accuracy: train with each method and record the metric against wall-clock time.
 
-Launched once per rank (env:// rendezvous), normally by ``bench/time_to_accuracy.py`` inside
-the emulated hosts of ``bench/slownet.py``. Rank 0 prints one ``RESULT {json}`` line per
-method: the seconds per step and the curve of (training seconds, step, metric), evaluated
-every ``--eval-every`` steps with the clock stopped.
+Launched once per rank (env:// rendezvous), normally by
+``ddlcomm.bench.slownet.time_to_accuracy`` inside the emulated hosts of
+``ddlcomm.bench.slownet``. Rank 0 prints one ``RESULT {json}`` line per method: the seconds
+per step and the curve of (training seconds, step, metric), evaluated every
+``--eval-every`` steps with the clock stopped.
 
 Methods: DDP on gloo (fp32, and PyTorch's fp16_compress_hook), PyTorch's PowerSGD hook
 (rank 4; on the ddlcomm group, where gloo's all-reduce of its factors failed in
-bench/slownet_bench.py), and the ddlcomm hooks with their ``ddlcomm.optim`` optimizer.
+ddlcomm.bench.slownet.compressed), and the ddlcomm hooks with their ``ddlcomm.optim`` optimizer.
 """
 
 from __future__ import annotations

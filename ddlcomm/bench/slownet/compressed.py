@@ -1,9 +1,8 @@
-#!/usr/bin/env python3
 """Compressed all-reduce and DDP hooks on an emulated slow network, 4 ranks, one run.
 
-    sudo python bench/slownet_bench.py --rates 1gbit,10gbit --out bench/results
+    sudo python -m ddlcomm.bench.slownet.compressed --rates 1gbit,10gbit --out results
 
-For each link rate it builds the emulated cluster of bench/slownet.py (one network
+For each link rate it builds the emulated cluster of ddlcomm.bench.slownet (one network
 namespace per rank, a bridge, every link shaped with tc), runs
 ``python -m ddlcomm.bench.compressed`` on every rank, prints the tables, and writes
 ``slownet.json`` and ``slownet.png`` (time vs link bandwidth) into --out.
@@ -12,35 +11,12 @@ Needs root and iproute2; exits non-zero with the reason when namespaces are unav
 
 from __future__ import annotations
 
-import argparse
 import json
-import subprocess
 import sys
-import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from slownet import SlowNet  # noqa: E402
-
-
-def collect_results(net: SlowNet, argv: list[str], timeout: float, what: str) -> list[dict]:
-    """Runs ``argv`` on every rank of ``net``; returns the ``RESULT {json}`` lines rank 0 printed.
-    Raises SystemExit with rank 0's output when a rank fails."""
-    procs = []
-    for rank in range(net.ranks):
-        env = net.env(rank, 29500)
-        env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-        # rank 0 reports; the others stay quiet unless they fail
-        procs.append(net.popen(rank, argv, env=env, stdout=subprocess.PIPE if rank == 0 else subprocess.DEVNULL,
-                               stderr=subprocess.STDOUT if rank == 0 else None, cwd="/"))
-    deadline = time.monotonic() + timeout
-    out, _ = procs[0].communicate(timeout=max(1, deadline - time.monotonic()))
-    for proc in procs[1:]:
-        proc.wait(timeout=max(1, deadline - time.monotonic()))
-    if any(p.returncode for p in procs):
-        print(out.decode()[-3000:], file=sys.stderr)
-        raise SystemExit(f"a rank failed ({what}): exit codes {[p.returncode for p in procs]}")
-    return [json.loads(line[len("RESULT "):]) for line in out.decode().splitlines() if line.startswith("RESULT ")]
+from .driver import bench_parser, collect_results, require_slownet, save_figure, worker_args
+from .network import SlowNet
 
 
 def run_rate(rate: str, ranks: int, extra: list[str], timeout: float) -> list[dict]:
@@ -96,42 +72,11 @@ def plot(results: list[dict], path: Path) -> None:
     save_figure(fig, path)
 
 
-def save_figure(fig, path: Path) -> None:
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-
-
-def bench_parser(doc: str, out: str, timeout: float, worker: str | None = None) -> argparse.ArgumentParser:
-    """The options every emulated-network benchmark takes: link rates, output folder, timeout,
-    and (with ``worker``) the options after ``--`` that go to that worker (``worker_args``)."""
-    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rates", default="1gbit,10gbit")
-    parser.add_argument("--out", default=out)
-    parser.add_argument("--timeout", type=float, default=timeout)
-    if worker:
-        parser.add_argument("worker_args", nargs=argparse.REMAINDER, help=f"passed to {worker} after --",
-                            type=str)
-    return parser
-
-
-def worker_args(args: argparse.Namespace) -> list[str]:
-    """The options given after ``--`` (see bench_parser)."""
-    return [a for a in args.worker_args if a != "--"]
-
-
-def require_slownet(name: str) -> None:
-    """Exits with status 2 and the reason when network namespaces are unavailable."""
-    ok, reason = SlowNet.available()
-    if not ok:
-        print(f"{name}: cannot emulate a network here: {reason}", file=sys.stderr)
-        raise SystemExit(2)
-
-
 def main() -> None:
-    parser = bench_parser(__doc__, "bench/results", 1500, worker="ddlcomm.bench.compressed")
+    parser = bench_parser(__doc__, "results", 1500, worker="ddlcomm.bench.compressed")
     parser.add_argument("--ranks", type=int, default=4)
     args = parser.parse_args()
-    require_slownet("slownet_bench")
+    require_slownet("ddlcomm.bench.slownet.compressed")
     extra = worker_args(args)
     results: list[dict] = []
     for rate in args.rates.split(","):

@@ -1,14 +1,16 @@
 """Plain-torch versions of the ddlcomm GPU compressors (encode + error feedback), timed with
 torch.cuda.Event, side by side with the CUDA kernels' numbers from bench_cuda_kernels.
 
-    python3 bench/cuda/bench_torch_ops.py [--bench build/cuda/bench_cuda_kernels] [--sizes-mib 1,16,64,256]
-                                          [--csv out.csv] [--reps 10]
+    python -m ddlcomm.bench.cuda.torch_ops [--bench build/cuda/bench_cuda_kernels] [--sizes-mib 1,16,64,256]
+                                           [--csv out.csv] [--reps 10]
 
 The torch versions compute the same things the kernels do (block means / maxima, sign and
 2-bit packing, the residual update), written the way one would in torch, without custom
 kernels. They are the baseline for the targets in docs/cuda.md: 1-bit encode+EF >= 5x the
 torch version, approximate top-k 1% of 256 MiB >= 5x torch.topk. With --bench, the CUDA
 benchmark runs first (same sizes) and the table shows both times and the speedup.
+It imports torch only, so it also runs by its path (python3 ddlcomm/bench/cuda/torch_ops.py)
+where the extension is not built yet, as in scripts/gpu_check.sh.
 """
 
 import argparse

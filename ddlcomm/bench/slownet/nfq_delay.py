@@ -3,7 +3,7 @@
 
 Run it inside a network namespace, then send packets to the queue there, e.g.::
 
-    ip netns exec NS python3 nfq_delay.py --queue 0 --delay 0.005   # "ready"; Ctrl-D stops it
+    ip netns exec NS python3 ddlcomm/bench/slownet/nfq_delay.py --queue 0 --delay 0.005   # "ready"; Ctrl-D stops it
     ip netns exec NS iptables -A INPUT -i veth0 -j NFQUEUE --queue-num 0   # another shell
 
 It binds the queue over an AF_NETLINK/NETLINK_NETFILTER socket (the nfnetlink_queue
@@ -15,7 +15,8 @@ one batch verdict ("accept every id <= N") releases all packets that are due.
 It prints ``ready`` (or ``error: ...``) on stdout once, and exits when stdin reaches EOF,
 so its owner's death cannot leave it running.  While it is gone the queue is unbound and
 the kernel drops queued packets (the rule has no --queue-bypass: fail closed).
-Needs CAP_NET_ADMIN.  Standard library only.
+Needs CAP_NET_ADMIN.  Standard library only: netfilter.py starts it by its path, as a
+script, so a delayer does not import ddlcomm and torch (as ``-m`` would) before "ready".
 """
 
 from __future__ import annotations

@@ -186,10 +186,9 @@ int main(int argc, char** argv) {
       for (size_t k = 0; k < sets; ++k)
         gpu::encodeCuda(c.cfg, DataType::Float32, xs[k]->p, static_cast<float*>(rs[k]->p), n, k,
                         static_cast<uint8_t*>(pays[k]->p), payCap, ws.p, wsCap, s);
-      compress::PayloadInfo info{c.cfg.format, uint8_t(c.cfg.format == Format::OneBit && c.cfg.twoScales ? 1 : 0),
-                                 (c.cfg.format == Format::OneBit || c.cfg.format == Format::Ternary) ? c.cfg.blockSize : 0,
-                                 n, compress::keptEntries(c.cfg, n)};
-      if (c.cfg.format != Format::TopK && c.cfg.format != Format::RandomK) info.k = 0;
+      // The header fields every encode with this config writes (compress.h, wire_format.h).
+      const compress::PayloadInfo info{c.cfg.format, compress::headerFlags(c.cfg), compress::headerBlockSize(c.cfg), n,
+                                       compress::keptEntries(c.cfg, n)};
       const float decMs = medianMs(r, s, [&](int i) {
         gpu::decodeAccumulateCuda(info, static_cast<const uint8_t*>(pays[i % sets]->p), bytes,
                                   static_cast<float*>(outs[i % sets]->p), n, s);

@@ -1,8 +1,8 @@
 """Throughput of the ddlcomm compressors against the same algorithms in plain torch ops and memcpy.
 
-    python bench/bench_compress.py            # quick: 1, 16, 64 MiB of float32 input
-    python bench/bench_compress.py --full     # 1 MiB .. 256 MiB
-    python -m bench.bench_compress --sizes 4 32 --threads 1
+    python -m ddlcomm.bench.compress_kernels            # quick: 1, 16, 64 MiB of float32 input
+    python -m ddlcomm.bench.compress_kernels --full     # 1 MiB .. 256 MiB
+    python -m ddlcomm.bench.compress_kernels --sizes 4 32 --threads 1
 
 GB/s are of float32 input (4 bytes per element) for every column. "/thread" divides by the
 threads ddlcomm used (DDLCOMM_NUM_THREADS or the core count, at most one per 1 Mi elements);
@@ -18,19 +18,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import sys
 import time
-from pathlib import Path
 from typing import Callable, Iterator
 
-# `python -m bench.bench_compress` from the checkout puts the source tree first on sys.path; its
-# ddlcomm/ lacks the compiled extension, so benchmark the installed package instead.
-_CHECKOUT = Path(__file__).resolve().parents[1]
-sys.path = [p for p in sys.path if Path(p or ".").resolve() != _CHECKOUT]
+import torch
 
-import torch  # noqa: E402
-
-from ddlcomm.compress import BF16, FP16, Compressor, OneBit, RandomK, Ternary, TopK  # noqa: E402
+from ddlcomm.compress import BF16, FP16, Compressor, OneBit, RandomK, Ternary, TopK
 
 MiB = 1 << 20
 BLOCK = 256

@@ -1,9 +1,8 @@
-#!/usr/bin/env python3
 """FSDP2 step time of a >= 100M-parameter model on an emulated slow network, 4 ranks, one run.
 
-    sudo python bench/slownet_fsdp.py --rates 1gbit,10gbit --out docs/results
+    sudo python -m ddlcomm.bench.slownet.fsdp_step --rates 1gbit,10gbit --out docs/results
 
-For each link rate it builds the emulated cluster of bench/slownet.py (one network namespace
+For each link rate it builds the emulated cluster of ddlcomm.bench.slownet (one network namespace
 per rank, a bridge, every link shaped with tc), runs ``python -m ddlcomm.bench.fsdp_step``
 on every rank, prints the table and writes ``fsdp_step.json`` and ``fsdp_step.md`` into
 --out. Options after ``--`` go to the worker (``--methods``, ``--width``, ``--depth``, ...).
@@ -19,9 +18,8 @@ import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from slownet import SlowNet  # noqa: E402
-from slownet_bench import bench_parser, collect_results, require_slownet, worker_args  # noqa: E402
+from .driver import bench_parser, collect_results, require_slownet, worker_args
+from .network import SlowNet
 
 
 def table(results: list[dict]) -> str:
@@ -54,17 +52,17 @@ def preload(allocator: str) -> None:
         return
     library = ctypes.util.find_library("tcmalloc_minimal")
     if library is None:
-        raise SystemExit("slownet_fsdp: tcmalloc not found (apt-get install libtcmalloc-minimal4, "
-                         "or --allocator system)")
+        raise SystemExit("ddlcomm.bench.slownet.fsdp_step: tcmalloc not found "
+                         "(apt-get install libtcmalloc-minimal4, or --allocator system)")
     os.environ["LD_PRELOAD"] = library  # inherited by every rank through SlowNet.env
 
 
 def main() -> None:
-    parser = bench_parser(__doc__, "bench/results", 1800, worker="ddlcomm.bench.fsdp_step")
+    parser = bench_parser(__doc__, "results", 1800, worker="ddlcomm.bench.fsdp_step")
     parser.add_argument("--allocator", choices=("tcmalloc", "system"), default="tcmalloc",
                         help="the ranks' memory allocator (see preload)")
     args = parser.parse_args()
-    require_slownet("slownet_fsdp")
+    require_slownet("ddlcomm.bench.slownet.fsdp_step")
     preload(args.allocator)
     extra = worker_args(args)
     results: list[dict] = []

@@ -1,35 +1,10 @@
-"""How bench/slownet.py describes a link and runs commands: rates, delays and losses in tc's
-syntax, what the kernel was found to support, and the errors every part of the emulation
-raises. The standard library only."""
+"""Rates, delays and losses as tc writes them ("1gbit", "0.1ms", "0.5%"), and the shaping of
+one link direction made of them. The standard library only."""
 
 from __future__ import annotations
 
 import re
-import shlex
-import subprocess
 from dataclasses import dataclass
-
-
-class SlowNetError(RuntimeError):
-    """A command that sets up or controls the emulated network failed."""
-
-
-class SlowNetUnavailable(SlowNetError):
-    """This machine lacks something SlowNet needs (root, iproute2, netns, a qdisc)."""
-
-
-def sh(*argv: str, timeout: float = 30.0) -> str:
-    """Run ``argv`` and return its stdout; on failure raise SlowNetError naming
-    the command and its stderr."""
-    try:
-        res = subprocess.run(argv, check=True, capture_output=True, text=True, timeout=timeout)
-    except subprocess.CalledProcessError as e:
-        detail = (e.stderr or e.stdout or "").strip() or "no output"
-        raise SlowNetError(f"`{shlex.join(argv)}` failed (exit {e.returncode}): {detail}") from None
-    except (OSError, subprocess.TimeoutExpired) as e:
-        raise SlowNetError(f"`{shlex.join(argv)}` failed: {e}") from None
-    return res.stdout
-
 
 _SI = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12,
        "ki": 2.0**10, "mi": 2.0**20, "gi": 2.0**30, "ti": 2.0**40}
@@ -86,14 +61,3 @@ class Shaping:
 
     def __str__(self) -> str:
         return f"rate {self.rate_bps / 1e6:g}mbit {self.impairment}".rstrip()
-
-
-@dataclass(frozen=True)
-class Probe:
-    """What this machine supports (see SlowNet.probe)."""
-
-    ok: bool
-    reason: str
-    netem: bool = False
-    tbf: bool = False
-    iptables: str | None = None  # command that can add the fixture's rules in a namespace

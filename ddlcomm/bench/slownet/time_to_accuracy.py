@@ -1,7 +1,6 @@
-#!/usr/bin/env python3
-"""Time to accuracy on an emulated slow network: 4 ranks, each a host of bench/slownet.py.
+"""Time to accuracy on an emulated slow network: 4 ranks, each a host of ddlcomm.bench.slownet.
 
-    sudo python bench/time_to_accuracy.py --rates 1gbit,10gbit --out docs/results
+    sudo python -m ddlcomm.bench.slownet.time_to_accuracy --rates 1gbit,10gbit --out docs/results
 
 For each link rate and each task (the CNN with SGD and the transformer language model with
 AdamW, from ddlcomm.bench.tasks, sized so that communication matters) it runs
@@ -18,9 +17,8 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from slownet import SlowNet  # noqa: E402
-from slownet_bench import bench_parser, collect_results, require_slownet, save_figure  # noqa: E402
+from .driver import bench_parser, collect_results, require_slownet, save_figure
+from .network import SlowNet
 
 # (task, optimizer, worker options): the CNN's first linear layer is wide (8.4M parameters,
 # nearly all in that layer, as in VGG-style networks) so that a step at 1 Gbit/s is mostly
@@ -137,7 +135,7 @@ def main() -> None:
         results = json.loads(saved.read_text())
         write_report(results, saved.parent)
         return
-    require_slownet("time_to_accuracy")
+    require_slownet("ddlcomm.bench.slownet.time_to_accuracy")
     from ddlcomm.bench.time_to_accuracy import METHODS
 
     methods = args.methods or ",".join(METHODS)

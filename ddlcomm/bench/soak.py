@@ -1,33 +1,53 @@
 """Long soak: thousands of random collectives on 4 ranks, sizes up to 64 MiB, every result
 checked against a reference (tests/workers/soak.py; tests/test_soak.py runs a short one in CI).
 
-    .venv/bin/python bench/soak.py                          # the run in docs/results/soak.md
-    .venv/bin/python bench/soak.py --ops 2000 --max-mib 16 --seed 3
+    .venv/bin/python -m ddlcomm.bench.soak                          # the run in docs/results/soak.md
+    .venv/bin/python -m ddlcomm.bench.soak --ops 2000 --max-mib 16 --seed 3
 
 Starts the ranks through the test harness (tests/harness.py: env:// rendezvous on loopback)
 and prints a Markdown summary: operations per kind, mismatches, wall time and each rank's
 RSS after the warm-up, at its peak and at the end. Exits non-zero if any rank failed (a
-mismatch, an error, a hang past --timeout or RSS growth past the worker's bound).
+mismatch, an error, a hang past --timeout or RSS growth past the worker's bound). The harness
+and the worker are tests: it runs from a source checkout (installed editable, as
+``scripts/setup.sh`` does), not from a wheel.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import importlib.util
 import os
 import sys
 import time
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-
-from harness import RankResult, launch, soak_summary  # noqa: E402
+from types import ModuleType
+from typing import Any
 
 MiB = 1 << 20
+HARNESS = Path(__file__).resolve().parents[2] / "tests" / "harness.py"
 
 
-def markdown(args: argparse.Namespace, results: list[RankResult], wall: float, passed: bool) -> str:
-    ranks = [s for s in map(soak_summary, results) if s is not None]
-    command = f"bench/soak.py --ops {args.ops} --seed {args.seed} --max-mib {args.max_mib} --ranks {args.ranks}"
+@functools.cache
+def load_harness() -> ModuleType:
+    """tests/harness.py of the checkout this module lies in, imported by its path (the worker,
+    tests/workers/soak.py, is a test; an installed wheel has neither)."""
+    if not HARNESS.is_file():
+        raise SystemExit(f"soak: {HARNESS} not found: the soak runs the test harness and "
+                         "tests/workers/soak.py of a source checkout (install it editable)")
+    spec = importlib.util.spec_from_file_location("harness", HARNESS)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["harness"] = module  # before it runs: its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def markdown(args: argparse.Namespace, results: list[Any], wall: float, passed: bool) -> str:
+    """The report: ``results`` are the ranks' harness.RankResult."""
+    ranks = [s for s in map(load_harness().soak_summary, results) if s is not None]
+    command = (f"python -m ddlcomm.bench.soak --ops {args.ops} --seed {args.seed} --max-mib {args.max_mib} "
+               f"--ranks {args.ranks}")
     out = [
         f"`{command}` on {os.cpu_count()} cores, {time.strftime('%Y-%m-%d')}: "
         f"{'passed' if passed else 'FAILED'} in {wall:.0f} s wall "
@@ -63,8 +83,8 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=4 * 3600, help="seconds before the ranks are killed")
     args = parser.parse_args()
     start = time.monotonic()
-    results = launch("soak", "soak", args.ranks, timeout=args.timeout,
-                     args=(str(args.ops), str(args.seed), str(int(args.max_mib * MiB))))
+    results = load_harness().launch("soak", "soak", args.ranks, timeout=args.timeout,
+                                    args=(str(args.ops), str(args.seed), str(int(args.max_mib * MiB))))
     wall = time.monotonic() - start
     for r in results:
         if r.returncode != 0:

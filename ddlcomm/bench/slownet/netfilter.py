@@ -1,5 +1,5 @@
-"""Delay and loss without netem, for bench/slownet.py: netfilter rules and a packet delayer
-in each rank's namespace.
+"""Delay and loss without netem, for the emulated network (network.py): netfilter rules and
+a packet delayer in each rank's namespace.
 
 Kernels built without netem (CONFIG_NET_SCH_NETEM unset) shape the rate with
 ``tbf``, which limits the rate only; delay and loss then come from netfilter,
@@ -9,7 +9,7 @@ at its end:
 
 * loss: ``-m statistic --mode random --probability L -j DROP``, twice (one
   independent draw per link crossed);
-* delay: ``-j NFQUEUE`` to bench/nfq_delay.py, a process in that namespace
+* delay: ``-j NFQUEUE`` to nfq_delay.py, a process in that namespace
   that accepts each packet 2*D after it arrived, in arrival order.  The rule
   has no ``--queue-bypass``: if the delayer is gone, packets are dropped, so a
   broken fixture shows up as a dead network, never as a fast one.
@@ -23,45 +23,23 @@ TSO/GSO packet of up to 64 KB is dropped whole.
 
 The rules live in the rank namespaces, so they vanish with them; the delayers
 are killed and reaped on close.  ``--shaper tbf`` forces this fixture where
-netem exists too.  Without netem or a working iptables, asking for delay or
-loss is an error rather than being silently ignored.
+netem exists too.  Without netem or a working iptables (probe.py looks for
+one that can add these rules), asking for delay or loss is an error rather
+than being silently ignored.
 """
 
 from __future__ import annotations
 
 import select
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
-from slownet_shaping import Probe, Shaping, SlowNetError, sh
+from .commands import SlowNetError, sh
+from .units import Shaping
 
 CHAIN = "SLOWNET"  # iptables chain of the fixture
 DELAYER = Path(__file__).resolve().with_name("nfq_delay.py")
-
-
-def probe_iptables(ns: str) -> str | None:
-    """The first of iptables-legacy, iptables that can add the fixture's rules in ``ns``."""
-    rules = (["-m", "statistic", "--mode", "random", "--probability", "0.5", "-j", "DROP"],
-             ["-j", "NFQUEUE", "--queue-num", "0"])
-    for tool in ("iptables-legacy", "iptables"):
-        if shutil.which(tool) is None:
-            continue
-        try:
-            for rule in rules:
-                sh("ip", "netns", "exec", ns, tool, "-w", "10", "-A", "OUTPUT", *rule)
-        except SlowNetError:
-            continue
-        return tool
-    return None
-
-
-def no_netem(p: Probe) -> str:
-    """Why delay/loss do not come from netem, when the tbf shaper is active."""
-    return ("the tbf shaper was chosen" if p.netem
-            else "this kernel lacks the netem qdisc (CONFIG_NET_SCH_NETEM)")
-
 
 
 class Netfilter:

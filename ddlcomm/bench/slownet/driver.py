@@ -1,0 +1,66 @@
+"""What the benchmark drivers of the emulated network (compressed, fsdp_step,
+time_to_accuracy) share: their options, the check that namespaces work here, running a
+``ddlcomm.bench`` worker on every rank and collecting rank 0's ``RESULT {json}`` lines, and
+saving a figure."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from .network import SlowNet
+
+
+def bench_parser(doc: str, out: str, timeout: float, worker: str | None = None) -> argparse.ArgumentParser:
+    """The options every emulated-network benchmark takes: link rates, output folder, timeout,
+    and (with ``worker``) the options after ``--`` that go to that worker (``worker_args``)."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rates", default="1gbit,10gbit")
+    parser.add_argument("--out", default=out)
+    parser.add_argument("--timeout", type=float, default=timeout)
+    if worker:
+        parser.add_argument("worker_args", nargs=argparse.REMAINDER, help=f"passed to {worker} after --",
+                            type=str)
+    return parser
+
+
+def worker_args(args: argparse.Namespace) -> list[str]:
+    """The options given after ``--`` (see bench_parser)."""
+    return [a for a in args.worker_args if a != "--"]
+
+
+def require_slownet(name: str) -> None:
+    """Exits with status 2 and the reason when network namespaces are unavailable."""
+    ok, reason = SlowNet.available()
+    if not ok:
+        print(f"{name}: cannot emulate a network here: {reason}", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def collect_results(net: SlowNet, argv: list[str], timeout: float, what: str) -> list[dict]:
+    """Runs ``argv`` on every rank of ``net``; returns the ``RESULT {json}`` lines rank 0 printed.
+    Raises SystemExit with rank 0's output when a rank fails."""
+    procs = []
+    for rank in range(net.ranks):
+        env = net.env(rank, 29500)
+        env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        # rank 0 reports; the others stay quiet unless they fail
+        procs.append(net.popen(rank, argv, env=env, stdout=subprocess.PIPE if rank == 0 else subprocess.DEVNULL,
+                               stderr=subprocess.STDOUT if rank == 0 else None, cwd="/"))
+    deadline = time.monotonic() + timeout
+    out, _ = procs[0].communicate(timeout=max(1, deadline - time.monotonic()))
+    for proc in procs[1:]:
+        proc.wait(timeout=max(1, deadline - time.monotonic()))
+    if any(p.returncode for p in procs):
+        print(out.decode()[-3000:], file=sys.stderr)
+        raise SystemExit(f"a rank failed ({what}): exit codes {[p.returncode for p in procs]}")
+    return [json.loads(line[len("RESULT "):]) for line in out.decode().splitlines() if line.startswith("RESULT ")]
+
+
+def save_figure(fig, path: Path) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
