@@ -29,6 +29,22 @@ size_t segmentElements(Call& call, DataType dtype) {
   return std::max<size_t>(1, call.comm().options().segmentBytes / elementSize(dtype));
 }
 
+// A segment received in ring step `step`.
+struct Unit {
+  int step;
+  Segment segment;
+};
+
+// Every segment rank r receives, in order: in step s, those of chunk r - offset - s.
+std::vector<Unit> received(const Chunks& chunks, int r, int offset, size_t segElems) {
+  const int n = chunks.n;
+  std::vector<Unit> units;
+  for (int s = 0; s < n - 1; ++s) {
+    for (const Segment& seg : segmentsOf(chunks, mod(r - offset - s, n), segElems)) units.push_back({s, seg});
+  }
+  return units;
+}
+
 }  // namespace
 
 void reduceScatterInPlace(Call& call, char* data, const Chunks& chunks, DataType dtype, ReduceOp op) {
@@ -39,14 +55,7 @@ void reduceScatterInPlace(Call& call, char* data, const Chunks& chunks, DataType
   const size_t segElems = segmentElements(call, dtype);
 
   // Step s sends chunk r-1-s and receives chunk r-2-s, so rank r finishes owning chunk r.
-  struct Unit {
-    int step;
-    Segment segment;
-  };
-  std::vector<Unit> units;
-  for (int s = 0; s < n - 1; ++s) {
-    for (const Segment& seg : segmentsOf(chunks, mod(r - 2 - s, n), segElems)) units.push_back({s, seg});
-  }
+  const std::vector<Unit> units = received(chunks, r, 2, segElems);
   const std::vector<Segment> first = segmentsOf(chunks, mod(r - 1, n), segElems);
   std::vector<Request> sends(first.size() + units.size());
   std::vector<Request> recvs(units.size());
@@ -79,14 +88,7 @@ void allgatherInPlace(Call& call, char* data, const Chunks& chunks, DataType dty
   const size_t segElems = segmentElements(call, dtype);
 
   // Step s sends chunk r-s and receives chunk r-1-s straight into place.
-  struct Unit {
-    int step;
-    Segment segment;
-  };
-  std::vector<Unit> units;
-  for (int s = 0; s < n - 1; ++s) {
-    for (const Segment& seg : segmentsOf(chunks, mod(r - 1 - s, n), segElems)) units.push_back({s, seg});
-  }
+  const std::vector<Unit> units = received(chunks, r, 1, segElems);
   const std::vector<Segment> own = segmentsOf(chunks, r, segElems);
   std::vector<Request> sends(own.size() + units.size());
   std::vector<Request> recvs(units.size());

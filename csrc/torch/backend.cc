@@ -250,8 +250,20 @@ namespace {
 // Keeps the tensor (and its contiguous staging copy) alive for an in-flight request.
 struct PointToPoint {
   at::Tensor user;
-  at::Tensor work;
+  at::Tensor work;  // contiguous: what the request sends or fills
   std::shared_ptr<Request> request = std::make_shared<Request>();
+
+  PointToPoint(at::Tensor userTensor, at::Tensor contiguous, int peer, int tag)
+      : user(std::move(userTensor)), work(std::move(contiguous)) {
+    Request& r = *request;
+    r.peer = peer;
+    r.signature.op = OpCode::PointToPoint;
+    r.signature.dtype = toDataType(user);
+    r.signature.tag = uint64_t(uint32_t(tag));
+    r.signature.count = uint64_t(user.numel());
+    r.data = static_cast<char*>(work.data_ptr());
+    r.bytes = size_t(work.nbytes());
+  }
 };
 }  // namespace
 
@@ -259,17 +271,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDdlcomm::send(std::vector<at::Tensor>
   at::Tensor user = single(tensors, "send");
   TORCH_CHECK_VALUE(dstRank >= 0 && dstRank < size_ && dstRank != rank_, "ddlcomm send: invalid destination rank ",
                     dstRank, " from rank ", rank_, " in a group of ", size_);
-  auto p2p = std::make_shared<PointToPoint>();
-  p2p->user = user;
-  p2p->work = user.contiguous();
-  Request& r = *p2p->request;
-  r.peer = dstRank;
-  r.signature.op = OpCode::PointToPoint;
-  r.signature.dtype = toDataType(user);
-  r.signature.tag = uint64_t(uint32_t(tag));
-  r.signature.count = uint64_t(user.numel());
-  r.data = static_cast<char*>(p2p->work.data_ptr());
-  r.bytes = size_t(p2p->work.nbytes());
+  auto p2p = std::make_shared<PointToPoint>(user, user.contiguous(), dstRank, tag);
   auto work = c10::make_intrusive<DdlcommWork>(rank_, c10d::OpType::SEND, tensors, workPrefix_);
   executor_->submitPointToPoint(p2p->request, true, [work, p2p](std::exception_ptr error) { work->complete(error); });
   trackCoalesced(work);
@@ -288,17 +290,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDdlcomm::recvAnysource(std::vector<at
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupDdlcomm::postRecv(std::vector<at::Tensor>& tensors, int srcRank, int tag) {
   at::Tensor user = single(tensors, "recv");
-  auto p2p = std::make_shared<PointToPoint>();
-  p2p->user = user;
-  p2p->work = staged(user);
-  Request& r = *p2p->request;
-  r.peer = srcRank;
-  r.signature.op = OpCode::PointToPoint;
-  r.signature.dtype = toDataType(user);
-  r.signature.tag = uint64_t(uint32_t(tag));
-  r.signature.count = uint64_t(user.numel());
-  r.data = static_cast<char*>(p2p->work.data_ptr());
-  r.bytes = size_t(p2p->work.nbytes());
+  auto p2p = std::make_shared<PointToPoint>(user, staged(user), srcRank, tag);
   auto work = c10::make_intrusive<DdlcommWork>(rank_, c10d::OpType::RECV, tensors, workPrefix_);
   executor_->submitPointToPoint(p2p->request, false, [work, p2p](std::exception_ptr error) {
     if (!error) {
