@@ -319,6 +319,31 @@ def sparse_allreduce() -> None:
         raise AssertionError("a sparse all_reduce with MAX was accepted")
 
 
+def waits_in_any_order() -> None:
+    """Asynchronous operations waited for in any order, with a receive pending or not (the
+    waiting thread may run the next queued one itself): every result as computed directly."""
+    rank, n = init()
+    for pending in (False, True):
+        inbox = torch.zeros(3)
+        if pending:  # from the previous rank, sent only after the collectives below
+            receive = dist.irecv(inbox, src=(rank - 1) % n, tag=3)
+        a, b, c = torch.full((5,), rank + 1.0), torch.full((9,), 2.0 * (rank + 1)), torch.full((4,), float(rank))
+        wa = dist.all_reduce(a, async_op=True)
+        wb = dist.all_reduce(b, async_op=True)
+        wc = dist.broadcast(c, src=n - 1, async_op=True)
+        wc.wait()
+        wb.wait()
+        wa.wait()
+        total = n * (n + 1) / 2
+        assert_equal(a, torch.full((5,), total), f"first all_reduce (receive pending: {pending})")
+        assert_equal(b, torch.full((9,), 2 * total), f"second all_reduce (receive pending: {pending})")
+        assert_equal(c, torch.full((4,), float(n - 1)), f"broadcast (receive pending: {pending})")
+        if pending:
+            dist.send(torch.full((3,), float(rank)), dst=(rank + 1) % n, tag=3)
+            receive.wait()
+            assert_equal(inbox, torch.full((3,), float((rank - 1) % n)), "pending receive")
+
+
 if __name__ == "__main__":
     run({
         "all_gather_coalesced": all_gather_coalesced,
@@ -330,4 +355,5 @@ if __name__ == "__main__":
         "profiler_spans": profiler_spans,
         "recv_any_source": recv_any_source,
         "sparse_allreduce": sparse_allreduce,
+        "waits_in_any_order": waits_in_any_order,
     })
