@@ -30,7 +30,6 @@ enum class ReduceOp : uint8_t {
   BitOr = 6,
   BitXor = 7,
 };
-constexpr int kNumReduceOps = 8;
 
 size_t elementSize(DataType type);
 // torch's name of the type ("torch.float32"), the one users write, for every message.

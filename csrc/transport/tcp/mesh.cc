@@ -46,8 +46,7 @@ void TcpTransport::establish(KeyValueStore& store) {
   const std::string key = groupKey(store, rank_);
   Address bound;
   Fd listener = listenOn(options_.host.empty() ? chooseLocalHost() : options_.host, &bound);
-  localAddress_ = bound.toString();
-  store.set("ddlcomm/addr/" + std::to_string(rank_), localAddress_);
+  store.set("ddlcomm/addr/" + std::to_string(rank_), bound.toString());
 
   const Hello mine = makeHello(rank_, size_, k);
   // Only authenticated peers get here, so a disagreement is a misconfigured job: fatal.

@@ -43,8 +43,6 @@ class TcpTransport final : public Transport {
   void throwIfBroken() const override;
   TransportStats stats() const override;
 
-  std::string localAddress() const { return localAddress_; }
-
  private:
   // The part of a message that travels on one connection: all of it, or one stripe of a
   // message split over connectionsPerPeer connections.
@@ -133,7 +131,6 @@ class TcpTransport final : public Transport {
   std::vector<PeerState> peers_;
   Fd epoll_;
   Fd wakeFd_;
-  std::string localAddress_;
   bool broken_ = false;
   ErrorKind brokenKind_ = ErrorKind::Aborted;
   std::string brokenReason_;
