@@ -247,7 +247,7 @@ def test_the_checkout_root_imports_the_built_package() -> None:
 
 @pytest.mark.parametrize("args, message", [
     (("--ops", "allreduce"), "unknown collective 'allreduce': choose from all_reduce, all_gather, reduce_scatter, "
-                             "broadcast"),
+                             "broadcast, send_recv"),
     (("--sizes", "1k"), "argument --sizes: '1k' is not"),
     (("--budget", "0"), "argument --budget: '0' is not"),
 ])

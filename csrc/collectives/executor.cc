@@ -57,25 +57,28 @@ bool Executor::runInlineIfIdle(std::function<void(Communicator&)>& task, Done& d
   return true;
 }
 
-void Executor::submitPointToPoint(std::shared_ptr<Request> request, bool isSend, Done done) {
+void Executor::submitPointToPoint(std::shared_ptr<Request> request, bool isSend, Done done, bool mayPostInline) {
   auto shared = std::make_shared<Done>(std::move(done));
-  submit(
-      [this, request, isSend, shared](Communicator& comm) {
-        try {
-          comm.throwIfAborted();
-          if (isSend) {
-            comm.transport().postSend(*request);
-          } else {
-            comm.transport().postRecv(*request);
-          }
-        } catch (const Error& e) {
-          comm.failed(e);
-        }
-        pending_.push_back(Pending{request, std::move(*shared), Clock::now() + comm.options().timeout});
-      },
-      [shared](std::exception_ptr error) {
-        if (error) (*shared)(error);  // posting failed; success is reported by completePending
-      });
+  std::function<void(Communicator&)> post = [this, request, isSend, shared](Communicator& comm) {
+    try {
+      comm.throwIfAborted();
+      if (isSend) {
+        comm.transport().postSend(*request);
+      } else {
+        comm.transport().postRecv(*request);
+      }
+    } catch (const Error& e) {
+      comm.failed(e);
+    }
+    pending_.push_back(Pending{request, std::move(*shared), Clock::now() + comm.options().timeout});
+  };
+  Done posted = [shared](std::exception_ptr error) {
+    if (error) (*shared)(error);  // posting failed; success is reported by completePending
+  };
+  // Posting on the caller's thread when the group is idle takes the hand-off to the progress
+  // thread off the message's path; a send that fits the shared-memory ring even completes
+  // here. Whatever is left pending, the progress thread then moves.
+  if (!mayPostInline || !runInlineIfIdle(post, posted)) submit(std::move(post), std::move(posted));
 }
 
 void Executor::abort(const std::string& reason) {

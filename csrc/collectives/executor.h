@@ -37,8 +37,9 @@ class Executor {
   // A small collective then pays no thread hand-off, which is most of its latency.
   bool runInlineIfIdle(std::function<void(Communicator&)>& task, Done& done);
   // Posts a send or receive in submission order; `done` fires when it completes, while
-  // later operations already proceed. `request` must stay alive until then.
-  void submitPointToPoint(std::shared_ptr<Request> request, bool isSend, Done done);
+  // later operations already proceed. `request` must stay alive until then. With
+  // `mayPostInline`, an idle group posts it on the calling thread, as runInlineIfIdle.
+  void submitPointToPoint(std::shared_ptr<Request> request, bool isSend, Done done, bool mayPostInline = false);
 
   // Fails everything queued or in flight and makes the group unusable. Thread-safe.
   void abort(const std::string& reason);

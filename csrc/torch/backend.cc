@@ -273,7 +273,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDdlcomm::send(std::vector<at::Tensor>
                     dstRank, " from rank ", rank_, " in a group of ", size_);
   auto p2p = std::make_shared<PointToPoint>(user, user.contiguous(), dstRank, tag);
   auto work = c10::make_intrusive<DdlcommWork>(rank_, c10d::OpType::SEND, tensors, workPrefix_);
-  executor_->submitPointToPoint(p2p->request, true, [work, p2p](std::exception_ptr error) { work->complete(error); });
+  executor_->submitPointToPoint(
+      p2p->request, true, [work, p2p](std::exception_ptr error) { work->complete(error); },
+      p2p->request->bytes <= inlineBytes_);
   trackCoalesced(work);
   return work;
 }
@@ -292,13 +294,16 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDdlcomm::postRecv(std::vector<at::Ten
   at::Tensor user = single(tensors, "recv");
   auto p2p = std::make_shared<PointToPoint>(user, staged(user), srcRank, tag);
   auto work = c10::make_intrusive<DdlcommWork>(rank_, c10d::OpType::RECV, tensors, workPrefix_);
-  executor_->submitPointToPoint(p2p->request, false, [work, p2p](std::exception_ptr error) {
-    if (!error) {
-      writeBack(p2p->user, p2p->work);
-      work->setSourceRank(p2p->request->peer);  // the sender, for a receive from any rank
-    }
-    work->complete(error);
-  });
+  executor_->submitPointToPoint(
+      p2p->request, false,
+      [work, p2p](std::exception_ptr error) {
+        if (!error) {
+          writeBack(p2p->user, p2p->work);
+          work->setSourceRank(p2p->request->peer);  // the sender, for a receive from any rank
+        }
+        work->complete(error);
+      },
+      p2p->request->bytes <= inlineBytes_);
   trackCoalesced(work);
   return work;
 }

@@ -11,7 +11,7 @@ too (DS_ACCELERATOR=cpu LOCAL_SIZE=<ranks>; "x" in the shm/deepspeed column is h
 times faster ddlcomm's shm is). Rank 0 prints, for each collective and size, the time
 and bus bandwidth of each: bus bandwidth normalizes by how much each rank must move
 (all-reduce 2(n-1)/n, all-gather and reduce-scatter (n-1)/n, broadcast 1), as NCCL's
-tests do. Two ceilings are measured first in the same run: a raw single-stream TCP
+tests do; send_recv is a blocking ping-pong between rank pairs, its time one way. Two ceilings are measured first in the same run: a raw single-stream TCP
 transfer over loopback between ranks 0 and 1 (for tcp and ucx), and a single-thread
 memcpy of each size on rank 0 (for shm).
 """
@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 import ddlcomm  # noqa: F401
 
-OPS = ["all_reduce", "all_gather", "reduce_scatter", "broadcast"]
+OPS = ["all_reduce", "all_gather", "reduce_scatter", "broadcast", "send_recv"]
 QUICK_SIZES = [4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20]
 FULL_SIZES = [1 << k for k in range(12, 29, 2)]  # 4 KiB .. 256 MiB, x4 steps
 
@@ -75,7 +75,11 @@ DEEPSPEED = "deepspeed"  # stands for DeepSpeed's shared-memory all-reduce among
 
 
 def make_op(name: str, nbytes: int, n: int, group) -> tuple[Callable[[], None], float, int] | None:
-    """Returns (call, bus-bandwidth factor, element count), None if `group` cannot run it."""
+    """Returns (call, bus-bandwidth factor, element count), None if `group` cannot run it.
+
+    send_recv is a ping-pong between ranks 2i and 2i+1 (blocking dist.send, then dist.recv);
+    main() halves its time to one way.
+    """
     count = max(1, nbytes // 4)
     if group is DEEPSPEED:
         if name != "all_reduce":
@@ -90,6 +94,14 @@ def make_op(name: str, nbytes: int, n: int, group) -> tuple[Callable[[], None], 
     if name == "broadcast":
         t = torch.ones(count)
         return (lambda: dist.broadcast(t, 0, group=group)), 1.0, count
+    if name == "send_recv":
+        t = torch.ones(count)
+        rank = dist.get_rank()
+        partner = rank ^ 1
+        if partner >= n:  # the odd rank out of an odd world waits in time_op's barriers
+            return (lambda: None), 1.0, count
+        first, second = (dist.send, dist.recv) if rank % 2 == 0 else (dist.recv, dist.send)
+        return (lambda: (first(t, partner, group=group), second(t, partner, group=group))), 1.0, count
     per_rank = max(1, count // n)
     if name == "all_gather":
         inp, out = torch.ones(per_rank), torch.empty(per_rank * n)
@@ -243,7 +255,7 @@ def main() -> None:
                     times[backend] = float("nan")
                     continue
                 call, factor, count = made
-                times[backend] = time_op(call, nbytes, args.budget)
+                times[backend] = time_op(call, nbytes, args.budget) / (2 if op == "send_recv" else 1)
             copy = memcpy_gbps(count * 4) if rank == 0 else 0.0
             dist.barrier()
             if rank == 0:
