@@ -93,6 +93,7 @@ class ShmTransport final : public Transport, private SharedWindows {
   void pruneNetwork();
 
   bool pumpAll();
+  size_t sliceBytes() const;
   bool pumpSend(Peer& p);
   bool pumpRecv(Peer& p);
   bool shmBusy() const;
