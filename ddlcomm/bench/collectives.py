@@ -139,6 +139,11 @@ def time_op(call: Callable[[], None], nbytes: int, budget_s: float) -> float:
     return statistics.median(samples)
 
 
+def width(backend: str) -> int:
+    """Columns of a backend's time: its heading "<name> us" and a space."""
+    return max(11, len(backend) + 4)
+
+
 def human(nbytes: int) -> str:
     for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
         if nbytes >= 1 << shift:
@@ -242,7 +247,7 @@ def main() -> None:
         cores = len(os.sched_getaffinity(0))
         print(f"# {n} ranks on this host ({cores} cores); raw single-stream TCP loopback: {ceiling:.2f} GB/s; "
               f"times in us, busbw in GB/s")
-        print("# " + f"{'collective':<13}{'size':>9}" + "".join(f"{b + ' us':>11}{'busbw':>7}" for b in backends)
+        print("# " + f"{'collective':<13}{'size':>9}" + "".join(f"{b + ' us':>{width(b)}}{'busbw':>7}" for b in backends)
               + "".join(f"{t + '/gloo':>10}" for t in args.transports)
               + ("   shm/tcp  memcpy  shm/memcpy" if {"shm", "tcp"} <= set(args.transports) else "")
               + ("  shm/deepspeed" if args.deepspeed and "shm" in args.transports else ""))
@@ -261,7 +266,7 @@ def main() -> None:
             if rank == 0:
                 actual = count * 4
                 busbw = {b: actual / t / 1e9 * factor for b, t in times.items()}
-                row = f"  {op:<13}{human(actual):>9}" + "".join(f"{times[b] * 1e6:>11.1f}{busbw[b]:>7.2f}" for b in backends)
+                row = f"  {op:<13}{human(actual):>9}" + "".join(f"{times[b] * 1e6:>{width(b)}.1f}{busbw[b]:>7.2f}" for b in backends)
                 row += "".join(f"{times['gloo'] / times[t]:>9.2f}x" for t in args.transports)
                 if {"shm", "tcp"} <= set(args.transports):
                     row += f"{times['tcp'] / times['shm']:>9.2f}x{copy:>8.2f}{busbw['shm'] / copy:>11.0%}"
