@@ -4,7 +4,6 @@ shared-memory transport leaves behind."""
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import torch
@@ -127,7 +126,6 @@ def shm_refused_across_hosts() -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, os.path.dirname(__file__))
     run({
         "shared_memory_used": shared_memory_used,
         "mixed_hosts": mixed_hosts,
