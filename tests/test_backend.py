@@ -70,6 +70,11 @@ def test_async_work_and_futures() -> None:
     assert_all_ok(launch("collectives", "async_ops", 4))
 
 
+@pytest.mark.parametrize("transport, world_size", [("tcp", 2), ("shm", 3)])
+def test_direct_allreduce_is_dist_all_reduce(transport: str, world_size: int) -> None:
+    assert_all_ok(launch("collectives", "direct", world_size, timeout=240, env=transport_env(transport)))
+
+
 def test_subgroups() -> None:
     assert_all_ok(launch("collectives", "subgroups", 4))
 

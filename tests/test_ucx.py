@@ -1,7 +1,8 @@
 """What only the UCX transport (DDLCOMM_TRANSPORT=ucx) needs beyond the transport matrix of
 test_backend, test_faults and test_soak (which run over UCX's tcp): collectives over UCX's
 full shared memory (CMA included), a killed peer over UCX's shared memory without CMA,
-receives from any rank, and a point-to-point size mismatch. Skipped without UCX."""
+receives from any rank, a point-to-point size mismatch, and a user's segment size. Skipped
+without UCX."""
 
 from __future__ import annotations
 
@@ -41,3 +42,8 @@ def test_receive_from_any_rank() -> None:
 
 def test_point_to_point_size_mismatch_raises() -> None:
     assert_all_ok(launch("faults", "p2p_size_mismatch", 2, timeout=60, env=ucx("tcp")))
+
+
+def test_a_users_segment_size_replaces_both_defaults() -> None:
+    # Alone beside ddlcomm's 256 KiB send segments, UCX would refuse this receive segment.
+    assert_all_ok(launch("collectives", "subgroups", 2, timeout=60, env={**ucx("tcp"), "UCX_TCP_RX_SEG_SIZE": "128k"}))

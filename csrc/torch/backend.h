@@ -98,6 +98,10 @@ class ProcessGroupDdlcomm : public c10d::Backend {
                                            const c10d::BroadcastOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
                                            const c10d::AllreduceOptions& opts) override;
+  // dist.all_reduce(tensor, op) without c10d's dispatch and Python layers: the same checks
+  // and operation, in the group's order, returning when it is done (ddlcomm.all_reduce_;
+  // call without the GIL).
+  void allreduceNow(at::Tensor tensor, const c10d::ReduceOp& op);
   c10::intrusive_ptr<c10d::Work> allreduce_sparse(std::vector<at::Tensor>& tensors,
                                                   const c10d::AllreduceOptions& opts) override {
     return allreduce(tensors, opts);

@@ -30,6 +30,20 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDdlcomm::allreduce(std::vector<at::Te
   });
 }
 
+void ProcessGroupDdlcomm::allreduceNow(at::Tensor tensor, const c10d::ReduceOp& op) {
+  if (tensor.defined() && tensor.is_complex()) {  // as dist.all_reduce: the real view, for the ops that allow it
+    TORCH_CHECK_VALUE(op.op_ == c10d::ReduceOp::SUM || op.op_ == c10d::ReduceOp::AVG ||
+                          op.op_ == c10d::ReduceOp::PREMUL_SUM,
+                      prefix_, "all_reduce does not support ReduceOp ", int(op.op_), " on complex tensors");
+    tensor = at::view_as_real(tensor);
+  }
+  std::vector<at::Tensor> tensors{std::move(tensor)};
+  c10d::AllreduceOptions opts;
+  opts.reduceOp = op;
+  opts.asyncOp = false;
+  allreduce(tensors, opts)->wait();
+}
+
 c10::intrusive_ptr<c10d::Work> ProcessGroupDdlcomm::allreduce_coalesced(
     std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) {
   if (DeviceStaging::needed(tensors)) {

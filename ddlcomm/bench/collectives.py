@@ -6,13 +6,15 @@ Run under torchrun, e.g.::
 
 Every transport gets its own ddlcomm group (DDLCOMM_TRANSPORT is read when a group is
 created), so gloo, tcp, shm and ucx (in a build with UCX; its own transports as UCX_TLS
-says) are measured side by side, and with --deepspeed DeepSpeed's shared-memory all-reduce
-too (DS_ACCELERATOR=cpu LOCAL_SIZE=<ranks>; "x" in the shm/deepspeed column is how many
-times faster ddlcomm's shm is). Rank 0 prints, for each collective and size, the time
+says) are measured side by side. With shm, "shm-direct" is its all-reduce called through
+ddlcomm.all_reduce_, which skips c10d's dispatch as DeepSpeed's call does. With --deepspeed,
+DeepSpeed's shared-memory all-reduce is measured too (DS_ACCELERATOR=cpu
+LOCAL_SIZE=<ranks>; "x" in the shm/deepspeed and direct/deepspeed columns is how many times
+faster ddlcomm is). Rank 0 prints, for each collective and size, the time
 and bus bandwidth of each: bus bandwidth normalizes by how much each rank must move
 (all-reduce 2(n-1)/n, all-gather and reduce-scatter (n-1)/n, broadcast 1), as NCCL's
-tests do; send_recv is a blocking ping-pong between rank pairs, its time one way. Two ceilings are measured first in the same run: a raw single-stream TCP
-transfer over loopback between ranks 0 and 1 (for tcp and ucx), and a single-thread
+tests do; send_recv is a blocking ping-pong between rank pairs, its time one way. Two
+ceilings are measured first in the same run: a raw single-stream TCP transfer over loopback between ranks 0 and 1 (for tcp and ucx), and a single-thread
 memcpy of each size on rank 0 (for shm).
 """
 
@@ -72,6 +74,14 @@ def raw_tcp_gbps(nbytes: int = 256 << 20) -> float:
 
 
 DEEPSPEED = "deepspeed"  # stands for DeepSpeed's shared-memory all-reduce among the groups
+DIRECT = "shm-direct"  # the shm group's all-reduce through ddlcomm.all_reduce_
+
+
+class Direct:
+    """A ddlcomm group whose all-reduce is called through ddlcomm.all_reduce_."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
 
 
 def make_op(name: str, nbytes: int, n: int, group) -> tuple[Callable[[], None], float, int] | None:
@@ -88,6 +98,11 @@ def make_op(name: str, nbytes: int, n: int, group) -> tuple[Callable[[], None], 
 
         t = torch.ones(count)
         return (lambda: dscomm.inference_all_reduce(t)), 2 * (n - 1) / n, count
+    if isinstance(group, Direct):
+        if name != "all_reduce":
+            return None
+        t = torch.ones(count)
+        return (lambda: ddlcomm.all_reduce_(t, group=group.group)), 2 * (n - 1) / n, count
     if name == "all_reduce":
         t = torch.ones(count)
         return (lambda: dist.all_reduce(t, group=group)), 2 * (n - 1) / n, count
@@ -233,6 +248,8 @@ def main() -> None:
 
     dist.init_process_group("gloo")  # the world group only times and agrees; it is measured too
     backends = {"gloo": dist.group.WORLD, **ddlcomm_groups(args.transports)}
+    if "shm" in backends and "all_reduce" in args.ops:
+        backends[DIRECT] = Direct(backends["shm"])
     if args.deepspeed:
         import deepspeed  # noqa: PLC0415  (optional, and heavy)
 
@@ -250,7 +267,7 @@ def main() -> None:
         print("# " + f"{'collective':<13}{'size':>9}" + "".join(f"{b + ' us':>{width(b)}}{'busbw':>7}" for b in backends)
               + "".join(f"{t + '/gloo':>10}" for t in args.transports)
               + ("   shm/tcp  memcpy  shm/memcpy" if {"shm", "tcp"} <= set(args.transports) else "")
-              + ("  shm/deepspeed" if args.deepspeed and "shm" in args.transports else ""))
+              + ("  shm/deepspeed  direct/deepspeed" if args.deepspeed and DIRECT in backends else ""))
     for op in args.ops:
         for nbytes in sizes:
             times = {}
@@ -270,8 +287,8 @@ def main() -> None:
                 row += "".join(f"{times['gloo'] / times[t]:>9.2f}x" for t in args.transports)
                 if {"shm", "tcp"} <= set(args.transports):
                     row += f"{times['tcp'] / times['shm']:>9.2f}x{copy:>8.2f}{busbw['shm'] / copy:>11.0%}"
-                if args.deepspeed and "shm" in args.transports:
-                    row += f"{times['deepspeed'] / times['shm']:>14.2f}x"
+                if args.deepspeed and DIRECT in backends:
+                    row += f"{times['deepspeed'] / times['shm']:>14.2f}x{times['deepspeed'] / times[DIRECT]:>17.2f}x"
                 print(row, flush=True)
     dist.destroy_process_group()
 

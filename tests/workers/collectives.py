@@ -8,6 +8,7 @@ import time
 import torch
 import torch.distributed as dist
 
+import ddlcomm
 from common import ALL_DTYPES, OPS, assert_equal, ddlcomm_stats, init, make_input, op_valid, reference, run
 
 # 16385 float32 crosses the 64 KiB small-message threshold; 300_007 spans several ring segments.
@@ -215,6 +216,62 @@ def async_ops() -> None:
     assert torch.all(chained.wait() == 2 * n)
 
 
+def direct() -> None:
+    """ddlcomm.all_reduce_ is dist.all_reduce without c10d's dispatch: the same bits for every
+    dtype and op, the same algorithm, in order with operations in flight, the same refusals."""
+    rank, n = init()
+    for dtype in ALL_DTYPES:
+        for op in OPS:
+            if not op_valid(op, dtype):
+                continue
+            for numel in [1, 1000, 16385] + ([LARGE] if dtype == torch.float32 else []):
+                inputs = [make_input(r, numel, dtype, op) for r in range(n)]
+                ours, theirs = inputs[rank].clone(), inputs[rank].clone()
+                before = ddlcomm_stats()
+                assert ddlcomm.all_reduce_(ours, OPS[op]) is ours
+                ran = algorithm_ran(before, ddlcomm_stats())
+                assert ran == expected_algorithm(numel, dtype, n), f"all_reduce_ {op} {dtype} x{numel} ran {ran}"
+                dist.all_reduce(theirs, op=OPS[op])
+                assert_equal(ours, reference(inputs, op), f"all_reduce_ {op} {dtype} x{numel}")
+                assert_equal(ours, theirs, f"all_reduce_ against dist.all_reduce, {op} {dtype} x{numel}")
+    # What dist.all_reduce's Python layer does besides: complex views, PREMUL_SUM, strides.
+    c = torch.full((5,), complex(rank, 1))
+    ddlcomm.all_reduce_(c)
+    assert_equal(c, torch.full((5,), complex(sum(range(n)), n)), "complex all_reduce_")
+    p = torch.full((3,), float(rank))
+    ddlcomm.all_reduce_(p, dist._make_nccl_premul_sum(2.0))
+    assert_equal(p, torch.full((3,), 2.0 * sum(range(n))), "PREMUL_SUM all_reduce_")
+    strided = torch.arange(20.0).reshape(4, 5).t()
+    ddlcomm.all_reduce_(strided, dist.ReduceOp.MAX)
+    assert_equal(strided, torch.arange(20.0).reshape(4, 5).t(), "non-contiguous all_reduce_")
+    # An operation still in flight runs first on every rank.
+    a = torch.full((70_000,), float(rank))
+    work = dist.all_reduce(a, async_op=True)
+    b = torch.full((10,), float(rank + 1))
+    ddlcomm.all_reduce_(b)
+    work.wait()
+    assert_equal(a, torch.full((70_000,), float(sum(range(n)))), "async all_reduce before all_reduce_")
+    assert_equal(b, torch.full((10,), float(sum(range(1, n + 1)))), "all_reduce_ after an async all_reduce")
+    # Refusals: a gloo group, an unsupported dtype or op; a rank outside the group keeps its tensor.
+    expect_error(ValueError, "backend is ddlcomm", lambda: ddlcomm.all_reduce_(torch.ones(3), group=dist.new_group(backend="gloo")))
+    expect_error(TypeError, "torch.uint16", lambda: ddlcomm.all_reduce_(torch.ones(3, dtype=torch.uint16)))
+    expect_error(ValueError, "complex", lambda: ddlcomm.all_reduce_(c, dist.ReduceOp.MAX))
+    first = dist.new_group([0])
+    alone = torch.full((4,), float(rank))
+    assert ddlcomm.all_reduce_(alone, group=first) is alone
+    assert_equal(alone, torch.full((4,), float(rank)), "all_reduce_ in a one-rank group, or outside it")
+    dist.barrier()
+
+
+def expect_error(kind: type, text: str, call) -> None:
+    try:
+        call()
+    except kind as e:
+        assert text in str(e), f"{kind.__name__} without {text!r}: {e}"
+        return
+    raise AssertionError(f"no {kind.__name__} ({text!r})")
+
+
 def subgroups() -> None:
     rank, n = init()
     evens = dist.new_group([r for r in range(n) if r % 2 == 0])
@@ -377,6 +434,7 @@ if __name__ == "__main__":
         "allreduce": allreduce,
         "collectives": collectives,
         "async_ops": async_ops,
+        "direct": direct,
         "subgroups": subgroups,
         "single_rank": single_rank,
         "ddp": ddp,

@@ -40,7 +40,8 @@ Digest helloMac(const std::string& key, int from, int to, int size) {
 
 // UCX's tcp transport copies through 8 KiB send and 64 KiB receive segments by default; with
 // these, ring all-reduce over it reaches 80-110% of ddlcomm's own TCP from 1 MiB up instead of
-// 45-80% (2 ranks, loopback). The variable (UCX_TCP_TX_SEG_SIZE, ...) wins where it is set.
+// 45-80% (2 ranks, loopback). They are a pair (UCX refuses a receive segment smaller than
+// the send segment): where either variable is set, UCX's own settings apply to both.
 // UCX applies a modified transport setting by its name within the transport's table, without
 // the "TCP_" prefix; only tcp has these two.
 struct ConfigDefault {
@@ -182,9 +183,11 @@ void UcxTransport::establish(KeyValueStore& store, std::chrono::milliseconds con
   ucp_config_t* raw = nullptr;
   check(ucp_config_read(nullptr, nullptr, &raw), "ucp_config_read");  // honours UCX_* variables
   std::unique_ptr<ucp_config_t, void (*)(ucp_config_t*)> config(raw, ucp_config_release);
+  const bool userSet = std::any_of(std::begin(kConfigDefaults), std::end(kConfigDefaults),
+                                   [](const ConfigDefault& d) { return std::getenv(d.variable) != nullptr; });
   for (const ConfigDefault& d : kConfigDefaults) {
     // Accepted even where no transport has the setting (a UCX without tcp), which needs none.
-    if (std::getenv(d.variable) == nullptr) check(ucp_config_modify(config.get(), d.key, d.value), "ucp_config_modify");
+    if (!userSet) check(ucp_config_modify(config.get(), d.key, d.value), "ucp_config_modify");
   }
   ucp_params_t params{};
   params.field_mask = UCP_PARAM_FIELD_FEATURES;
