@@ -92,7 +92,7 @@ Region Region::create(const Layout& layout) {
   std::random_device random;
   for (auto& b : h.nonce) b = uint8_t(random());
   h.pid = ::getpid();
-  h.localRanks = layout.localRanks;
+  h.rings = layout.rings;
   h.ringBytes = layout.ringBytes;
   h.windowBytes = layout.windowBytes;
   std::atomic_thread_fence(std::memory_order_release);
@@ -117,7 +117,7 @@ Region Region::open(int pid, int fd, const std::string& nonceHex, const Layout& 
   s.closeFd();  // the mapping keeps the memory
   const RegionHeader& h = s.header();
   DDLCOMM_CHECK(h.magic == kRegionMagic && s.nonceHex() == nonceHex && h.ringBytes == layout.ringBytes &&
-                    h.windowBytes == layout.windowBytes && h.localRanks == layout.localRanks,
+                    h.windowBytes == layout.windowBytes && h.rings == layout.rings,
                 ErrorKind::System, path, " is not the region its owner published");
   return s;
 }

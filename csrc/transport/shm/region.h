@@ -24,7 +24,7 @@ struct alignas(64) RegionHeader {
   uint64_t magic;
   uint8_t nonce[16];  // random, published through the store: proves a peer mapped this region
   int32_t pid;
-  int32_t localRanks;
+  int32_t rings;  // one from each local peer
   uint64_t ringBytes;
   uint64_t windowBytes;
 
@@ -54,15 +54,15 @@ struct RingControl {
   alignas(64) std::atomic<uint64_t> tail;  // bytes consumed (receiver)
 };
 
-// Where things are in a region of `localRanks` rings of `ringBytes` and two windows.
+// Where things are in a region: a ring of `ringBytes` from each local peer, and two windows.
 struct Layout {
-  int localRanks = 0;
+  int rings = 0;
   size_t ringBytes = 0;
   size_t windowBytes = 0;  // of each of the two halves; 0 without windows
 
   size_t ringControl(int i) const { return sizeof(RegionHeader) + size_t(i) * sizeof(RingControl); }
-  size_t ringData(int i) const { return align(ringControl(localRanks)) + size_t(i) * ringBytes; }
-  size_t window(int half) const { return align(ringData(localRanks)) + size_t(half) * windowBytes; }
+  size_t ringData(int i) const { return align(ringControl(rings)) + size_t(i) * ringBytes; }
+  size_t window(int half) const { return align(ringData(rings)) + size_t(half) * windowBytes; }
   size_t total() const { return window(2); }
   static size_t align(size_t offset) { return (offset + 4095) & ~size_t(4095); }
 };

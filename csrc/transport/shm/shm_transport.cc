@@ -89,10 +89,15 @@ std::unique_ptr<Transport> ShmTransport::layer(std::unique_ptr<Transport> networ
   if (local.size() == 1) return network;
 
   std::unique_ptr<ShmTransport> t(new ShmTransport(std::move(network), options));
-  t->layout_.localRanks = int(local.size());
+  t->layout_.rings = int(local.size()) - 1;
   t->layout_.ringBytes = options.ringBytes;
   t->layout_.windowBytes = local.size() == size_t(size) ? options.windowBytes : 0;
   const auto localIndex = [&](int r) { return int(std::find(local.begin(), local.end(), r) - local.begin()); };
+  // The ring from `sender` in `receiver`'s region, which has none from itself.
+  const auto ring = [&](int sender, int receiver) {
+    const int s = localIndex(sender);
+    return s - int(s > localIndex(receiver));
+  };
 
   std::string offer;
   try {
@@ -136,10 +141,10 @@ std::unique_ptr<Transport> ShmTransport::layer(std::unique_ptr<Transport> networ
     p.rank = r;
     p.region = std::move(regions[size_t(r)]);
     p.watch = ProcessWatch(p.region.header().pid);
-    p.outControl = reinterpret_cast<RingControl*>(p.region.base() + t->layout_.ringControl(localIndex(rank)));
-    p.outData = p.region.base() + t->layout_.ringData(localIndex(rank));
-    p.inControl = reinterpret_cast<RingControl*>(t->own_.base() + t->layout_.ringControl(localIndex(r)));
-    p.inData = t->own_.base() + t->layout_.ringData(localIndex(r));
+    p.outControl = reinterpret_cast<RingControl*>(p.region.base() + t->layout_.ringControl(ring(rank, r)));
+    p.outData = p.region.base() + t->layout_.ringData(ring(rank, r));
+    p.inControl = reinterpret_cast<RingControl*>(t->own_.base() + t->layout_.ringControl(ring(r, rank)));
+    p.inData = t->own_.base() + t->layout_.ringData(ring(r, rank));
     t->peerIndex_[size_t(r)] = int(t->peers_.size());
     t->peers_.push_back(std::move(p));
   }
