@@ -95,6 +95,8 @@ def all_reduce_(
 
     Raises ValueError when the group's backend for ``tensor``'s device is not ddlcomm.
     """
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"ddlcomm.all_reduce_ takes a torch.Tensor, got {type(tensor).__name__}")
     if group is dist.GroupMember.NON_GROUP_MEMBER:
         return tensor
     pg = group if group is not None else _default_group()

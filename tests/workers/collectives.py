@@ -256,6 +256,7 @@ def direct() -> None:
     expect_error(ValueError, "backend is ddlcomm", lambda: ddlcomm.all_reduce_(torch.ones(3), group=dist.new_group(backend="gloo")))
     expect_error(TypeError, "torch.uint16", lambda: ddlcomm.all_reduce_(torch.ones(3, dtype=torch.uint16)))
     expect_error(ValueError, "complex", lambda: ddlcomm.all_reduce_(c, dist.ReduceOp.MAX))
+    expect_error(TypeError, "takes a torch.Tensor", lambda: ddlcomm.all_reduce_([p]))
     first = dist.new_group([0])
     alone = torch.full((4,), float(rank))
     assert ddlcomm.all_reduce_(alone, group=first) is alone
