@@ -34,7 +34,9 @@ void ProcessGroupDdlcomm::allreduceNow(at::Tensor tensor, const c10d::ReduceOp& 
   if (tensor.defined() && tensor.is_complex()) {  // as dist.all_reduce: the real view, for the ops that allow it
     TORCH_CHECK_VALUE(op.op_ == c10d::ReduceOp::SUM || op.op_ == c10d::ReduceOp::AVG ||
                           op.op_ == c10d::ReduceOp::PREMUL_SUM,
-                      prefix_, "all_reduce does not support ReduceOp ", int(op.op_), " on complex tensors");
+                      prefix_, "all_reduce does not support ReduceOp.",
+                      reduceOpName(toReduceOp(op, DataType::Int64)),  // every op left is defined for int64
+                      " on complex tensors");
     tensor = at::view_as_real(tensor);
   }
   std::vector<at::Tensor> tensors{std::move(tensor)};

@@ -255,7 +255,7 @@ def direct() -> None:
     # Refusals: a gloo group, an unsupported dtype or op; a rank outside the group keeps its tensor.
     expect_error(ValueError, "backend is ddlcomm", lambda: ddlcomm.all_reduce_(torch.ones(3), group=dist.new_group(backend="gloo")))
     expect_error(TypeError, "torch.uint16", lambda: ddlcomm.all_reduce_(torch.ones(3, dtype=torch.uint16)))
-    expect_error(ValueError, "complex", lambda: ddlcomm.all_reduce_(c, dist.ReduceOp.MAX))
+    expect_error(ValueError, "ReduceOp.MAX on complex", lambda: ddlcomm.all_reduce_(c, dist.ReduceOp.MAX))
     expect_error(TypeError, "takes a torch.Tensor", lambda: ddlcomm.all_reduce_([p]))
     first = dist.new_group([0])
     alone = torch.full((4,), float(rank))

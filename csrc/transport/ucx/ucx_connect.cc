@@ -185,8 +185,8 @@ void UcxTransport::establish(KeyValueStore& store, std::chrono::milliseconds con
   std::unique_ptr<ucp_config_t, void (*)(ucp_config_t*)> config(raw, ucp_config_release);
   const bool userSet = std::any_of(std::begin(kConfigDefaults), std::end(kConfigDefaults),
                                    [](const ConfigDefault& d) { return std::getenv(d.variable) != nullptr; });
+  // Accepted even where no transport has the setting (a UCX without tcp), which needs none.
   for (const ConfigDefault& d : kConfigDefaults) {
-    // Accepted even where no transport has the setting (a UCX without tcp), which needs none.
     if (!userSet) check(ucp_config_modify(config.get(), d.key, d.value), "ucp_config_modify");
   }
   ucp_params_t params{};
