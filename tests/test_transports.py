@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from harness import assert_all_ok, launch
+from harness import assert_all_ok, launch, transport_env, transports
 
 
 def dev_shm() -> set[str]:
@@ -58,6 +58,17 @@ def pid_namespaces(count: int) -> Iterator[list[list[str]]]:
         for holder in holders:
             holder.kill()
             holder.wait()
+
+
+@pytest.mark.parametrize("transport", transports())
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_waiting_spins_unless_ranks_outnumber_cores(transport: str, world_size: int) -> None:
+    assert_all_ok(launch("transports", "spin_choice", world_size, env=transport_env(transport)))
+
+
+@pytest.mark.parametrize("variable", ["DDLCOMM_TCP_SPIN_US", "DDLCOMM_SHM_SPIN_US"])
+def test_a_users_spin_replaces_the_choice(variable: str) -> None:
+    assert_all_ok(launch("transports", "spin_choice", 4, env={variable: "7"}))
 
 
 def test_two_hosts_mix_shared_memory_and_tcp() -> None:

@@ -53,6 +53,8 @@ PYBIND11_MODULE(_C, m) {
             d["bytes_sent"] = s.transport.bytesSent;
             d["shared_memory_peers"] = s.transport.sharedMemoryPeers;
             d["shared_memory_bytes_sent"] = s.transport.sharedMemoryBytesSent;
+            d["spin_us"] = s.transport.spinMicros;
+            d["shared_memory_spin_us"] = s.transport.sharedMemorySpinMicros;
             return d;
           },
           "This group's counters, taken after everything submitted before: all-reduces per algorithm "
@@ -60,7 +62,9 @@ PYBIND11_MODULE(_C, m) {
           "connections to each rank (connections_per_peer) and bytes_sent on them (TCP: TCP_INFO "
           "tcpi_bytes_sent, frame headers, the handshake and retransmissions included; UCX: header and payload "
           "bytes of completed sends), the ranks reached through shared "
-          "memory (shared_memory_peers) and the message bytes written to their rings (shared_memory_bytes_sent).")
+          "memory (shared_memory_peers) and the message bytes written to their rings (shared_memory_bytes_sent), "
+          "and how long a wait polls before it sleeps in the network transport (spin_us) and in shared memory "
+          "(shared_memory_spin_us).")
       .def_static("encode_stream", &ddlcomm::encodeStream, py::arg("call_stream"), py::arg("rank"), py::arg("phase"),
                   py::arg("chunk"), py::arg("size"), py::arg("piece") = 0)
       .def_property_readonly_static(

@@ -17,6 +17,10 @@ enum class TransportChoice { Auto, Tcp, Shm, Ucx };
 struct TransportOptions {
   TransportChoice choice = TransportChoice::Auto;  // DDLCOMM_TRANSPORT
   std::chrono::milliseconds connectTimeout{std::chrono::minutes(5)};
+  // How long a waiting rank polls before it sleeps: DDLCOMM_TCP_SPIN_US and
+  // DDLCOMM_UCX_SPIN_US; negative (unset) lets connectTransport choose.
+  std::chrono::microseconds tcpSpin{-1};
+  std::chrono::microseconds ucxSpin{-1};
 
   // Reads DDLCOMM_TRANSPORT; throws InvalidArgument for an unknown name, or for ucx in a
   // build without UCX.

@@ -49,6 +49,9 @@ struct TransportStats {
   uint64_t bytesSent = 0;
   int sharedMemoryPeers = 0;           // ranks reached through shared memory
   uint64_t sharedMemoryBytesSent = 0;  // message bytes (headers included) written to their rings
+  // How long a wait polls before sleeping, in the network transport and in shared memory.
+  int64_t spinMicros = 0;
+  int64_t sharedMemorySpinMicros = 0;
 };
 
 // Memory that every rank of the group maps: offered by the shared-memory transport when all

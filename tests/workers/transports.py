@@ -125,8 +125,27 @@ def shm_refused_across_hosts() -> None:
     raise AssertionError("init succeeded")
 
 
+def spin_choice() -> None:
+    """A waiting rank polls before it sleeps: 50 us in every transport, but with more ranks on
+    this host than cores the network transports do not spin and shared memory spins 5 us. The
+    DDLCOMM_*_SPIN_US variables override the choice; stats() reports what was chosen."""
+    rank, n = init()
+    oversubscribed = n > len(os.sched_getaffinity(0))
+    network = "DDLCOMM_UCX_SPIN_US" if os.environ.get("DDLCOMM_TRANSPORT") == "ucx" else "DDLCOMM_TCP_SPIN_US"
+    expected_network = int(os.environ.get(network, 0 if oversubscribed else 50))
+    expected_shm = int(os.environ.get("DDLCOMM_SHM_SPIN_US", 5 if oversubscribed else 50))
+    stats = ddlcomm_stats()
+    assert stats["spin_us"] == expected_network, (n, oversubscribed, stats)
+    if stats["shared_memory_peers"]:
+        assert stats["shared_memory_spin_us"] == expected_shm, (n, oversubscribed, stats)
+    t = torch.full((1024,), float(rank + 1))
+    dist.all_reduce(t)
+    assert_equal(t, torch.full_like(t, n * (n + 1) / 2), "all_reduce 4 KiB")
+
+
 if __name__ == "__main__":
     run({
+        "spin_choice": spin_choice,
         "shared_memory_used": shared_memory_used,
         "mixed_hosts": mixed_hosts,
         "shm_refused_across_hosts": shm_refused_across_hosts,

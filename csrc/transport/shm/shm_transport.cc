@@ -157,12 +157,6 @@ std::unique_ptr<Transport> ShmTransport::layer(std::unique_ptr<Transport> networ
                                : problem + "; using the network with it");
   }
   if (t->peers_.empty()) return std::move(t->network_);
-  cpu_set_t cpus;
-  const int cores = sched_getaffinity(0, sizeof cpus, &cpus) == 0 ? CPU_COUNT(&cpus) : 1;
-  t->oversubscribed_ = int(local.size()) > cores;
-  if (t->options_.spin.count() < 0) {
-    t->options_.spin = std::chrono::microseconds(t->oversubscribed_ ? 5 : 50);
-  }
   t->windowed_ = everyPair && t->layout_.windowBytes > 0 && int(t->peers_.size()) + 1 == size;
   t->mixed_ = int(t->peers_.size()) + 1 < size;
   return t;
@@ -371,7 +365,7 @@ void ShmTransport::progressUntil(Done&& done, Deadline deadline, int waitedPeer,
       // With a core per rank the peer is running elsewhere: pause a while, as a yield is a
       // system call that delays seeing it. Then, or when ranks outnumber cores, yield: if the
       // scheduler put a peer on this core, it runs now.
-      if (!oversubscribed_ && ++idle < kPauseSpins) {
+      if (!options_.oversubscribed && ++idle < kPauseSpins) {
         cpuRelax();
       } else {
         sched_yield();
@@ -550,6 +544,7 @@ TransportStats ShmTransport::stats() const {
   TransportStats s = network_->stats();
   s.sharedMemoryPeers = int(peers_.size());
   s.sharedMemoryBytesSent = bytesSent_;
+  s.sharedMemorySpinMicros = options_.spin.count();
   return s;
 }
 

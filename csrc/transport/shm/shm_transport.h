@@ -29,9 +29,10 @@ struct ShmOptions {
   // the caches between being written, reduced and copied out (measured: 1 MiB beats 4 MiB
   // by 1.5-2x at 16-64 MiB on 2 cores with 2 MiB of L2 each).
   size_t windowBytes = 1 << 20;
-  // DDLCOMM_SHM_SPIN_US: busy-wait before sleeping. Unset: 50 us, or, with more local ranks
-  // than cores, 5 us with sched_yield (a spinning rank would hold the core its peer needs).
+  // DDLCOMM_SHM_SPIN_US: busy-wait before sleeping; negative until connectTransport picks
+  // the default (50 us, or 5 us when oversubscribed).
   std::chrono::microseconds spin{-1};
+  bool oversubscribed = false;  // more ranks on this host than cores: yield while spinning
   bool required = false;  // DDLCOMM_TRANSPORT=shm: every rank must be local, no fallback
 
   static ShmOptions fromEnvironment();
@@ -124,7 +125,6 @@ class ShmTransport final : public Transport, private SharedWindows {
   std::vector<Request*> netPending_;  // posted to the network, not seen done yet
   bool windowed_ = false;
   bool mixed_ = false;  // some peers are reached through the network
-  bool oversubscribed_ = false;  // more local ranks than cores: yield while spinning
   bool syncing_ = false;
   // Set by wakeup() (any thread), taken by poll() before it sleeps: a wakeup that comes
   // before poll() marks itself sleeping is not lost (the doorbell is rung only for sleepers).

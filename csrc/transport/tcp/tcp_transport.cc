@@ -106,12 +106,21 @@ bool TcpTransport::waitForEvents(int timeoutMs) {
 }
 
 void TcpTransport::wait(Request& r, Deadline deadline) {
+  Clock::time_point lastActive = Clock::now();
   while (!r.done()) {
     throwIfBroken();
-    if (pumpAll()) continue;
+    if (pumpAll()) {
+      lastActive = Clock::now();
+      continue;
+    }
     if (r.done()) break;
-    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
+    const Clock::time_point now = Clock::now();
+    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - now).count();
     if (left <= 0) timedOut(r);
+    if (now - lastActive < spin_) {
+      waitForEvents(0);
+      continue;
+    }
     if (!waitForEvents(int(std::min<long long>(left + 1, 1000))) && failureProbe_) {
       if (failureProbe_()) {
         abort(ErrorKind::PeerFailure, detail::concat("rank ", rank_, " gave up waiting in ", r.signature.describe(),
@@ -141,6 +150,7 @@ TransportStats TcpTransport::stats() const {
     // Kernels before 4.19 return a shorter struct: the counters are then left out (0).
     if (length >= offsetof(tcp_info, tcpi_bytes_sent) + sizeof info.tcpi_bytes_sent) s.bytesSent += info.tcpi_bytes_sent;
   }
+  s.spinMicros = spin_.count();
   return s;
 }
 

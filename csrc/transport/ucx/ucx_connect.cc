@@ -144,8 +144,7 @@ void* UcxTransport::Endpoint::close(bool force) {
   return UCS_PTR_IS_PTR(request) ? request : nullptr;
 }
 
-UcxTransport::UcxTransport(int rank, int size)
-    : rank_(rank), size_(size), spin_(envInteger("DDLCOMM_UCX_SPIN_US", 0, 0, 1000000)) {
+UcxTransport::UcxTransport(int rank, int size) : rank_(rank), size_(size) {
   endpoints_.resize(size_t(size));
   failureSlots_.resize(size_t(size));
   peerStatus_.assign(size_t(size), UCS_OK);
@@ -215,8 +214,8 @@ void UcxTransport::establish(KeyValueStore& store, std::chrono::milliseconds con
   size_t addressBytes = 0;
   check(ucp_worker_get_address(worker_.get(), &address, &addressBytes), "ucp_worker_get_address");
   // "<address>;<host and pid namespace>;<pid>;<start time>"
-  const std::string myPid = std::to_string(::getpid());
-  const std::string published = toHex(address, addressBytes) + ";" + processNamespace() + ";" + myPid + ";" +
+  const std::string myPid = std::to_string(::getpid()), myNamespace = processNamespace();
+  const std::string published = toHex(address, addressBytes) + ";" + myNamespace + ";" + myPid + ";" +
                                 processStartTime(myPid);
   ucp_worker_release_address(worker_.get(), address);
   store.set("ddlcomm/ucx/addr/" + std::to_string(rank_), published);
@@ -247,7 +246,7 @@ void UcxTransport::establish(KeyValueStore& store, std::chrono::milliseconds con
       ep.err_mode = UCP_ERR_HANDLING_MODE_NONE;
       status = ucp_ep_create(worker_.get(), &ep, &handle);
       PeerProcess& process = processes_[size_t(peer)];
-      process.watched = space == processNamespace() && !pid.empty() && !startTime.empty();
+      process.watched = space == myNamespace && !pid.empty() && !startTime.empty();
       process.pid = std::atol(pid.c_str());
       process.startTime = startTime;
     }

@@ -348,6 +348,7 @@ TransportStats UcxTransport::stats() const {
     if (endpoints_[size_t(p)].get() && peerStatus_[size_t(p)] == UCS_OK) s.connectionsPerPeer[size_t(p)] = 1;
   }
   s.bytesSent = bytesSent_;
+  s.spinMicros = spin_.count();
   return s;
 }
 
