@@ -117,7 +117,7 @@ void TcpTransport::wait(Request& r, Deadline deadline) {
     const Clock::time_point now = Clock::now();
     auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - now).count();
     if (left <= 0) timedOut(r);
-    if (now - lastActive < spin_) {
+    if (now - lastActive < spin_) {  // the peer's next message is often a few us away
       waitForEvents(0);
       continue;
     }
