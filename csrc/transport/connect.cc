@@ -87,10 +87,11 @@ std::unique_ptr<Transport> connectTransport(int rank, int size, KeyValueStore& s
   store.set(bootKey(rank), bootId());
 
   // A waiting rank spins a little before it sleeps: waking from a sleep costs more than a
-  // small message takes (2 ranks, 4 KiB all-reduce: TCP 9 us instead of 22-30 us, UCX 10 us
-  // instead of 28 us). Not where this host's ranks outnumber its cores: there a spinning rank
-  // holds the core its peer needs (4 ranks on 2 cores ran 2-2.5x slower over UCX), and shared
-  // memory spins briefly, yielding. Decided once the network is connected (see ranksOnThisHost).
+  // small message takes (2 ranks, 4 KiB all-reduce: TCP 11-12 us instead of 32-39 us, UCX
+  // 13 us instead of 39-41 us). Not where this host's ranks outnumber its cores: there a
+  // spinning rank holds the core its peer needs (4 ranks on 2 cores ran 1.4-2.8x slower over
+  // UCX), and shared memory spins briefly, yielding. Decided once the network is connected
+  // (see ranksOnThisHost).
   using std::chrono::microseconds;
   auto spinOr = [&](microseconds chosen) {
     shmOptions.oversubscribed = size > 1 && ranksOnThisHost(rank, size, store) > usableCores();
