@@ -88,15 +88,17 @@ std::unique_ptr<Transport> connectTransport(int rank, int size, KeyValueStore& s
 
   // A waiting rank spins a little before it sleeps: waking from a sleep costs more than a
   // small message takes (2 ranks, 4 KiB all-reduce: TCP 11-12 us instead of 32-39 us, UCX
-  // 13 us instead of 39-41 us). Not where this host's ranks outnumber its cores: there a
-  // spinning rank holds the core its peer needs (4 ranks on 2 cores ran 1.4-2.8x slower over
-  // UCX), and shared memory spins briefly, yielding. Decided once the network is connected
-  // (see ranksOnThisHost).
+  // 13 us instead of 39-41 us). Where this host's ranks outnumber its cores a long spin holds
+  // the core its peer needs (4 ranks on 2 cores: 1.4-2.8x slower over UCX with 100 us), so
+  // there a short one yields between polls (10 us: than none, TCP 10-30% faster at 4 KiB-4 MiB,
+  // UCX up to 15% from 64 KiB; shared memory 5 us). Decided once the network is connected (see
+  // ranksOnThisHost).
   using std::chrono::microseconds;
   auto spinOr = [&](microseconds chosen) {
-    shmOptions.oversubscribed = size > 1 && ranksOnThisHost(rank, size, store) > usableCores();
-    if (shmOptions.spin.count() < 0) shmOptions.spin = microseconds(shmOptions.oversubscribed ? 5 : 50);
-    return chosen.count() >= 0 ? chosen : microseconds(shmOptions.oversubscribed ? 0 : 50);
+    const bool oversubscribed = size > 1 && ranksOnThisHost(rank, size, store) > usableCores();
+    shmOptions.spin.yield = oversubscribed;
+    if (shmOptions.spin.duration.count() < 0) shmOptions.spin.duration = microseconds(oversubscribed ? 5 : 50);
+    return SpinPolicy{chosen.count() >= 0 ? chosen : microseconds(oversubscribed ? 10 : 50), oversubscribed};
   };
 
   std::unique_ptr<Transport> network;

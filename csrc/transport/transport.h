@@ -41,6 +41,14 @@ struct Request {
   bool done() const { return transfersLeft == 0; }
 };
 
+// How a rank waiting for a message polls before it sleeps (connectTransport chooses).
+struct SpinPolicy {
+  std::chrono::microseconds duration{0};
+  // Ranks outnumber cores: give the core away between polls, or the peer being waited for
+  // may not get to run.
+  bool yield = false;
+};
+
 // What a transport says about its connections (tests and diagnostics).
 struct TransportStats {
   std::vector<int> connectionsPerPeer;  // established connections to each rank (0 for itself)

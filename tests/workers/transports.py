@@ -127,12 +127,12 @@ def shm_refused_across_hosts() -> None:
 
 def spin_choice() -> None:
     """A waiting rank polls before it sleeps: 50 us in every transport, but with more ranks on
-    this host than cores the network transports do not spin and shared memory spins 5 us. The
-    DDLCOMM_*_SPIN_US variables override the choice; stats() reports what was chosen."""
+    this host than cores 10 us in the network transports and 5 us in shared memory (yielding).
+    The DDLCOMM_*_SPIN_US variables override the choice; stats() reports what was chosen."""
     rank, n = init()
     oversubscribed = n > len(os.sched_getaffinity(0))
     network = "DDLCOMM_UCX_SPIN_US" if os.environ.get("DDLCOMM_TRANSPORT") == "ucx" else "DDLCOMM_TCP_SPIN_US"
-    expected_network = int(os.environ.get(network, 0 if oversubscribed else 50))
+    expected_network = int(os.environ.get(network, 10 if oversubscribed else 50))
     expected_shm = int(os.environ.get("DDLCOMM_SHM_SPIN_US", 5 if oversubscribed else 50))
     stats = ddlcomm_stats()
     assert stats["spin_us"] == expected_network, (n, oversubscribed, stats)

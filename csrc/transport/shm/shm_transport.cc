@@ -56,7 +56,7 @@ ShmOptions ShmOptions::fromEnvironment() {
                 "environment variable DDLCOMM_SHM_RING_BYTES='", o.ringBytes, "' is invalid: expected a power of two");
   o.windowBytes = size_t(envInteger("DDLCOMM_SHM_WINDOW_BYTES", int64_t(o.windowBytes), 0, int64_t(1) << 32));
   o.windowBytes &= ~size_t(63);
-  o.spin = std::chrono::microseconds(envInteger("DDLCOMM_SHM_SPIN_US", -1, 0, 1000000));
+  o.spin.duration = std::chrono::microseconds(envInteger("DDLCOMM_SHM_SPIN_US", -1, 0, 1000000));
   return o;
 }
 
@@ -342,7 +342,7 @@ void ShmTransport::sleep(Deadline deadline, Done& done) {
 template <typename Done>
 void ShmTransport::progressUntil(Done&& done, Deadline deadline, int waitedPeer, const Signature& signature) {
   RegionHeader& mine = own_.header();
-  Clock::time_point spinUntil = Clock::now() + options_.spin;
+  Clock::time_point spinUntil = Clock::now() + options_.spin.duration;
   Clock::time_point nextCheck = Clock::now() + kLivenessPeriod, nextProbe = Clock::now() + std::chrono::seconds(1);
   bool published = false;
   unsigned spins = 0, idle = 0;
@@ -357,7 +357,7 @@ void ShmTransport::progressUntil(Done&& done, Deadline deadline, int waitedPeer,
     Clock::time_point now = Clock::now();
     if (moved) {
       idle = 0;
-      spinUntil = now + options_.spin;
+      spinUntil = now + options_.spin.duration;
       nextProbe = now + std::chrono::seconds(1);
       continue;
     }
@@ -365,7 +365,7 @@ void ShmTransport::progressUntil(Done&& done, Deadline deadline, int waitedPeer,
       // With a core per rank the peer is running elsewhere: pause a while, as a yield is a
       // system call that delays seeing it. Then, or when ranks outnumber cores, yield: if the
       // scheduler put a peer on this core, it runs now.
-      if (!options_.oversubscribed && ++idle < kPauseSpins) {
+      if (!options_.spin.yield && ++idle < kPauseSpins) {
         cpuRelax();
       } else {
         sched_yield();
@@ -390,7 +390,7 @@ void ShmTransport::progressUntil(Done&& done, Deadline deadline, int waitedPeer,
              waitedPeer, ": another rank failed");
       }
     }
-    spinUntil = Clock::now() + options_.spin / 4;  // woken: spin a little before sleeping again
+    spinUntil = Clock::now() + options_.spin.duration / 4;  // woken: spin a little before sleeping again
   }
   if (published) mine.waitingIn.store(0, std::memory_order_relaxed);
 }
@@ -544,7 +544,7 @@ TransportStats ShmTransport::stats() const {
   TransportStats s = network_->stats();
   s.sharedMemoryPeers = int(peers_.size());
   s.sharedMemoryBytesSent = bytesSent_;
-  s.sharedMemorySpinMicros = options_.spin.count();
+  s.sharedMemorySpinMicros = options_.spin.duration.count();
   return s;
 }
 

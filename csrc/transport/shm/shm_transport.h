@@ -29,10 +29,9 @@ struct ShmOptions {
   // the caches between being written, reduced and copied out (measured: 1 MiB beats 4 MiB
   // by 1.5-2x at 16-64 MiB on 2 cores with 2 MiB of L2 each).
   size_t windowBytes = 1 << 20;
-  // DDLCOMM_SHM_SPIN_US: busy-wait before sleeping; negative until connectTransport picks
-  // the default (50 us, or 5 us when oversubscribed).
-  std::chrono::microseconds spin{-1};
-  bool oversubscribed = false;  // more ranks on this host than cores: yield while spinning
+  // Busy-wait before sleeping: the duration is DDLCOMM_SHM_SPIN_US, negative until
+  // connectTransport picks it (50 us, or 5 us when ranks outnumber cores).
+  SpinPolicy spin{std::chrono::microseconds(-1)};
   bool required = false;  // DDLCOMM_TRANSPORT=shm: every rank must be local, no fallback
 
   static ShmOptions fromEnvironment();

@@ -1,10 +1,11 @@
 // Posting, progress and failure: requests are cut into stripes and queued on their
-// connections; the waiting thread moves bytes on every connection and sleeps in epoll
-// when none can move; a timeout or abort fails every request still queued.
+// connections; the waiting thread moves bytes on every connection, polls a while when none
+// can move, then sleeps in epoll; a timeout or abort fails every request still queued.
 #include "transport/tcp/tcp_transport.h"
 
 #include <linux/tcp.h>  // struct tcp_info with the byte counters (glibc's lacks them)
 #include <netinet/in.h>
+#include <sched.h>
 #include <sys/epoll.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -117,8 +118,9 @@ void TcpTransport::wait(Request& r, Deadline deadline) {
     const Clock::time_point now = Clock::now();
     auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - now).count();
     if (left <= 0) timedOut(r);
-    if (now - lastActive < spin_) {  // the peer's next message is often a few us away
+    if (now - lastActive < spin_.duration) {  // the peer's next message is often a few us away
       waitForEvents(0);
+      if (spin_.yield) sched_yield();
       continue;
     }
     if (!waitForEvents(int(std::min<long long>(left + 1, 1000))) && failureProbe_) {
@@ -150,7 +152,7 @@ TransportStats TcpTransport::stats() const {
     // Kernels before 4.19 return a shorter struct: the counters are then left out (0).
     if (length >= offsetof(tcp_info, tcpi_bytes_sent) + sizeof info.tcpi_bytes_sent) s.bytesSent += info.tcpi_bytes_sent;
   }
-  s.spinMicros = spin_.count();
+  s.spinMicros = spin_.duration.count();
   return s;
 }
 

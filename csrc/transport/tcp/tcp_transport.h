@@ -39,8 +39,8 @@ class TcpTransport final : public Transport {
   void wait(Request& request, Deadline deadline) override;
   void poll(std::chrono::milliseconds timeout) override;
   void wakeup() override;
-  // How long a wait polls its sockets before sleeping in epoll_wait (connectTransport decides).
-  void setSpin(std::chrono::microseconds spin) { spin_ = spin; }
+  // How a wait polls its sockets before sleeping in epoll_wait.
+  void setSpin(SpinPolicy spin) { spin_ = spin; }
   void abort(ErrorKind kind, const std::string& reason) noexcept override;
   void throwIfBroken() const override;
   TransportStats stats() const override;
@@ -129,7 +129,7 @@ class TcpTransport final : public Transport {
   const int rank_;
   const int size_;
   const TcpOptions options_;
-  std::chrono::microseconds spin_{0};
+  SpinPolicy spin_;
   std::vector<Connection> connections_;  // [peer * connectionsPerPeer + index]; own slots unused
   std::vector<PeerState> peers_;
   Fd epoll_;

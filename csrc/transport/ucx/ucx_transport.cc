@@ -1,6 +1,7 @@
 #include "transport/ucx/ucx_transport.h"
 
 #include <poll.h>
+#include <sched.h>
 
 #include <algorithm>
 #include <cstring>
@@ -323,7 +324,10 @@ void UcxTransport::wait(Request& r, Deadline deadline) {
     }
     // Spinning a little before sleeping catches the peer's next message without the cost
     // of arming the worker and a system call.
-    if (now - lastActive < spin_) continue;
+    if (now - lastActive < spin_.duration) {
+      if (spin_.yield) sched_yield();
+      continue;
+    }
     if (!active) waitForEvents(int(std::min<long long>({left + 1, 1000 - idle})));
   }
   if (r.failed) throwIfBroken();
@@ -348,7 +352,7 @@ TransportStats UcxTransport::stats() const {
     if (endpoints_[size_t(p)].get() && peerStatus_[size_t(p)] == UCS_OK) s.connectionsPerPeer[size_t(p)] = 1;
   }
   s.bytesSent = bytesSent_;
-  s.spinMicros = spin_.count();
+  s.spinMicros = spin_.duration.count();
   return s;
 }
 

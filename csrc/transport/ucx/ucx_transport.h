@@ -53,8 +53,8 @@ class UcxTransport final : public Transport {
   void wait(Request& request, Deadline deadline) override;
   void poll(std::chrono::milliseconds timeout) override;
   void wakeup() override;
-  // How long a wait polls before it blocks on the worker's event fd (connectTransport decides).
-  void setSpin(std::chrono::microseconds spin) { spin_ = spin; }
+  // How a wait polls before it blocks on the worker's event fd.
+  void setSpin(SpinPolicy spin) { spin_ = spin; }
   void abort(ErrorKind kind, const std::string& reason) noexcept override;
   void throwIfBroken() const override;
   // connectionsPerPeer: 1 per peer whose endpoint has not failed. bytesSent: header and
@@ -141,7 +141,7 @@ class UcxTransport final : public Transport {
 
   const int rank_;
   const int size_;
-  std::chrono::microseconds spin_{0};
+  SpinPolicy spin_;
   Context context_;
   Worker worker_;
   int eventFd_ = -1;
