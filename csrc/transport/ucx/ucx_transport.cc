@@ -27,6 +27,8 @@ UcxTransport::Op& UcxTransport::newOp(OpKind kind, Request* request, int peer) {
   Op& op = active_.back();
   op = Op{};
   op.owner = this;
+  op.self = std::prev(active_.end());
+  op.sequence = nextSequence_++;
   op.kind = kind;
   op.request = request;
   op.peer = peer;
@@ -45,8 +47,7 @@ void UcxTransport::submitSend(Op& op, ucp_tag_t tag) {
   const size_t count = op.iovCount == 1 ? op.iov[0].length : op.iovCount;
   void* request = ucp_tag_send_nbx(endpoints_[size_t(op.peer)].get(), buffer, count, tag, &param);
   if (UCS_PTR_IS_ERR(request)) {
-    op.completed = true;
-    op.status = UCS_PTR_STATUS(request);
+    complete(op, UCS_PTR_STATUS(request));
   } else {
     op.ucx = request;
   }
@@ -63,24 +64,27 @@ void UcxTransport::submitRecv(Op& op, ucp_tag_t tag, ucp_tag_t mask) {
   const size_t count = op.iovCount == 1 ? op.iov[0].length : op.iovCount;
   void* request = ucp_tag_recv_nbx(worker_.get(), buffer, count, tag, mask, &param);
   if (UCS_PTR_IS_ERR(request)) {
-    op.completed = true;
-    op.status = UCS_PTR_STATUS(request);
+    complete(op, UCS_PTR_STATUS(request));
   } else {
     op.ucx = request;
   }
 }
 
+void UcxTransport::complete(Op& op, ucs_status_t status) {
+  op.completed = true;
+  op.status = status;
+  completed_.push_back(&op);
+}
+
 // Callbacks run inside UCX (progress, or the posting call itself): they only record.
 void UcxTransport::sendDone(void*, ucs_status_t status, void* user) {
   Op* op = static_cast<Op*>(user);
-  op->completed = true;
-  op->status = status;
+  op->owner->complete(*op, status);
 }
 
 void UcxTransport::recvDone(void*, ucs_status_t status, const ucp_tag_recv_info_t* info, void* user) {
   Op* op = static_cast<Op*>(user);
-  op->completed = true;
-  op->status = status;
+  op->owner->complete(*op, status);
   if (info) {
     op->senderTag = info->sender_tag;
     op->length = info->length;
@@ -153,18 +157,20 @@ void UcxTransport::postRecv(Request& r) {
 bool UcxTransport::progress(bool* completed) {
   bool moved = false;
   while (ucp_worker_progress(worker_.get()) != 0) moved = true;
-  for (auto it = active_.begin(); it != active_.end();) {
-    auto next = std::next(it);
-    if (it->completed) {
-      moved = true;
-      if (completed) *completed = true;
-      if (it->ucx) ucp_request_free(it->ucx);
-      it->ucx = nullptr;
-      Op& op = *it;
-      free_.splice(free_.begin(), active_, it);  // op stays valid: splice moves no element
+  if (!completed_.empty()) {
+    moved = true;
+    if (completed) *completed = true;
+    // In posting order, as the messages were sent: a split message's header is checked
+    // before its payload. What a throwing finish() leaves stays queued, still in order.
+    std::sort(completed_.begin(), completed_.end(), [](const Op* a, const Op* b) { return a->sequence > b->sequence; });
+    while (!completed_.empty()) {
+      Op& op = *completed_.back();
+      completed_.pop_back();
+      if (op.ucx) ucp_request_free(op.ucx);
+      op.ucx = nullptr;
+      free_.splice(free_.begin(), active_, op.self);  // op stays valid: splice moves no element
       if (op.request && !broken_) finish(op);
     }
-    it = next;
   }
   checkFailedPeers();
   return moved;
