@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
 # One command for a GPU machine (python3 with a CUDA torch, nvcc, cmake; ninja optional):
-# builds csrc/cuda standalone, runs the GPU test (all sizes, plus >2^31 elements), runs it
-# again under compute-sanitizer memcheck on a reduced size set, then the CUDA benchmark (with
-# the 25 MB bucket on its own) and the plain-torch comparison; then builds the extension
-# against that torch (pip install --no-build-isolation -e .) and runs tests/test_gpu.py.
+# builds the extension against that torch (pip install --no-build-isolation -e ., in the
+# background) and csrc/cuda standalone; runs the GPU test (all sizes, plus >2^31 elements);
+# then tests/test_gpu.py and the DDP step benchmark (ddlcomm.bench.cuda.ddp_step) on the
+# extension; then the GPU test under compute-sanitizer memcheck on a reduced size set, the
+# CUDA benchmark (with the 25 MB bucket on its own) and the plain-torch comparison.
 # Logs go to $1 (default ./gpu-results): summary.txt (every step with its exit status),
 # env.txt, build.log, test.log, memcheck.log, bench.log, bench.csv, bucket.log, torch.log,
-# extension.log, pytest.log. Expected on an H100: about 9 minutes; every step has a time limit.
+# extension.log, pytest.log, ddp_step.log, ddp_step.json. Every step has a time limit.
 #
 #   scripts/gpu_check.sh [results-dir]        CUDA_ARCH=90 (default) picks the architecture
 #   GPU_CHECK_SKIP="test memcheck" scripts/gpu_check.sh     leaves those steps out
+#   GPU_CHECK_TEST_ARGS= scripts/gpu_check.sh                the kernel test without --large
+#   GPU_CHECK_PYTEST_ARGS="-n 4" GPU_CHECK_PYTEST_LIMIT=300 scripts/gpu_check.sh   pytest arguments, time limit
 set -u -o pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -59,13 +62,38 @@ step() {
   git -C "$ROOT" log -1 --oneline || true
 } >"$RESULTS/env.txt" 2>&1
 
+# The extension against this torch (architectures from TORCH_CUDA_ARCH_LIST), built while the
+# kernels are tested: its own build folder, fresh each time (CMake keeps the compiler of a
+# folder's first build).
+EXTENSION=
+if ! skipped extension; then
+  rm -rf "$ROOT/build/gpu-extension"
+  step extension 400 extension.log env TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-${ARCH:0:1}.${ARCH:1}}" \
+    nice -n 10 python3 -m pip install --no-build-isolation --no-deps -C build-dir=build/gpu-extension -e "$ROOT" &
+  EXTENSION=$!
+fi
+
 GENERATOR="Unix Makefiles"
 if command -v ninja >/dev/null 2>&1; then GENERATOR=Ninja; fi
 step build 300 build.log bash -c "cmake -S '$ROOT/csrc/cuda' -B '$BUILD' -G '$GENERATOR' -DCMAKE_BUILD_TYPE=Release \
   -DCMAKE_CUDA_ARCHITECTURES='$ARCH' && cmake --build '$BUILD' -j $(nproc)" || { note "build failed"; exit 1; }
 
 # The test exits 0 (all passed), 1 (a failure) or 77 (no GPU).
-skipped test || step test 240 test.log "$BUILD/test_cuda_kernels" --large
+skipped test || step test 240 test.log "$BUILD/test_cuda_kernels" ${GPU_CHECK_TEST_ARGS---large}
+# Then the CUDA paths of the Python package (compress, the backend, compressed all-reduce, DDP
+# hooks, FSDP2's compressed reduce-scatter) and the DDP step benchmark, on the extension.
+if [ -n "$EXTENSION" ]; then
+  if wait "$EXTENSION"; then
+    skipped pytest || step pytest "${GPU_CHECK_PYTEST_LIMIT:-500}" pytest.log bash -c "cd /tmp && PYTHONUNBUFFERED=1 python3 -m pytest -q -rA \
+      -p no:cacheprovider ${GPU_CHECK_PYTEST_ARGS:-} '$ROOT/tests/test_gpu.py'"
+    skipped ddp_step || step ddp_step 200 ddp_step.log bash -c "cd /tmp && PYTHONUNBUFFERED=1 python3 -m \
+      ddlcomm.bench.cuda.ddp_step --json '$RESULTS/ddp_step.json'"
+  else
+    FAILED=1
+  fi
+fi
+
+
 SANITIZER=$(command -v compute-sanitizer || ls /usr/local/cuda*/compute-sanitizer/compute-sanitizer \
   /opt/nvidia/*/compute-sanitizer/compute-sanitizer 2>/dev/null | head -1)
 if skipped memcheck; then
@@ -80,17 +108,9 @@ fi
 skipped bench || step bench 150 bench.log "$BUILD/bench_cuda_kernels" --csv="$RESULTS/bench.csv"
 # A 25 MB DDP bucket (24 MiB): encode+EF plus decode-accumulate against the 1 ms target.
 skipped bucket || step bucket 60 bucket.log "$BUILD/bench_cuda_kernels" --min-mib=24 --max-mib=24
-# By its path: it imports torch only, and the extension is built further down.
+# By its path: it imports torch only.
 skipped torch || step torch 150 torch.log env PYTHONUNBUFFERED=1 python3 "$ROOT/ddlcomm/bench/cuda/torch_ops.py" \
   --bench "$BUILD/bench_cuda_kernels" --sizes-mib 1,16,64,256
-
-# The extension against this torch (architectures from TORCH_CUDA_ARCH_LIST), then the CUDA
-# paths of the Python package: compress, the backend, compressed all-reduce and DDP hooks.
-# Its own build folder, fresh each time: CMake keeps the compiler of a folder's first build.
-rm -rf "$ROOT/build/gpu-extension"
-step extension 400 extension.log env TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-${ARCH:0:1}.${ARCH:1}}" \
-  python3 -m pip install --no-build-isolation --no-deps -C build-dir=build/gpu-extension -e "$ROOT" &&
-  step pytest 500 pytest.log bash -c "cd /tmp && PYTHONUNBUFFERED=1 python3 -m pytest -q -rA -s -p no:cacheprovider '$ROOT/tests/test_gpu.py'"
 
 note "done: $([ $FAILED -eq 0 ] && echo 'all steps passed' || echo 'SOME STEPS FAILED') (results in $RESULTS)"
 echo
@@ -102,4 +122,6 @@ echo "== torch comparison =="
 tail -45 "$RESULTS/torch.log" 2>/dev/null
 echo "== pytest =="
 grep -E "ACCURACY|passed|failed|Error|error" "$RESULTS/pytest.log" 2>/dev/null | tail -30
+echo "== DDP step =="
+tail -12 "$RESULTS/ddp_step.log" 2>/dev/null
 exit $FAILED

@@ -1,7 +1,8 @@
 """The CUDA paths, where a GPU is present (skipped elsewhere): the kernels through
-ddlcomm.compress, the backend with CUDA tensors, compressed all-reduces and DDP hooks on CUDA
-buckets over ddlcomm and gloo groups (two ranks share GPU 0; NCCL refuses that, so NCCL
-groups are covered only where there are two GPUs)."""
+ddlcomm.compress, the backend with CUDA tensors, compressed all-reduces, DDP hooks and FSDP2's
+compressed reduce-scatter on CUDA gradients, over ddlcomm and gloo groups (two ranks share
+GPU 0) and nccl groups (one GPU per rank, so world size 1 on a one-GPU machine: NCCL refuses
+two ranks on one GPU; two ranks where there are two GPUs)."""
 
 from __future__ import annotations
 
@@ -84,20 +85,37 @@ def test_backend_collectives_on_cuda_tensors() -> None:
     assert_all_ok(launch("gpu", "collectives", 2, timeout=180))
 
 
-@pytest.mark.parametrize("backend", ["ddlcomm", "gloo"])
-def test_compressed_all_reduce_on_cuda_matches_cpu(backend: str) -> None:
-    assert_all_ok(launch("gpu", "compressed", 2, timeout=240, args=(backend,)))
+# (backend, ranks): two ranks share GPU 0 on ddlcomm and gloo; nccl gets one GPU per rank.
+GROUPS = [("ddlcomm", 2), ("gloo", 2), ("nccl", 1),
+          pytest.param("nccl", 2, marks=pytest.mark.skipif(torch.cuda.device_count() < 2,
+                                                           reason="NCCL needs one GPU per rank"))]
 
 
-@pytest.mark.parametrize("backend", ["ddlcomm", "gloo"])
-def test_ddp_hooks_on_cuda_match_cpu_accuracy(backend: str) -> None:
-    results = launch("gpu", "ddp", 2, timeout=600, args=(backend,))
+def _print_accuracy(results) -> None:
     for line in results[0].output.splitlines():
         if line.startswith("ACCURACY"):
             print(line)
+
+
+@pytest.mark.parametrize("backend,ranks", GROUPS)
+def test_compressed_all_reduce_on_cuda_matches_cpu(backend: str, ranks: int) -> None:
+    assert_all_ok(launch("gpu", "compressed", ranks, timeout=240, args=(backend,)))
+
+
+@pytest.mark.parametrize("backend,ranks", GROUPS)
+def test_ddp_hooks_on_cuda_match_cpu_accuracy(backend: str, ranks: int) -> None:
+    results = launch("gpu", "ddp", ranks, timeout=600, args=(backend,))
+    _print_accuracy(results)
     assert_all_ok(results)
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs one GPU per rank")
-def test_compressed_all_reduce_over_nccl() -> None:
-    assert_all_ok(launch("gpu", "compressed", 2, timeout=240, args=("nccl",)))
+@pytest.mark.parametrize("backend,ranks", [g for g in GROUPS if g != ("gloo", 2)])
+def test_fsdp_reduce_scatter_on_cuda_matches_cpu(backend: str, ranks: int) -> None:
+    assert_all_ok(launch("gpu", "fsdp_reduce_scatter", ranks, timeout=240, args=(backend,)))
+
+
+@pytest.mark.parametrize("backend,ranks", [GROUPS[0], GROUPS[3]])  # FSDP2 on one rank reduces nothing
+def test_fsdp_training_on_cuda_matches_cpu_accuracy(backend: str, ranks: int) -> None:
+    results = launch("gpu", "fsdp_training", ranks, timeout=600, args=(backend,))
+    _print_accuracy(results)
+    assert_all_ok(results)

@@ -6,8 +6,9 @@ torch.cuda.Event, side by side with the CUDA kernels' numbers from bench_cuda_ke
 
 The torch versions compute the same things the kernels do (block means / maxima, sign and
 2-bit packing, the residual update), written the way one would in torch, without custom
-kernels. They are the baseline for the targets in docs/cuda.md: 1-bit encode+EF >= 5x the
-torch version, approximate top-k 1% of 256 MiB >= 5x torch.topk. With --bench, the CUDA
+kernels. They are the baseline docs/cuda.md compares with; the last line sets approximate top-k
+1% of 256 MiB against torch.topk and against the memory floor of any encode with error feedback
+(x and the residual read, the residual written: 1.5 device-to-device copies of x). With --bench, the CUDA
 benchmark runs first (same sizes) and the table shows both times and the speedup.
 It imports torch only, so it also runs by its path (python3 ddlcomm/bench/cuda/torch_ops.py)
 where the extension is not built yet, as in scripts/gpu_check.sh.
@@ -223,10 +224,13 @@ def main():
     x = torch.rand(n, device="cuda", generator=g) * 2 - 1
     k = n // 100
     topk_ms = timed(lambda: torch.topk(x.abs(), k, sorted=False), args.reps)
+    copy_dst = torch.empty_like(x)
+    floor_ms = 1.5 * timed(lambda: copy_dst.copy_(x), args.reps)
     ours = cuda_ms.get((256, "topk-approx-1%"))
     line = f"torch.topk(|x|, 1%) on 256 MiB: {topk_ms:.3f} ms"
     if ours:
-        line += f"; ddlcomm topk-approx-1% encode+EF: {ours:.3f} ms; speedup {topk_ms / ours:.1f}x (target >= 5x)"
+        line += f"; ddlcomm topk-approx-1% encode+EF: {ours:.3f} ms; speedup {topk_ms / ours:.1f}x"
+    line += (f"; an encode+EF at the memory floor ({floor_ms:.3f} ms) would be {topk_ms / floor_ms:.1f}x")
     print(line)
     rows.append({"mib": 256, "kernel": "torch.topk", "torch_ms": topk_ms, "ddlcomm_ms": ours or "",
                  "speedup": (topk_ms / ours) if ours else ""})
