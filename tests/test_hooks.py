@@ -50,6 +50,10 @@ def test_hook_mechanics() -> None:
     assert_all_ok(launch("compression", "hook_mechanics", 2, timeout=240))
 
 
+def test_warmup_ends_exactly_at_start_compress_iter() -> None:
+    assert_all_ok(launch("compression", "warmup_boundary", 2, timeout=120))
+
+
 def test_uncompressed_buckets_are_logged_once() -> None:
     assert_all_ok(launch("compression", "uncompressed_is_logged_once", 2, timeout=120))
 

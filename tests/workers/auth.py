@@ -48,16 +48,19 @@ def closed_by_peer(s: socket.socket, wait_s: float) -> bool:
         return False
 
 
-def wrong_key_proof(address: tuple[str, int]) -> bytes:
-    """Speaks the protocol correctly but with a key of its own; returns what came back."""
+def proof(address: tuple[str, int], key: bytes, flip: int = -1) -> bytes:
+    """Speaks the protocol correctly with `key`, the MAC's byte `flip` (if any) inverted;
+    returns what came back."""
     s = socket.create_connection(address, timeout=10)
     challenge = recv_exact(s, CHALLENGE_BYTES)
     _, version = struct.unpack_from("<II", challenge)  # magic, version
     hello = HELLO.pack(0x4F4C4548, version, 3, 4, 0, 1)
     nonce = os.urandom(32)
-    mac = hmac.new(os.urandom(32), b"ddlcomm connector" + challenge[8:] + nonce + hello, hashlib.sha256).digest()
-    s.sendall(hello + nonce + mac)
-    answer = recv_exact(s, 64)
+    mac = bytearray(hmac.new(key, b"ddlcomm connector" + challenge[8:] + nonce + hello, hashlib.sha256).digest())
+    if flip >= 0:
+        mac[flip] ^= 0xFF
+    s.sendall(hello + nonce + bytes(mac))
+    answer = recv_exact(s, 4)  # "REJC", or the start of an acceptor's Hello
     s.close()
     return answer
 
@@ -77,7 +80,12 @@ def hostile_clients() -> None:
             garbage = socket.create_connection(address)
             garbage.sendall(os.urandom(200))
             assert closed_by_peer(garbage, 10), "garbage was not dropped"
-            assert wrong_key_proof(address) == b"REJC", "a wrong key was not rejected"
+            assert proof(address, os.urandom(32)) == b"REJC", "a wrong key was not rejected"
+            # The group's key (the store's secret, without DDLCOMM_AUTH_KEY), one MAC byte wrong:
+            # every byte of the MAC is checked.
+            key = store.get("ddlcomm/auth_secret")
+            for byte in range(32):
+                assert proof(address, key, flip=byte) == b"REJC", f"a MAC wrong in byte {byte} was accepted"
             # A flood larger than the acceptor's backlog of half-open connections, then
             # slow clients that send a little or nothing and never finish.
             held += [socket.create_connection(address) for _ in range(150)]

@@ -95,11 +95,17 @@ def reference(inputs: list[torch.Tensor], op: str) -> torch.Tensor:
 
 
 def assert_equal(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
-    if actual.dtype != expected.dtype or actual.shape != expected.shape or not torch.equal(actual, expected):
-        diff = (actual != expected).nonzero()[:5].flatten().tolist() if actual.shape == expected.shape else "shape"
-        raise AssertionError(
-            f"{what}: mismatch at {diff}; got {actual.flatten()[:8].tolist()} expected {expected.flatten()[:8].tolist()}"
-        )
+    """Bitwise equality; the message shows the values at the first mismatched positions."""
+    if actual.dtype != expected.dtype or actual.shape != expected.shape:
+        raise AssertionError(f"{what}: got {actual.dtype} {tuple(actual.shape)}, "
+                             f"expected {expected.dtype} {tuple(expected.shape)}")
+    if torch.equal(actual, expected):
+        return
+    a, e = actual.flatten(), expected.flatten()
+    bad = (a != e).nonzero().flatten()
+    shown = bad[:5].tolist()
+    raise AssertionError(f"{what}: {bad.numel()} of {a.numel()} elements differ; at flat index {shown} got "
+                         f"{a[shown].tolist()} expected {e[shown].tolist()}")
 
 
 def rss_bytes() -> int:

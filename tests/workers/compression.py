@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import warnings
 
 import torch
@@ -200,8 +201,6 @@ def hook_mechanics() -> None:
 def uncompressed_is_logged_once() -> None:
     """Buckets the hook cannot or will not compress (small, float64) go through a plain
     all-reduce, said once per reason, and the statistics show it."""
-    import logging
-
     rank, n = init()
     records: list[logging.LogRecord] = []
     handler = logging.Handler()
@@ -219,6 +218,27 @@ def uncompressed_is_logged_once() -> None:
         assert len(said) == 1 and reason in said[0], said
         assert state.stats.compressed_buckets == 0 and state.stats.uncompressed_buckets == 6
         assert state.stats.ratio == 1.0
+
+
+def warmup_boundary() -> None:
+    """Exactly the first start_compress_iter iterations go uncompressed: the bucket of the
+    next one is compressed."""
+    rank, _ = init()
+    logging.getLogger("ddlcomm").setLevel(logging.ERROR)
+    x, y = synthetic(rank)
+    for start in (2, 5):
+        model = _model()
+        ddp = DistributedDataParallel(model)  # one bucket: the model is far below 25 MB
+        state = hooks.CompressionState(None, compress.OneBit(), start_compress_iter=start, min_compression_bytes=0)
+        ddp.register_comm_hook(state, hooks.onebit_hook)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        for step in range(start + 1):
+            _step(ddp, opt, x, y, step, rank)
+            done = step + 1
+            expected = (min(done, start), max(done - start, 0))
+            got = (state.stats.uncompressed_buckets, state.stats.compressed_buckets)
+            assert got == expected, f"start_compress_iter={start}, after {done} iterations: " \
+                                    f"(uncompressed, compressed) buckets {got}, expected {expected}"
 
 
 def debug_wrapper() -> None:
@@ -299,6 +319,7 @@ if __name__ == "__main__":
         "pieces_match_fallback": pieces_match_fallback,
         "non_finite": non_finite,
         "hook_mechanics": hook_mechanics,
+        "warmup_boundary": warmup_boundary,
         "direction_mode": direction_mode,
         "uncompressed_is_logged_once": uncompressed_is_logged_once,
         "debug_wrapper": debug_wrapper,
