@@ -3,6 +3,7 @@
 #include <ATen/Functions.h>
 #include <c10/util/Exception.h>
 #include <pybind11/pybind11.h>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
 #include <algorithm>
 #include <future>
@@ -35,6 +36,15 @@ class StoreAdapter final : public KeyValueStore {
  private:
   c10::intrusive_ptr<c10d::Store> store_;
 };
+
+// torchrun's agent keeps one rendezvous store for every attempt of a job (elastic restarts):
+// what an earlier attempt left there (addresses, shared-memory handles, failure records) must
+// not reach this one, so the group's keys live under the attempt's number.
+c10::intrusive_ptr<c10d::Store> attemptStore(const c10::intrusive_ptr<c10d::Store>& store) {
+  const char* attempt = envString("TORCHELASTIC_RESTART_COUNT");
+  if (!attempt || !*attempt) return store;
+  return c10::make_intrusive<c10d::PrefixStore>(std::string("ddlcomm/attempt_") + attempt, store);
+}
 
 std::exception_ptr toTorchException(std::exception_ptr error, const std::string& prefix) {
   try {
@@ -110,14 +120,14 @@ void DdlcommWork::complete(std::exception_ptr error) {
 ProcessGroupDdlcomm::ProcessGroupDdlcomm(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                                          std::chrono::milliseconds timeout, std::vector<int64_t> globalRanks,
                                          std::string groupName)
-    : Backend(rank, size), store_(store), timeoutMs_(timeout.count()) {
+    : Backend(rank, size), store_(attemptStore(store)), timeoutMs_(timeout.count()) {
   prefix_ = c10::str("[ddlcomm rank ", rank, "/", size);
   if (!globalRanks.empty() && size_t(rank) < globalRanks.size() && globalRanks[size_t(rank)] != rank) {
     prefix_ += c10::str(" of group '", groupName, "', global rank ", globalRanks[size_t(rank)]);
   }
   prefix_ += "] ";
   workPrefix_ = std::make_shared<const std::string>(prefix_);
-  auto kv = std::make_shared<StoreAdapter>(store);
+  auto kv = std::make_shared<StoreAdapter>(store_);
   try {
     // Every setting is read before connecting: a bad value fails at once, not after the peers joined.
     auto transportOptions = TransportOptions::fromEnvironment(timeout);

@@ -1,0 +1,56 @@
+"""Elastic restarts under torchrun: a rank that exits hard makes torchrun restart the job, and
+the new attempt resumes from the checkpoints as if nothing had happened. The rendezvous store
+of torchrun's agent outlives the attempts: nothing the first attempt left in it (failure
+records, addresses, shared-memory handles) may reach the second."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+WORKER = Path(__file__).parent / "workers" / "elastic.py"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _torchrun(tmp: Path, name: str, transport: str, rendezvous: str = "static",
+              kill_at: int = -1) -> tuple[subprocess.CompletedProcess, Path]:
+    """The worker on 4 ranks under torchrun --max-restarts 1; (the finished process, the result file)."""
+    folder, result = tmp / name, tmp / f"{name}.pt"
+    folder.mkdir()
+    where = (["--standalone"] if rendezvous == "standalone"
+             else ["--master-addr", "127.0.0.1", "--master-port", str(_free_port())])
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--max-restarts", "1",
+           "--monitor-interval", "0.1", *where, str(WORKER), str(folder), str(result), "20", str(kill_at)]
+    env = {**os.environ, "DDLCOMM_TRANSPORT": transport, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env), result
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> torch.Tensor:
+    done, result = _torchrun(tmp_path_factory.mktemp("elastic"), "straight", "shm")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    return torch.load(result)
+
+
+# torchrun's two rendezvous: static (--master-port; the agent's store is made once) and c10d
+# (--standalone). Both keep their store across attempts. Shared memory, the local default,
+# whose handles name the processes of an attempt; its sums are not TCP's (another order).
+@pytest.mark.parametrize("rendezvous", ["static", "standalone"])
+def test_restarted_job_resumes_and_matches_an_uninterrupted_run(tmp_path: Path, uninterrupted: torch.Tensor,
+                                                                rendezvous: str) -> None:
+    restarted, result = _torchrun(tmp_path, "restarted", "shm", rendezvous, kill_at=12)
+    log = restarted.stdout[-3000:] + restarted.stderr[-6000:]
+    assert restarted.returncode == 0, log
+    assert restarted.stdout.count("attempt 1: from step 10") == 4, log  # it restarted, from the checkpoint
+    assert torch.equal(torch.load(result), uninterrupted), "the resumed run trained differently"
