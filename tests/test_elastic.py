@@ -23,15 +23,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _torchrun(tmp: Path, name: str, transport: str, rendezvous: str = "static",
-              kill_at: int = -1) -> tuple[subprocess.CompletedProcess, Path]:
+def _torchrun(tmp: Path, name: str, transport: str, rendezvous: str = "static", kill_at: int = -1,
+              path: str = "ddp-onebit") -> tuple[subprocess.CompletedProcess, Path]:
     """The worker on 4 ranks under torchrun --max-restarts 1; (the finished process, the result file)."""
     folder, result = tmp / name, tmp / f"{name}.pt"
     folder.mkdir()
     where = (["--standalone"] if rendezvous == "standalone"
              else ["--master-addr", "127.0.0.1", "--master-port", str(_free_port())])
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--max-restarts", "1",
-           "--monitor-interval", "0.1", *where, str(WORKER), str(folder), str(result), "20", str(kill_at)]
+           "--monitor-interval", "0.1", *where, str(WORKER), str(folder), str(result), "20", str(kill_at), path]
     env = {**os.environ, "DDLCOMM_TRANSPORT": transport, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env), result
 
