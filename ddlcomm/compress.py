@@ -383,6 +383,8 @@ class _Sparse(Compressor):
             k = _integer(k, "k", 1, 64)
         if ratio is None:
             ratio = self._DEFAULT_RATIO  # also stored (unused) with k, as it always was
+        elif isinstance(ratio, bool) or not isinstance(ratio, (int, float)):
+            raise TypeError(f"ratio must be a number in (0, 1], got {type(ratio).__name__} {ratio!r}")
         elif not 0.0 < ratio <= 1.0:
             raise ValueError(f"ratio must be in (0, 1], got {ratio}")
         super().__init__(ratio=float(ratio), k=k or 0, **options)

@@ -166,6 +166,9 @@ def start_compressed_all_reduce(
     Waiting on the first raises a failure as itself (``DistBackendError``); torch's
     ``Future.then``, which makes the second, would wrap it in a RuntimeError.
     """
+    if group is None and not dist.is_initialized():  # as torch's collectives say it
+        raise ValueError("compressed_all_reduce: the default process group has not been initialized: call "
+                         "torch.distributed.init_process_group first")
     wire = _Wire(tensor, group)
     # Random-k sends a random sample, which can miss a non-finite entry; a non-finite gradient
     # anywhere must still make the result non-finite everywhere (GradScaler skips the step),

@@ -185,6 +185,7 @@ def test_wrong_argument_types_raise_plain_type_errors() -> None:
         "stream must be an integer, got float 1.5": lambda: compressor.encode(x, stream=1.5),
         "stream must be an integer, got str '3'": lambda: compressor.encode(x, stream="3"),
         "stream must be an integer, got NoneType": lambda: compressor.encode(x, stream=None),
+        "ratio must be a number in (0, 1], got str '0.1'": lambda: TopK(ratio="0.1"),
         "tensor must be a torch.Tensor, got list": lambda: compressor.encode([1.0, 2.0]),
         "tensor must be torch.float32, torch.float16 or torch.bfloat16, got torch.int64":
             lambda: compressor.encode(torch.arange(4)),
@@ -283,3 +284,10 @@ def test_all_finite_agrees_with_isfinite(dtype: torch.dtype) -> None:
     for x in cases:
         x = x.to(dtype)
         assert all_finite(x) == bool(torch.isfinite(x).all()), x
+
+
+def test_compressed_all_reduce_before_init_process_group_says_so() -> None:
+    from ddlcomm.compressed import compressed_all_reduce
+
+    with pytest.raises(ValueError, match="init_process_group first"):
+        compressed_all_reduce(torch.ones(4), OneBit())
