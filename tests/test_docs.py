@@ -219,3 +219,18 @@ def test_support_matrix_is_current():
     result = subprocess.run([sys.executable, str(ROOT / "scripts" / "support_matrix.py"), "--check"],
                             cwd=tempfile.gettempdir(), capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
+
+
+def test_source_layout_names_only_existing_paths():
+    """The first column of docs/design.md's "Layout" block names folders that exist, and
+    every folder of csrc/ is among them."""
+    text = (ROOT / "docs" / "design.md").read_text(encoding="utf-8")
+    section = text[text.index("## Layout"):]
+    block = section[section.index("```text") + len("```text"):section.index("```", section.index("```text") + 3)]
+    named = [line.split()[0] for line in block.splitlines() if line and not line.startswith(" ")]
+    assert named, "no layout block"
+    missing = [path for path in named if not (ROOT / path).exists()]
+    assert not missing, f"the layout names paths that do not exist: {missing}"
+    unnamed = [f"csrc/{d.name}/" for d in sorted((ROOT / "csrc").iterdir()) if d.is_dir()
+               and f"csrc/{d.name}/" not in named]
+    assert not unnamed, f"the layout leaves out {unnamed}"
