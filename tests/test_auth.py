@@ -42,5 +42,5 @@ def test_disagreeing_keys_fail_fast_with_a_clear_error() -> None:
     assert [r.returncode for r in results] == [4, 4], [r.output for r in results]
     rejected = re.search(r"DistBackendError after ([\d.]+) s: .*rejected this rank's proof", results[1].output)
     assert rejected and float(rejected.group(1)) < 5, results[1].output
-    timed_out = re.search(r"DistBackendError after ([\d.]+) s: .*timed out.*missing rank 1", results[0].output)
+    timed_out = re.search(r"DistBackendError after ([\d.]+) s: .*Timed out.*missing rank 1", results[0].output)
     assert timed_out and float(timed_out.group(1)) < 5 + 5, results[0].output

@@ -139,7 +139,7 @@ void Executor::progressPending(std::chrono::milliseconds maxWait) {
         return a.deadline < b.deadline;
       });
       comm_->failed(Error(ErrorKind::Timeout,
-                          detail::concat("rank ", rank_, " timed out in ", late.request->signature.describe(),
+                          detail::concat("rank ", rank_, ": Timed out in ", late.request->signature.describe(),
                                          late.request->peer == kAnySource ? std::string(" from any rank")
                                                                           : " with rank " + std::to_string(late.request->peer))));
     }

@@ -467,7 +467,7 @@ void ShmTransport::timedOut(int waitedPeer, const Signature& signature, const st
     for (const Out& o : p->sends) progress += detail::concat(" sent ", o.done, " of ", o.request->bytes, " bytes;");
     for (const In& i : p->recvs) progress += detail::concat(" received ", i.done, " of ", i.request->bytes, " bytes;");
   }
-  fail(ErrorKind::Timeout, "rank ", rank_, " timed out in ", signature.describe(), " waiting for ",
+  fail(ErrorKind::Timeout, "rank ", rank_, ": Timed out in ", signature.describe(), " waiting for ",
        waitedPeer >= 0 ? detail::concat("rank ", waitedPeer) : std::string("the other ranks"),
        " over shared memory:", progress, " the rank waited for may be stuck, slower than the timeout, or in a "
        "different collective");

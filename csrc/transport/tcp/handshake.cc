@@ -138,7 +138,7 @@ Fd connectAuthenticated(const Address& address, const std::string& peerName, con
     std::this_thread::sleep_for(backoff);
     backoff = std::min(backoff * 2, std::chrono::milliseconds(500));
   }
-  fail(ErrorKind::Timeout, "timed out authenticating with ", peerName, " (last attempt: ", lastError, ")");
+  fail(ErrorKind::Timeout, "Timed out authenticating with ", peerName, " (last attempt: ", lastError, ")");
 }
 
 Acceptor::Acceptor(Fd listener, std::string key, const Hello& mine, std::chrono::milliseconds handshakeTimeout)
@@ -166,7 +166,7 @@ Fd Acceptor::next(Deadline deadline, Hello* hello) {
                           " ms (DDLCOMM_HANDSHAKE_TIMEOUT_MS)"));
       pending_.pop_front();
     }
-    DDLCOMM_CHECK(now < deadline, ErrorKind::Timeout, "timed out waiting for peers to connect");
+    DDLCOMM_CHECK(now < deadline, ErrorKind::Timeout, "Timed out waiting for peers to connect");
     Deadline wake = pending_.empty() ? deadline : std::min(deadline, pending_.front().deadline);
     auto waitMs = std::chrono::ceil<std::chrono::milliseconds>(wake - now).count();
 

@@ -173,7 +173,7 @@ void TcpTransport::timedOut(const Request& r) {
     }
   }
   std::string message =
-      detail::concat("rank ", rank_, " timed out in ", r.signature.describe(), " waiting for rank ", r.peer, ":",
+      detail::concat("rank ", rank_, ": Timed out in ", r.signature.describe(), " waiting for rank ", r.peer, ":",
                      progress, " rank ", r.peer, " may be stuck, slower than the timeout, or in a different collective");
   abort(ErrorKind::Timeout, message);
   throwIfBroken();

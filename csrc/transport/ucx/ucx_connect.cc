@@ -293,7 +293,7 @@ void UcxTransport::establish(KeyValueStore& store, std::chrono::milliseconds con
                 missing += (missing.empty() ? "" : ", ") + std::to_string(p);
               }
             }
-            fail(ErrorKind::Timeout, "rank ", rank_, " timed out connecting over UCX (still missing rank ", missing,
+            fail(ErrorKind::Timeout, "rank ", rank_, ": Timed out connecting over UCX (still missing rank ", missing,
                  ")");
           }
           if (!active) waitForEvents(int(std::min<long long>(left + 1, 100)));

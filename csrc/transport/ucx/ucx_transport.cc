@@ -364,7 +364,7 @@ TransportStats UcxTransport::stats() const {
 
 void UcxTransport::timedOut(const Request& r) {
   const std::string peer = r.peer == kAnySource ? "any rank" : "rank " + std::to_string(r.peer);
-  std::string message = detail::concat("rank ", rank_, " timed out in ", r.signature.describe(), " waiting for ", peer,
+  std::string message = detail::concat("rank ", rank_, ": Timed out in ", r.signature.describe(), " waiting for ", peer,
                                        ": ", peer, " may be stuck, slower than the timeout, or in a different collective");
   abort(ErrorKind::Timeout, message);
   throwIfBroken();
