@@ -184,7 +184,7 @@ class FSDPCompressionState(_CompressionOptions):
         nbytes = tensor.numel() * tensor.element_size()
         if nbytes < self.min_compression_bytes:
             self._log_once("small", "ddlcomm fsdp: parameter groups smaller than min_compression_bytes=%d are "
-                           "reduce-scattered uncompressed (%s has %d bytes)", self.min_compression_bytes, name,
+                           "reduce-scattered uncompressed (the module %r has %d bytes)", self.min_compression_bytes, name,
                            nbytes)
             return "small"
         return None
@@ -522,13 +522,13 @@ class AllGatherQuantization(_LogOnce):
         if reason is not None:
             self.stats.uncompressed_buckets += 1
             self.stats.bytes_sent += ring
-            dist.all_gather_into_tensor(output, input, group=group)
+            _all_gather_single(output, input, group=group)
             return
         slot = _aligned(_quantized_nbytes(m, self.block_size))
         mine = torch.zeros(slot, dtype=torch.uint8, device=input.device)
         _quantize(input.reshape(-1), self.block_size, mine)  # before ``output`` (which holds ``input``) changes
         gathered = torch.empty(n * slot, dtype=torch.uint8, device=input.device)
-        dist.all_gather_into_tensor(gathered, mine, group=group)
+        _all_gather_single(gathered, mine, group=group)
         rows = output.view(n, m)
         for i in range(n):
             _dequantize(gathered[i * slot:(i + 1) * slot], m, self.block_size, rows[i])

@@ -44,3 +44,10 @@ def test_disagreeing_keys_fail_fast_with_a_clear_error() -> None:
     assert rejected and float(rejected.group(1)) < 5, results[1].output
     timed_out = re.search(r"DistBackendError after ([\d.]+) s: .*Timed out.*missing rank 1", results[0].output)
     assert timed_out and float(timed_out.group(1)) < 5 + 5, results[0].output
+
+
+def test_disagreeing_world_sizes_are_named() -> None:
+    results = launch("auth", "disagreeing_sizes", 2, timeout=60)
+    assert [r.returncode for r in results] == [4, 4], [r.output for r in results]
+    assert "group of 3 ranks, this rank in one of 2 (the ranks disagree on the world size)" in results[0].output, \
+        results[0].output

@@ -124,5 +124,20 @@ def disagreeing_keys() -> None:
     raise AssertionError("init_process_group succeeded with different keys")
 
 
+def disagreeing_sizes() -> None:
+    """Rank 1 believes the group has 3 ranks: the error says the world sizes differ. Both exit
+    with code 4 after printing the error (rank 1 at its timeout, waiting for a rank 2)."""
+    rank = int(os.environ["RANK"])
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=timedelta(seconds=30))
+    try:
+        ddlcomm.ProcessGroupDdlcomm(store, rank, 2 + rank, timedelta(seconds=5))
+    except dist.DistBackendError as e:
+        print(f"DistBackendError: {e}", flush=True)
+        sys.exit(4)
+    raise AssertionError("a group of ranks that disagree on its size connected")
+
+
 if __name__ == "__main__":
-    run({"hostile_clients": hostile_clients, "disagreeing_keys": disagreeing_keys})
+    run({"hostile_clients": hostile_clients, "disagreeing_keys": disagreeing_keys,
+         "disagreeing_sizes": disagreeing_sizes})

@@ -51,10 +51,13 @@ void TcpTransport::establish(KeyValueStore& store) {
   const Hello mine = makeHello(rank_, size_, k);
   // Only authenticated peers get here, so a disagreement is a misconfigured job: fatal.
   auto checkHello = [&](const Hello& h, const std::string& from) {
-    DDLCOMM_CHECK(h.size == size_ && h.connectionsPerPeer == k && h.rank >= 0 && h.rank < size_ &&
-                      h.index >= 0 && h.index < k,
-                  ErrorKind::Mismatch, "peer ", from, " has world size ", h.size, " and ", h.connectionsPerPeer,
-                  " sockets per peer; this rank has ", size_, " and ", k, " (DDLCOMM_SOCKETS_PER_PEER must match)");
+    DDLCOMM_CHECK(h.size == size_, ErrorKind::Mismatch, "peer ", from, " was started in a group of ", h.size,
+                  " ranks, this rank in one of ", size_, " (the ranks disagree on the world size)");
+    DDLCOMM_CHECK(h.connectionsPerPeer == k, ErrorKind::Mismatch, "peer ", from, " opens ", h.connectionsPerPeer,
+                  " sockets per peer, this rank ", k, " (DDLCOMM_SOCKETS_PER_PEER must match)");
+    DDLCOMM_CHECK(h.rank >= 0 && h.rank < size_ && h.index >= 0 && h.index < k, ErrorKind::Mismatch, "peer ", from,
+                  " claims rank ", h.rank, " connection ", h.index, ", outside the group's ", size_, " ranks and ", k,
+                  " connections");
   };
 
   // Lower ranks accept, higher ranks connect: rank 0 only accepts, so no cycle can form.
