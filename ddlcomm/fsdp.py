@@ -56,8 +56,8 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatt
 
 from . import _C
 from .compress import Compressor, all_finite
-from .compressed import (_accumulate, _Agreement, _aligned, _Wire, compressed_all_reduce, native_backend,
-                         server_residual_numel, wire_bytes)
+from .compressed import (_accumulate, _Agreement, _aligned, _all_gather_single, _Wire, compressed_all_reduce,
+                         native_backend, server_residual_numel, wire_bytes)
 from .hooks import CompressionStats, _CompressionOptions, _LogOnce
 
 __all__ = ["FSDPCompressionState", "CompressedReduceScatter", "compress_gradients", "AllGatherQuantization",
