@@ -17,6 +17,7 @@ import importlib.metadata
 import importlib.util
 import os
 import sys
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -48,6 +49,8 @@ ProcessGroupDdlcomm = _C.ProcessGroupDdlcomm
 
 def _create_backend(dist_backend_opts: Any, backend_options: Any = None) -> ProcessGroupDdlcomm:
     """Backend creator called by torch.distributed (extended API)."""
+    global _made_groups
+    _made_groups = True
     opts = dist_backend_opts
     timeout = opts.timeout if isinstance(opts.timeout, timedelta) else timedelta(seconds=float(opts.timeout))
     backend = ProcessGroupDdlcomm(
@@ -115,11 +118,23 @@ def is_available() -> bool:
     return BACKEND_NAME in dist.Backend.backend_list
 
 
+_made_groups = False  # whether this process created a ddlcomm group (the exit grace below)
+_EXIT_GRACE_S = 0.05
+
+
 def _destroy_at_exit() -> None:
     # Process groups left alive would otherwise be destroyed during interpreter teardown,
     # when their progress threads can no longer be joined safely.
     if dist.is_initialized():
         dist.destroy_process_group()
+    if _made_groups:
+        # A gloo group the program still holds at exit may have a worker thread that releases
+        # its last Work (and the tensors in it, which takes the GIL) 2-30 ms after the work
+        # completed; if CPython's finalization starts first, that thread is killed mid-release
+        # and the process aborts ("terminate called without an active exception"). It is
+        # torch's race (seen with no ddlcomm group at all), made likely by how fast a ddlcomm
+        # group is destroyed (1 ms, against gloo's 11-18 ms): give such threads the GIL briefly.
+        time.sleep(_EXIT_GRACE_S)
 
 
 if BACKEND_NAME not in dist.Backend.backend_list:

@@ -1,0 +1,61 @@
+"""A job that finished its work exits 0: ddlcomm as the default group with a gloo subgroup
+beside it (object collectives, DCP and many libraries ask for one), under torchrun. And a job
+that fails ends with its own exception's exit, not an abort or a hang."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+# The script of issue 40: gloo's worker threads may release their last Work after the script
+# ends; ddlcomm's exit grace lets them (ddlcomm/__init__.py, _destroy_at_exit).
+FINISHES = """
+import torch, torch.distributed as dist
+dist.init_process_group("ddlcomm")
+gloo = dist.new_group(backend="gloo")
+x = torch.ones(4 << 20)
+for _ in range(3): dist.all_reduce(x, group=gloo)
+dist.barrier()
+for _ in range(20): dist.all_reduce(x, group=gloo)
+dist.destroy_process_group()
+"""
+
+FAILS = """
+import torch, torch.distributed as dist
+dist.init_process_group("ddlcomm")
+gloo = dist.new_group(backend="gloo")
+x = torch.ones(4 << 20)
+for _ in range(3): dist.all_reduce(x, group=gloo)
+dist.barrier()
+raise RuntimeError("training failed")
+"""
+
+
+def _torchrun(tmp: Path, source: str) -> subprocess.CompletedProcess:
+    script = tmp / "job.py"
+    script.write_text(source)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(port), str(script)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=tmp)
+
+
+@pytest.mark.parametrize("run", range(5))
+def test_finished_job_with_a_gloo_subgroup_exits_0(tmp_path: Path, run: int) -> None:
+    done = _torchrun(tmp_path, FINISHES)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+
+
+def test_failed_job_exits_with_its_exception_not_an_abort(tmp_path: Path) -> None:
+    done = _torchrun(tmp_path, FAILS)
+    assert done.returncode == 1, done.stderr[-4000:]
+    assert "RuntimeError: training failed" in done.stderr, done.stderr[-4000:]
+    assert "SIGABRT" not in done.stderr and "terminate called" not in done.stderr, done.stderr[-4000:]
