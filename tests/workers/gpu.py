@@ -132,9 +132,6 @@ def compressed(backend: str) -> None:
 
 def _train(device: torch.device, name: str, opt_name: str, steps: int) -> float:
     """Accuracy on held-out data after `steps` of DDP with the `name` hook (None: plain DDP)."""
-    rank = dist.get_rank()
-    x, y = synthetic(rank, samples=4096)
-    test_x, test_y = synthetic(100, samples=2048)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256),
                                 torch.nn.ReLU(), torch.nn.Linear(256, 10)).to(device)
@@ -148,17 +145,26 @@ def _train(device: torch.device, name: str, opt_name: str, steps: int) -> float:
         state = hooks.CompressionState(None, COMPRESSORS[name](), start_compress_iter=2, min_compression_bytes=0,
                                        optimizer=opt, model=model)
         ddp.register_comm_hook(state, HOOKS[name])
-    x, y = x.to(device), y.to(device)
-    for step in range(steps):
-        idx = torch.randint(0, len(x), (64,), generator=torch.Generator().manual_seed(step * 97 + rank)).to(device)
-        opt.zero_grad()
-        torch.nn.functional.cross_entropy(ddp(x[idx]), y[idx]).backward()
-        opt.step()
+    accuracy = _fit(device, ddp, model, opt, steps)
     if state is not None:
         assert state.stats.compressed_buckets > 0, name
         assert all(r.device == device for r in state.memory.worker_residuals.values()), name
+    return accuracy
+
+
+def _fit(device: torch.device, forward: torch.nn.Module, model: torch.nn.Module, opt: torch.optim.Optimizer,
+         steps: int) -> float:
+    """`steps` of training on this rank's synthetic batches; the held-out accuracy after them."""
+    rank = dist.get_rank()
+    x, y = (t.to(device) for t in synthetic(rank, samples=4096))
+    for step in range(steps):
+        idx = torch.randint(0, len(x), (64,), generator=torch.Generator().manual_seed(step * 97 + rank)).to(device)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(forward(x[idx]), y[idx]).backward()
+        opt.step()
+    test_x, test_y = (t.to(device) for t in synthetic(100, samples=2048))
     with torch.no_grad():
-        return (model(test_x.to(device)).argmax(1) == test_y.to(device)).float().mean().item()
+        return (model(test_x).argmax(1) == test_y).float().mean().item()
 
 
 def ddp(backend: str) -> None:
@@ -226,9 +232,6 @@ def _fsdp_model(device: torch.device) -> torch.nn.Module:
 
 def _train_fsdp(device: torch.device, name: str, options: dict, steps: int) -> float:
     """Held-out accuracy after `steps` of FSDP2 with compress_gradients (name None: plain)."""
-    rank = dist.get_rank()
-    x, y = synthetic(rank, samples=4096)
-    test_x, test_y = synthetic(100, samples=2048)
     model = _fsdp_model(device)
     if "adam_betas" in options and name is None:
         opt = torch.optim.AdamW(model.parameters(), lr=2e-3, betas=options["adam_betas"], weight_decay=1e-2)
@@ -240,17 +243,11 @@ def _train_fsdp(device: torch.device, name: str, options: dict, steps: int) -> f
     if name is not None:
         state = ddlcomm_fsdp.compress_gradients(model, COMPRESSORS[name](), start_compress_iter=2,
                                                 min_compression_bytes=0, **options)
-    x, y = x.to(device), y.to(device)
-    for step in range(steps):
-        idx = torch.randint(0, len(x), (64,), generator=torch.Generator().manual_seed(step * 97 + rank)).to(device)
-        opt.zero_grad()
-        torch.nn.functional.cross_entropy(model(x[idx]), y[idx]).backward()
-        opt.step()
+    accuracy = _fit(device, model, model, opt, steps)
     if state is not None:
         assert state.stats.compressed_buckets > 0, name
         assert all(r.device == device for r in state.residuals.values()), name
-    with torch.no_grad():
-        return (model(test_x.to(device)).argmax(1) == test_y.to(device)).float().mean().item()
+    return accuracy
 
 
 def fsdp_training(backend: str) -> None:
