@@ -11,16 +11,28 @@ arguments, same ``state_dict``), with one addition: a compressed hook given the 
 (``CompressionState(..., optimizer=opt)``) asks each rank for the direction its optimizer
 would step in, given its own gradient, and averages *that* through the compressor with
 error feedback. ``step()`` then applies the averaged direction on every rank. What is
-compressed is what the parameters will move by, which is smooth (momentum) or evenly scaled
-(Adam's normalised step), so the compression error is not amplified afterwards:
+compressed is what the parameters will move by, which is smooth (momentum, Adam's first
+moment) or evenly scaled (Adam's normalised step), so the compression error is not amplified
+afterwards:
 
 * SGD: the direction is the new momentum ``momentum * buf + (1 - dampening) * (g + wd * p)``.
   The averaged direction becomes every rank's momentum buffer, which stays identical on all
   ranks (1-bit Adam's and Zheng et al. 2019's compressed momentum).
-* Adam / AdamW: each rank updates its own first and second moments with its own gradient and
-  sends its normalised step ``m / bias1 / (sqrt(v / bias2) + eps)``; every rank applies the
-  average. The moments stay fresh every step (no frozen variance, no long uncompressed
-  warm-up as in 1-bit Adam); they differ between ranks, the parameters do not.
+* Adam / AdamW with a compressor that only rounds (``FP16``, ``BF16``): the first moment is
+  averaged, as SGD's momentum is. Every rank holds the same ``m`` and sends
+  ``lerp(m, g, 1 - beta1)``; the decoded average is the new ``m`` on every rank, every rank
+  derives the average gradient from it, ``(m_new - beta1 * m) / (1 - beta1)``, and updates one
+  second moment with it. That is Adam on the average gradient up to the compressor's
+  rounding, and the moments, like the parameters, are the same bits on every rank.
+* Adam / AdamW with a lossy compressor (``OneBit``, ``Ternary``, top-k, random-k): a gradient
+  derived from the decoded moment carries the compression error divided by ``1 - beta1``, and
+  a second moment built from it steps too short. Each rank instead updates its own moments
+  with its own gradient and sends its normalised step ``m / (sqrt(v') + eps)`` (bias
+  corrected); every rank applies the average. ``v' = m^2 + (v - m^2) / n`` on ``n`` ranks: a
+  rank's second moment holds the noise of a batch ``n`` times smaller than the one Adam
+  normalises by, which made the averaged steps too short, and its variance part is scaled
+  back to the full batch's (the hooks pass ``n = 1`` for random-k, which measured better without
+  it). The moments differ between ranks; the parameters do not.
 
 Parameters in buckets that go uncompressed (warm-up iterations, small buckets) take the
 ordinary torch update from the averaged gradient. The update does not depend on the
@@ -51,8 +63,9 @@ class DirectionOptimizer:
 
     def _direction_init(self) -> None:
         self._group_of: dict[torch.Tensor, dict[str, Any]] = {}
-        # parameters whose .grad holds an averaged direction for the next step()
-        self._pending: set[torch.Tensor] = set()
+        # parameters whose .grad holds an averaged direction for the next step(), and whether
+        # it was averaged exactly (local_directions' ``exact``)
+        self._pending: dict[torch.Tensor, bool] = {}
 
     def _group(self, param: torch.Tensor) -> dict[str, Any]:
         group = self._group_of.get(param)
@@ -64,16 +77,23 @@ class DirectionOptimizer:
         return group
 
     @torch.no_grad()
-    def local_directions(self, params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+    def local_directions(self, params: list[torch.Tensor], grads: list[torch.Tensor], ranks: int = 1,
+                         exact: bool = True) -> None:
         """Overwrites each of ``grads`` (this rank's gradients of ``params``) with this rank's
-        update direction; ``step()`` applies the average that the hook writes there."""
+        update direction; ``step()`` applies the average that the hook writes there.
+
+        ``ranks``: how many ranks average. ``exact``: the average arrives up to rounding (an
+        FP16 or BF16 compressor), not with a lossy compressor's error (Adam chooses what to
+        send by it; SGD sends its momentum either way)."""
+        if ranks < 1:
+            raise ValueError(f"ranks must be at least 1, got {ranks}")
         for param, grad in zip(params, grads):
-            self._direction(param, grad, self._group(param))
-            self._pending.add(param)
+            self._direction(param, grad, self._group(param), ranks, exact)
+            self._pending[param] = exact
 
     @torch.no_grad()
     def step(self, closure=None):  # type: ignore[override]
-        pending, self._pending = self._pending, set()
+        pending, self._pending = self._pending, {}
         if not pending:
             return super().step(closure)
         # The base class skips parameters without a gradient: hide the averaged directions
@@ -86,15 +106,16 @@ class DirectionOptimizer:
         finally:
             for p, g in hidden.items():
                 p.grad = g
-        for param in pending:
+        for param, exact in pending.items():
             if param.grad is not None:
-                self._apply(param, param.grad, self._group(param))
+                self._apply(param, param.grad, self._group(param), exact)
         return loss
 
-    def _direction(self, param: torch.Tensor, grad: torch.Tensor, group: dict[str, Any]) -> None:
+    def _direction(self, param: torch.Tensor, grad: torch.Tensor, group: dict[str, Any], ranks: int,
+                   exact: bool) -> None:
         raise NotImplementedError
 
-    def _apply(self, param: torch.Tensor, direction: torch.Tensor, group: dict[str, Any]) -> None:
+    def _apply(self, param: torch.Tensor, direction: torch.Tensor, group: dict[str, Any], exact: bool) -> None:
         raise NotImplementedError
 
 
@@ -121,7 +142,7 @@ class SGD(DirectionOptimizer, torch.optim.SGD):
         super().__init__(*args, **kwargs)
         self._direction_init()
 
-    def _direction(self, param, grad, group):
+    def _direction(self, param, grad, group, ranks, exact):
         _reject(group, "SGD", ("differentiable",))
         if group["maximize"]:
             grad.neg_()
@@ -133,7 +154,7 @@ class SGD(DirectionOptimizer, torch.optim.SGD):
             return
         grad.mul_(1 - group["dampening"]).add_(buf, alpha=momentum)
 
-    def _apply(self, param, direction, group):
+    def _apply(self, param, direction, group, exact):
         momentum = group["momentum"]
         lr = _lr(group)
         if not momentum:
@@ -157,16 +178,11 @@ class SGD(DirectionOptimizer, torch.optim.SGD):
 
 
 class _AdamDirections(DirectionOptimizer):
-    """Adam and AdamW (``decoupled_weight_decay``): each rank's normalised step is averaged.
+    """Adam and AdamW (``decoupled_weight_decay``): the averaged first moment with one derived
+    second moment when the average is exact, the averaged normalised step otherwise (see the
+    module docs; docs/choosing-a-compressor.md has what else was measured)."""
 
-    The moments are the rank's own, updated from its gradient when the hook asks for the
-    direction (measured against re-deriving the first moment from the averaged step: as good
-    or better on every task, and no extra memory).
-    """
-
-    def _direction(self, param, grad, group):
-        _reject(group, type(self).__name__, ("capturable", "differentiable"))
-        beta1, beta2 = (float(b) for b in group["betas"])
+    def _moments(self, param: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:
         state = self.state[param]
         if not state:  # as torch initialises it on a parameter's first step
             state["step"] = torch.tensor(0.0)
@@ -174,34 +190,64 @@ class _AdamDirections(DirectionOptimizer):
             state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
             if group["amsgrad"]:
                 state["max_exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+        return state
+
+    def _direction(self, param, grad, group, ranks, exact):
+        _reject(group, type(self).__name__, ("capturable", "differentiable"))
+        beta1, beta2 = (float(b) for b in group["betas"])
+        state = self._moments(param, group)
         if group["maximize"]:
             grad.neg_()
         if group["weight_decay"] and not group["decoupled_weight_decay"]:
             grad.add_(param, alpha=group["weight_decay"])
+        if exact:
+            # lerp(m, g, 1 - beta1), m the same on every rank; the moments change in _apply. A
+            # non-finite gradient stays non-finite (GradScaler skips the step).
+            exp_avg = state["exp_avg"]
+            grad.sub_(exp_avg).mul_(1 - beta1).add_(exp_avg)
+            return
         if not all_finite(grad):
             # Leave the moments alone; the non-finite gradient goes out as it is, so the average
             # is non-finite on every rank (GradScaler skips the step).
-            return None
+            return
         step = float(state["step"]) + 1
         state["exp_avg"].lerp_(grad, 1 - beta1)
         state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
         second = state["exp_avg_sq"]
         if group["amsgrad"]:
             second = torch.maximum(state["max_exp_avg_sq"], second, out=state["max_exp_avg_sq"])
-        denom = (second.sqrt() / math.sqrt(1 - beta2**step)).add_(group["eps"])
-        torch.div(state["exp_avg"], denom, out=grad).div_(1 - beta1**step)
-        return None
+        first = torch.div(state["exp_avg"], 1 - beta1**step, out=grad)
+        # The variance part of this rank's second moment is that of a batch `ranks` times
+        # smaller than the average's: scale it back (with one rank, Adam's own).
+        squared = first * first
+        denom = (second / (1 - beta2**step)).sub_(squared).clamp_(min=0.0).div_(ranks).add_(squared)
+        first.div_(denom.sqrt_().add_(group["eps"]))
 
-    def _apply(self, param, direction, group):
-        self.state[param]["step"] += 1
+    def _apply(self, param, direction, group, exact):
+        state = self.state[param]
+        state["step"] += 1
         lr = _lr(group)
         if group["weight_decay"] and group["decoupled_weight_decay"]:
             param.mul_(1 - lr * group["weight_decay"])
-        param.add_(direction, alpha=-lr)
+        if not exact:
+            param.add_(direction, alpha=-lr)
+            return
+        beta1, beta2 = (float(b) for b in group["betas"])
+        step = float(state["step"])
+        exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+        # The average gradient, (m_new - beta1 * m) / (1 - beta1), times (1 - beta1), in exp_avg.
+        exp_avg.mul_(-beta1).add_(direction)
+        exp_avg_sq.mul_(beta2).addcmul_(exp_avg, exp_avg, value=(1 - beta2) / (1 - beta1) ** 2)
+        exp_avg.copy_(direction)
+        second = exp_avg_sq
+        if group["amsgrad"]:
+            second = torch.maximum(state["max_exp_avg_sq"], second, out=state["max_exp_avg_sq"])
+        denom = (second.sqrt() / math.sqrt(1 - beta2**step)).add_(group["eps"])
+        param.addcdiv_(exp_avg, denom, value=-lr / (1 - beta1**step))
 
 
 class Adam(_AdamDirections, torch.optim.Adam):
-    """``torch.optim.Adam`` whose normalised step a compressed hook averages (see the module docs)."""
+    """``torch.optim.Adam`` whose moment or normalised step a compressed hook averages (see the module docs)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -209,7 +255,7 @@ class Adam(_AdamDirections, torch.optim.Adam):
 
 
 class AdamW(_AdamDirections, torch.optim.AdamW):
-    """``torch.optim.AdamW`` whose normalised step a compressed hook averages (see the module docs)."""
+    """``torch.optim.AdamW`` whose moment or normalised step a compressed hook averages (see the module docs)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
