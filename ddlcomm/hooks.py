@@ -10,14 +10,13 @@ Usage, in the style of PyTorch's ``powerSGD_hook``::
     model.register_comm_hook(state, hooks.onebit_hook)
 
 Every hook returns the average over the ranks, like DDP's default hook. With an
-``optimizer`` from ``ddlcomm.optim`` (SGD, Adam, AdamW) the hook averages each rank's
-update direction (its new momentum; for Adam its first moment through FP16 and BF16, which
-is Adam on the average gradient, its normalised step through lossy compressors) rather
-than its gradient:
-error feedback on the gradient, fed through momentum or Adam, costs accuracy at the usual
-learning rates, and averaging the direction does not (``ddlcomm.optim`` says why;
-``docs/choosing-a-compressor.md`` has the measurements). Without an optimizer the hook
-compresses the gradient itself, which suits plain SGD.
+``optimizer`` from ``ddlcomm.optim`` (SGD, Adam, AdamW) and a lossy compressor, the hook
+averages each rank's update direction (its new momentum; for Adam its normalised step)
+rather than its gradient: error feedback on the gradient, fed through momentum or Adam,
+costs accuracy at the usual learning rates, and averaging the direction does not
+(``ddlcomm.optim`` says why; ``docs/choosing-a-compressor.md`` has the measurements).
+Through FP16 and BF16, and without an optimizer, the hook averages the gradient itself, so
+``clip_grad_norm_`` and ``GradScaler`` work as with DDP's default hook.
 
 The first ``start_compress_iter`` iterations run uncompressed (DDP rebuilds its buckets
 after the first iteration, and early gradients are large and noisy). Buckets smaller
@@ -138,15 +137,17 @@ class CompressionState(_CompressionOptions):
     Args:
         process_group: the group to reduce over (default: the world).
         compressor: a ``ddlcomm.compress`` compressor (``OneBit()``, ``Ternary()``,
-            ``TopK(ratio=0.01)``, ``RandomK(...)``, ``FP16()``, ``BF16()``).
+            ``TopK(ratio=0.01)``, ``RandomK(...)``, ``FP16()``, ``BF16()``); None means
+            ``OneBit()``.
         start_compress_iter: iterations that run uncompressed first (at least 2: DDP
             rebuilds its buckets after the first iteration).
         min_compression_bytes: buckets smaller than this go uncompressed (logged once).
         error_feedback: keep residuals (recommended; without them 1-bit SGD diverges).
-        optimizer: a ``ddlcomm.optim`` optimizer (SGD, Adam, AdamW) of the model: the hook
-            then averages each rank's update direction instead of its gradient, which keeps
-            the accuracy of momentum SGD and Adam (see the module docs). Recommended for
-            every compressor.
+        optimizer: a ``ddlcomm.optim`` optimizer (SGD, Adam, AdamW) of the model: a lossy
+            compressor then averages each rank's update direction instead of its gradient,
+            which keeps the accuracy of momentum SGD and Adam (see the module docs).
+            Recommended for every lossy compressor; FP16 and BF16 average the gradient with
+            or without it.
         model: the model (or its DDP wrapper). Its parameter names key the error-feedback
             memory in ``state_dict()``; without it, positions in ``optimizer``'s parameter
             groups do. ``state_dict()`` needs one of the two.
@@ -154,8 +155,20 @@ class CompressionState(_CompressionOptions):
             ``optimizer``: the momentum is accumulated locally and its sent entries are
             cleared (momentum factor masking). Use it with a plain SGD optimizer without
             momentum.
-        clip_norm: DGC local gradient clipping: each rank clips its bucket's gradient to
-            norm ``clip_norm / sqrt(world_size)`` before accumulating it.
+        clip_norm: DGC local gradient clipping, with ``momentum``: each rank clips its bucket's
+            gradient to norm ``clip_norm / sqrt(world_size)`` before accumulating it. It is not
+            ``clip_grad_norm_``, which works unchanged between ``backward()`` and ``step()``
+            with FP16/BF16 or without ``optimizer=`` (with a lossy compressor and
+            ``optimizer=``, ``.grad`` holds averaged directions and ``step()`` refuses a
+            rewritten one).
+
+    Attributes:
+        stats: a ``CompressionStats``: bytes sent against a plain ring all-reduce's, and
+            buckets compressed and not (``stats.ratio``, ``stats.compression_ratio``).
+        iter: iterations run (the warm-up ends when it reaches ``start_compress_iter``).
+        compressor, optimizer, model, process_group: as given.
+
+    The first iteration logs, at INFO level, the compressor and when compression starts.
     """
 
     def __init__(
@@ -180,6 +193,10 @@ class CompressionState(_CompressionOptions):
                              f"{type(compressor).__name__} sends every entry each step: use optimizer= instead")
         if clip_norm is not None and not clip_norm > 0:
             raise ValueError(f"clip_norm must be positive, got {clip_norm}")
+        if clip_norm is not None and not momentum:
+            raise ValueError("clip_norm= is DGC's local clipping, for momentum=; it is not clip_grad_norm_. To "
+                             "clip as torch does, call torch.nn.utils.clip_grad_norm_ between backward() and "
+                             "step(): it works with FP16()/BF16() and with hooks that have no optimizer=")
         if optimizer is not None and not isinstance(optimizer, DirectionOptimizer):
             raise TypeError(f"optimizer must come from ddlcomm.optim (SGD, Adam, AdamW: drop-in subclasses of "
                             f"torch's), got {type(optimizer).__module__}.{type(optimizer).__name__}")
@@ -201,6 +218,14 @@ class CompressionState(_CompressionOptions):
         self._replay_left = 0  # iterations after a load that are reduced in the saved layout
         self._inflight: list[torch.futures.Future] = []  # this iteration's communication
         self._detached: tuple[str, ...] = ()  # attributes that were set when pickled
+
+    @property
+    def averages_directions(self) -> bool:
+        """Whether compressed buckets carry the optimizer's update directions, not gradients (a
+        ``ddlcomm.optim`` optimizer with a lossy compressor): ``.grad`` then holds directions
+        after a compressed ``backward()``, which ``clip_grad_norm_`` and ``GradScaler`` must
+        not rewrite. FP16 and BF16 only round, so they always average the gradient."""
+        return self.optimizer is not None and not isinstance(self.compressor, (FP16, BF16))
 
     # -- bookkeeping --------------------------------------------------------------------
     def _world(self) -> tuple[int, int]:
@@ -328,9 +353,14 @@ class CompressionState(_CompressionOptions):
 
 
 def compressed_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """Averages ``bucket`` over the ranks through ``state.compressor`` (see the module docs)."""
+    """Averages ``bucket`` over the ranks through ``state.compressor``: the gradients, or with a
+    ``ddlcomm.optim`` optimizer and a lossy compressor the update directions (module docs)."""
     state._check_attached()
     state._check_world()
+    if state.iter == 0 and bucket.index() == 0:
+        logger.info("ddlcomm hook: %r%s from iteration %d (the first %d uncompressed)", state.compressor,
+                    " averaging update directions" if state.averages_directions else "", state.start_compress_iter,
+                    state.start_compress_iter)
     if state._replay_left:
         return _replay_iteration(state, bucket)
     return _reduce(state, bucket.buffer(), bucket.parameters(), bucket.index(), bucket.is_last())
@@ -444,18 +474,22 @@ def _compress(state: CompressionState, buffer: torch.Tensor, params: list[torch.
     if state.error_feedback:
         worker, server, momentum = state.memory.buffers(signature, rank, world, bool(state.momentum and sparse),
                                                         buffer.device)
-    if state.clip_norm is not None:
+    if state.clip_norm is not None:  # DGC's local clipping, before the momentum accumulates
         limit = state.clip_norm / math.sqrt(world)
         norm = buffer.norm()
         if torch.isfinite(norm) and norm > limit:
             buffer.mul_(limit / norm)
-    if state.optimizer is not None:
-        # FP16 and BF16 only round: Adam then averages its first moment (Adam on the average gradient).
+    directions = state.averages_directions
+    if directions:
+        # FP16 and BF16 only round: they average the gradient, and the optimizer steps as torch's.
         # Random-k keeps each rank's own second moment (ranks=1): with the correction for the
         # ranks' smaller batches it reached 0.599 against 0.632 without (tests/workers/gpu.py's DDP task).
+        # Top-k keeps SGD's momentum on each rank (its largest entries wait for their turn);
+        # random-k, whose entries all wait about as long, trained better with the shared one (MLP,
+        # nesterov lr 0.05: 94.3% against 93.6%; at lr 0.4 each rank's own diverged).
         state.optimizer.local_directions(params, _gradients(buffer, params),
                                          ranks=1 if state.compressor.samples_randomly else world,
-                                         exact=isinstance(state.compressor, (FP16, BF16)))
+                                         sparse=sparse and not state.compressor.samples_randomly)
     if momentum is not None:
         # Momentum factor masking: entries sent last time (zero residual) restart from zero.
         momentum.masked_fill_(worker == 0, 0.0).mul_(state.momentum).add_(buffer)
@@ -468,8 +502,17 @@ def _compress(state: CompressionState, buffer: torch.Tensor, params: list[torch.
     # DDP has checked that every rank has the same buckets; the compressor is checked once.
     verify = signature not in state._verified
     state._verified.add(signature)
-    return start_compressed_all_reduce(buffer, state.compressor, worker, server, group=state.process_group,
-                                       average=True, stream=state.iter * 65536 + index, verify=verify)
+    raw, fut = start_compressed_all_reduce(buffer, state.compressor, worker, server, group=state.process_group,
+                                           average=True, stream=state.iter * 65536 + index, verify=verify)
+    if directions:
+        optimizer = state.optimizer
+
+        def arrived(f: torch.futures.Future) -> torch.Tensor:
+            optimizer.averaged(params, _gradients(f.value(), params))
+            return f.value()
+
+        fut = fut.then(arrived)
+    return raw, fut
 
 
 def _gradients(buffer: torch.Tensor, params: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -492,7 +535,8 @@ def _typed_hook(expected: type, name: str):
         return compressed_hook(state, bucket)
 
     hook.__name__ = name
-    hook.__doc__ = f"DDP hook: averages gradients through {expected.__name__} compression with error feedback."
+    hook.__doc__ = (f"DDP hook: ``compressed_hook`` for a {expected.__name__} compressor (gradients, or with a "
+                    f"``ddlcomm.optim`` optimizer update directions, averaged with error feedback).")
     return hook
 
 

@@ -17,34 +17,36 @@ afterwards:
 
 * SGD: the direction is the new momentum ``momentum * buf + (1 - dampening) * (g + wd * p)``.
   The averaged direction becomes every rank's momentum buffer, which stays identical on all
-  ranks (1-bit Adam's and Zheng et al. 2019's compressed momentum).
-* Adam / AdamW with a compressor that only rounds (``FP16``, ``BF16``): the first moment is
-  averaged, as SGD's momentum is. Every rank holds the same ``m`` and sends
-  ``lerp(m, g, 1 - beta1)``; the decoded average is the new ``m`` on every rank, every rank
-  derives the average gradient from it, ``(m_new - beta1 * m) / (1 - beta1)``, and updates one
-  second moment with it. That is Adam on the average gradient up to the compressor's
-  rounding, and the moments, like the parameters, are the same bits on every rank.
-* Adam / AdamW with a lossy compressor (``OneBit``, ``Ternary``, top-k, random-k): a gradient
-  derived from the decoded moment carries the compression error divided by ``1 - beta1``, and
-  a second moment built from it steps too short. Each rank instead updates its own moments
-  with its own gradient and sends its normalised step ``m / (sqrt(v') + eps)`` (bias
-  corrected); every rank applies the average. ``v' = m^2 + (v - m^2) / n`` on ``n`` ranks: a
-  rank's second moment holds the noise of a batch ``n`` times smaller than the one Adam
-  normalises by, which made the averaged steps too short, and its variance part is scaled
-  back to the full batch's (the hooks pass ``n = 1`` for random-k, which measured better without
-  it). The moments differ between ranks; the parameters do not.
+  ranks (1-bit Adam's and Zheng et al. 2019's compressed momentum). Through top-k an element
+  reaches the average only when it is sent, and a buffer rebuilt from the average would hold
+  it only then: each round of momentum would wait for another send. There each rank keeps its
+  own buffer, updated as torch does with its own gradient, and sends its step (``buf``, or
+  ``g + momentum * buf`` with nesterov), as Deep Gradient Compression's momentum correction
+  does (the hooks say so with ``sparse=True``).
+* Adam / AdamW: each rank updates its own moments with its own gradient and sends its
+  normalised step ``m / (sqrt(v') + eps)`` (bias corrected); every rank applies the average.
+  ``v' = m^2 + (v - m^2) / n`` on ``n`` ranks: a rank's second moment holds the noise of a
+  batch ``n`` times smaller than the one Adam normalises by, which made the averaged steps
+  too short, and its variance part is scaled back to the full batch's (the hooks pass
+  ``n = 1`` for random-k, which measured better without it). The moments differ between
+  ranks; the parameters do not.
+
+Compressors that only round (``FP16``, ``BF16``) need none of this: through them the hooks
+average the gradient itself and the optimizer takes torch's step, so Adam is Adam on the
+average gradient and ``clip_grad_norm_`` and ``GradScaler`` work as they do without a hook.
 
 Parameters in buckets that go uncompressed (warm-up iterations, small buckets) take the
 ordinary torch update from the averaged gradient. The update does not depend on the
-learning rate, so schedulers work unchanged. Things that rewrite gradients between
-``backward()`` and ``step()`` (``clip_grad_norm_``, ``GradScaler``) see the averaged
-direction, not a gradient: clip with ``CompressionState(clip_norm=...)`` instead.
+learning rate, so schedulers work unchanged. After a lossy compressed step ``.grad`` holds
+the averaged direction, not a gradient: ``clip_grad_norm_`` or ``GradScaler.unscale_``
+between ``backward()`` and ``step()`` would act on the wrong quantity, and ``step()`` raises
+if anything changed it.
 """
 
 from __future__ import annotations
 
-import math
-from typing import Any
+import inspect
+from typing import Any, Optional
 
 import torch
 
@@ -57,15 +59,20 @@ class DirectionOptimizer:
     """Mixin for a torch optimizer: computes a rank's update direction, then applies the average.
 
     The hook calls ``local_directions`` while backward runs (one bucket at a time) and
-    ``step()`` applies whatever averaged directions arrived; every other parameter takes the
-    base class's update.
+    ``averaged`` when a bucket's average arrives; ``step()`` applies the averaged directions
+    and every other parameter takes the base class's update.
     """
+
+    # Leading elements of each averaged direction kept to notice a rewrite before step():
+    # clip_grad_norm_ and GradScaler.unscale_ scale every element.
+    _SAMPLE = 8
 
     def _direction_init(self) -> None:
         self._group_of: dict[torch.Tensor, dict[str, Any]] = {}
-        # parameters whose .grad holds an averaged direction for the next step(), and whether
-        # it was averaged exactly (local_directions' ``exact``)
-        self._pending: dict[torch.Tensor, bool] = {}
+        # parameters whose .grad holds an averaged direction for the next step(), with the
+        # direction's leading elements as it arrived (None until it has)
+        self._pending: dict[torch.Tensor, Optional[torch.Tensor]] = {}
+        self._sparse: set[torch.Tensor] = set()  # parameters last sent through a sparse compressor
 
     def _group(self, param: torch.Tensor) -> dict[str, Any]:
         group = self._group_of.get(param)
@@ -78,24 +85,48 @@ class DirectionOptimizer:
 
     @torch.no_grad()
     def local_directions(self, params: list[torch.Tensor], grads: list[torch.Tensor], ranks: int = 1,
-                         exact: bool = True) -> None:
+                         sparse: bool = False) -> None:
         """Overwrites each of ``grads`` (this rank's gradients of ``params``) with this rank's
         update direction; ``step()`` applies the average that the hook writes there.
 
-        ``ranks``: how many ranks average. ``exact``: the average arrives up to rounding (an
-        FP16 or BF16 compressor), not with a lossy compressor's error (Adam chooses what to
-        send by it; SGD sends its momentum either way)."""
+        ``ranks``: how many ranks average (Adam scales its second moment's variance by it).
+        ``sparse``: the compressor sends each entry only now and then (top-k, random-k), so
+        SGD keeps its momentum on each rank (see the module docs)."""
         if ranks < 1:
             raise ValueError(f"ranks must be at least 1, got {ranks}")
         for param, grad in zip(params, grads):
-            self._direction(param, grad, self._group(param), ranks, exact)
-            self._pending[param] = exact
+            self._direction(param, grad, self._group(param), ranks, sparse)
+            self._pending[param] = None
+            if sparse:
+                self._sparse.add(param)
+            else:
+                self._sparse.discard(param)
+
+    @torch.no_grad()
+    def averaged(self, params: list[torch.Tensor], directions: list[torch.Tensor]) -> None:
+        """The hook's average of ``params``' directions has arrived: ``step()`` checks that
+        nothing rewrote it in ``.grad`` before it is applied."""
+        for param, direction in zip(params, directions):
+            self._pending[param] = direction.reshape(-1)[: self._SAMPLE].clone()
+
+    def _check_unchanged(self, pending: dict[torch.Tensor, Optional[torch.Tensor]]) -> None:
+        changed = sum(1 for p, sample in pending.items() if sample is not None and p.grad is not None
+                      and not torch.equal(p.grad.reshape(-1)[: self._SAMPLE], sample))
+        if changed:
+            name = f"ddlcomm.optim.{type(self).__name__}"
+            raise RuntimeError(
+                f"{name}: .grad of {changed} parameter(s) changed between backward() and step(). With a lossy "
+                f"compressor and optimizer=, .grad holds the averaged update direction, not a gradient: "
+                f"torch.nn.utils.clip_grad_norm_ and GradScaler would scale the wrong quantity. Clip or use "
+                f"GradScaler with FP16() or BF16() (which average the gradient itself) or with a hook that has "
+                f"no optimizer=; for mixed precision, torch.autocast(dtype=torch.bfloat16) needs no GradScaler")
 
     @torch.no_grad()
     def step(self, closure=None):  # type: ignore[override]
         pending, self._pending = self._pending, {}
         if not pending:
             return super().step(closure)
+        self._check_unchanged(pending)
         # The base class skips parameters without a gradient: hide the averaged directions
         # from it, let it update the rest, then apply them.
         hidden = {p: p.grad for p in pending}
@@ -106,16 +137,16 @@ class DirectionOptimizer:
         finally:
             for p, g in hidden.items():
                 p.grad = g
-        for param, exact in pending.items():
+        for param in pending:
             if param.grad is not None:
-                self._apply(param, param.grad, self._group(param), exact)
+                self._apply(param, param.grad, self._group(param))
         return loss
 
     def _direction(self, param: torch.Tensor, grad: torch.Tensor, group: dict[str, Any], ranks: int,
-                   exact: bool) -> None:
+                   sparse: bool) -> None:
         raise NotImplementedError
 
-    def _apply(self, param: torch.Tensor, direction: torch.Tensor, group: dict[str, Any], exact: bool) -> None:
+    def _apply(self, param: torch.Tensor, direction: torch.Tensor, group: dict[str, Any]) -> None:
         raise NotImplementedError
 
 
@@ -135,14 +166,15 @@ class SGD(DirectionOptimizer, torch.optim.SGD):
 
     With ``momentum`` > 0 the hook compresses each rank's new momentum buffer; the average
     becomes the buffer on every rank. ``nesterov`` then steps by the implied averaged
-    gradient plus ``momentum`` times the new buffer, as torch does.
+    gradient plus ``momentum`` times the new buffer, as torch does. Through a sparse
+    compressor each rank keeps its own buffer and the hook averages its step.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._direction_init()
 
-    def _direction(self, param, grad, group, ranks, exact):
+    def _direction(self, param, grad, group, ranks, sparse):
         _reject(group, "SGD", ("differentiable",))
         if group["maximize"]:
             grad.neg_()
@@ -150,14 +182,26 @@ class SGD(DirectionOptimizer, torch.optim.SGD):
             grad.add_(param, alpha=group["weight_decay"])
         momentum = group["momentum"]
         buf = self.state[param].get("momentum_buffer") if momentum else None
-        if buf is None:  # no momentum, or torch's first step: the buffer starts as the gradient
+        if sparse and momentum and all_finite(grad):
+            # torch's step on this rank's gradient, the momentum kept here: a buffer rebuilt from
+            # the sparse average would hold each element only once it was sent.
+            if buf is None:
+                buf = self.state[param]["momentum_buffer"] = grad.clone()
+            else:
+                buf.mul_(momentum).add_(grad, alpha=1 - group["dampening"])
+            if group["nesterov"]:
+                grad.add_(buf, alpha=momentum)
+            else:
+                grad.copy_(buf)
+            return
+        if buf is None or sparse:  # no momentum, torch's first step, or a non-finite gradient
             return
         grad.mul_(1 - group["dampening"]).add_(buf, alpha=momentum)
 
-    def _apply(self, param, direction, group, exact):
+    def _apply(self, param, direction, group):
         momentum = group["momentum"]
         lr = _lr(group)
-        if not momentum:
+        if not momentum or param in self._sparse:
             param.add_(direction, alpha=-lr)
             return
         state = self.state[param]
@@ -178,11 +222,12 @@ class SGD(DirectionOptimizer, torch.optim.SGD):
 
 
 class _AdamDirections(DirectionOptimizer):
-    """Adam and AdamW (``decoupled_weight_decay``): the averaged first moment with one derived
-    second moment when the average is exact, the averaged normalised step otherwise (see the
-    module docs; docs/choosing-a-compressor.md has what else was measured)."""
+    """Adam and AdamW (``decoupled_weight_decay``): the averaged normalised step (see the module
+    docs; docs/choosing-a-compressor.md has what else was measured)."""
 
-    def _moments(self, param: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:
+    def _direction(self, param, grad, group, ranks, sparse):
+        _reject(group, type(self).__name__, ("capturable", "differentiable"))
+        beta1, beta2 = (float(b) for b in group["betas"])
         state = self.state[param]
         if not state:  # as torch initialises it on a parameter's first step
             state["step"] = torch.tensor(0.0)
@@ -190,22 +235,10 @@ class _AdamDirections(DirectionOptimizer):
             state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
             if group["amsgrad"]:
                 state["max_exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-        return state
-
-    def _direction(self, param, grad, group, ranks, exact):
-        _reject(group, type(self).__name__, ("capturable", "differentiable"))
-        beta1, beta2 = (float(b) for b in group["betas"])
-        state = self._moments(param, group)
         if group["maximize"]:
             grad.neg_()
         if group["weight_decay"] and not group["decoupled_weight_decay"]:
             grad.add_(param, alpha=group["weight_decay"])
-        if exact:
-            # lerp(m, g, 1 - beta1), m the same on every rank; the moments change in _apply. A
-            # non-finite gradient stays non-finite (GradScaler skips the step).
-            exp_avg = state["exp_avg"]
-            grad.sub_(exp_avg).mul_(1 - beta1).add_(exp_avg)
-            return
         if not all_finite(grad):
             # Leave the moments alone; the non-finite gradient goes out as it is, so the average
             # is non-finite on every rank (GradScaler skips the step).
@@ -223,27 +256,12 @@ class _AdamDirections(DirectionOptimizer):
         denom = (second / (1 - beta2**step)).sub_(squared).clamp_(min=0.0).div_(ranks).add_(squared)
         first.div_(denom.sqrt_().add_(group["eps"]))
 
-    def _apply(self, param, direction, group, exact):
-        state = self.state[param]
-        state["step"] += 1
+    def _apply(self, param, direction, group):
+        self.state[param]["step"] += 1
         lr = _lr(group)
         if group["weight_decay"] and group["decoupled_weight_decay"]:
             param.mul_(1 - lr * group["weight_decay"])
-        if not exact:
-            param.add_(direction, alpha=-lr)
-            return
-        beta1, beta2 = (float(b) for b in group["betas"])
-        step = float(state["step"])
-        exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
-        # The average gradient, (m_new - beta1 * m) / (1 - beta1), times (1 - beta1), in exp_avg.
-        exp_avg.mul_(-beta1).add_(direction)
-        exp_avg_sq.mul_(beta2).addcmul_(exp_avg, exp_avg, value=(1 - beta2) / (1 - beta1) ** 2)
-        exp_avg.copy_(direction)
-        second = exp_avg_sq
-        if group["amsgrad"]:
-            second = torch.maximum(state["max_exp_avg_sq"], second, out=state["max_exp_avg_sq"])
-        denom = (second.sqrt() / math.sqrt(1 - beta2**step)).add_(group["eps"])
-        param.addcdiv_(exp_avg, denom, value=-lr / (1 - beta1**step))
+        param.add_(direction, alpha=-lr)
 
 
 class Adam(_AdamDirections, torch.optim.Adam):
@@ -260,3 +278,8 @@ class AdamW(_AdamDirections, torch.optim.AdamW):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._direction_init()
+
+
+# help() and IDEs show torch's arguments rather than (*args, **kwargs).
+for _ours, _torch in ((SGD, torch.optim.SGD), (Adam, torch.optim.Adam), (AdamW, torch.optim.AdamW)):
+    _ours.__init__.__signature__ = inspect.signature(_torch.__init__)  # type: ignore[attr-defined]

@@ -64,6 +64,7 @@ def test_uncompressed_buckets_are_logged_once() -> None:
     ({"compressor": "onebit"}, TypeError, "ddlcomm.compress compressor"),
     ({"min_compression_bytes": -1}, ValueError, "min_compression_bytes"),
     ({"clip_norm": 0.0}, ValueError, "clip_norm"),
+    ({"compressor": compress.FP16(), "clip_norm": 1.0}, ValueError, "clip_grad_norm_ between backward"),
     ({"model": "net"}, TypeError, "torch.nn.Module"),
     ({"start_compress_iter": 1}, ValueError, "rebuilds its buckets"),
 ])

@@ -1,7 +1,7 @@
 """ddlcomm.optim in one process: the direction it hands a hook, applied unchanged (what an exact
 average over one rank gives), must step like the torch optimizer it subclasses; without a
-hook it is that torch optimizer. On 2 ranks, AdamW through the fp16 and bf16 hooks is AdamW on
-the average gradient."""
+hook it is that torch optimizer. On 2 ranks, the fp16 and bf16 hooks are the torch optimizer on
+the average gradient, clipping and GradScaler included; lossy ones refuse a rewritten direction."""
 
 from __future__ import annotations
 
@@ -43,18 +43,18 @@ def _pair(name: str, options: dict) -> tuple:
     return ours_p, ref_p, getattr(optim, name)(ours_p, **options), getattr(torch.optim, name)(ref_p, **options)
 
 
-@pytest.mark.parametrize("exact", [True, False], ids=["exact", "lossy"])
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
 @pytest.mark.parametrize("name,options", CASES)
-def test_direction_steps_like_torch(name: str, options: dict, exact: bool) -> None:
-    """On one rank both of Adam's designs (the averaged first moment for FP16/BF16, the
-    averaged normalised step for lossy compressors) are Adam."""
+def test_direction_steps_like_torch(name: str, options: dict, sparse: bool) -> None:
+    """On one rank the average is the rank's own direction: both of SGD's designs (the shared
+    momentum, each rank's own for sparse compressors) and Adam's are torch's step."""
     ours_p, ref_p, ours, ref = _pair(name, options)
     for step in range(6):
         grads = _grads(step)
         for p, q, g in zip(ours_p, ref_p, grads):
             p.grad, q.grad = g.clone(), g.clone()
         if step >= 2:  # the first steps as a warm-up would run them: the plain torch update
-            ours.local_directions(ours_p, [p.grad for p in ours_p], exact=exact)
+            ours.local_directions(ours_p, [p.grad for p in ours_p], sparse=sparse)
         ours.step()
         ref.step()
         for p, q in zip(ours_p, ref_p):
@@ -79,8 +79,7 @@ def test_without_a_hook_it_is_the_torch_optimizer(name: str, options: dict) -> N
     ref.load_state_dict(copy.deepcopy(ours.state_dict()))
 
 
-@pytest.mark.parametrize("exact", [True, False], ids=["exact", "lossy"])
-def test_non_finite_gradient_leaves_adam_moments_alone(exact: bool) -> None:
+def test_non_finite_gradient_leaves_adam_moments_alone() -> None:
     params = _params()
     opt = optim.AdamW(params, lr=1e-2)
     for p, g in zip(params, _grads(0)):
@@ -89,17 +88,49 @@ def test_non_finite_gradient_leaves_adam_moments_alone(exact: bool) -> None:
     before = {k: v.clone() for k, v in opt.state[params[0]].items()}
     grads = _grads(1)
     grads[0][1, 1] = float("inf")
-    opt.local_directions(params, grads, ranks=2, exact=exact)
+    opt.local_directions(params, grads, ranks=2)
     assert not torch.isfinite(grads[0]).all()
     assert all(torch.equal(opt.state[params[0]][k], v) for k, v in before.items())
 
 
-def test_adamw_through_fp16_and_bf16_is_adamw_on_the_average_gradient() -> None:
-    """2 ranks, 20 steps of a small model: the fp16 and bf16 hooks with
-    optimizer=ddlcomm.optim.AdamW end where plain DDP with torch.optim.AdamW does, within the
-    compressor's rounding (tests/workers/compression.py derives the tolerance), and the replicas
-    are the same bits."""
-    assert_all_ok(launch("compression", "adam_matches_plain", 2, timeout=120))
+@pytest.mark.parametrize("rewrite", ["clip_grad_norm_", "unscale"])
+def test_step_refuses_a_rewritten_direction(rewrite: str) -> None:
+    """clip_grad_norm_ or GradScaler.unscale_ between the hook's average and step() would scale
+    a direction as if it were a gradient: step() names them instead of stepping."""
+    params = _params()
+    opt = optim.AdamW(params, lr=1e-2)
+    grads = _grads(0)
+    opt.local_directions(params, grads, ranks=2)
+    opt.averaged(params, grads)
+    for p, g in zip(params, grads):
+        p.grad = g.clone()
+    before = [p.detach().clone() for p in params]
+    if rewrite == "clip_grad_norm_":
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+    else:
+        for p in params:
+            p.grad.mul_(1 / 65536.0)
+    with pytest.raises(RuntimeError, match="clip_grad_norm_ and GradScaler.*FP16"):
+        opt.step()
+    assert all(torch.equal(p, b) for p, b in zip(params, before)), "a refused step moved the parameters"
+    # Untouched, the same direction steps.
+    opt.local_directions(params, _grads(1), ranks=2)
+    opt.averaged(params, [p.grad for p in params])
+    opt.step()
+    assert not all(torch.equal(p, b) for p, b in zip(params, before))
+
+
+def test_fp16_and_bf16_are_torch_on_the_average_gradient_with_clipping_and_grad_scaler() -> None:
+    """2 ranks, 20 steps of a small model, three recipes (AdamW; AdamW with clip_grad_norm_;
+    nesterov SGD with GradScaler and clip_grad_norm_): the fp16 and bf16 hooks with
+    optimizer=ddlcomm.optim.* end where plain DDP with the torch optimizer does, within the
+    compressor's rounding (tests/workers/compression.py derives the tolerance), clip_grad_norm_
+    sees plain's norms, and the replicas are the same bits."""
+    assert_all_ok(launch("compression", "matches_plain", 2, timeout=180))
+
+
+def test_clipping_or_grad_scaler_on_averaged_directions_is_refused() -> None:
+    assert_all_ok(launch("compression", "misuse_is_refused", 2, timeout=120))
 
 
 def test_hook_state_takes_only_ddlcomm_optimizers() -> None:
@@ -149,3 +180,12 @@ def test_loaded_state_refuses_to_run_without_its_optimizer() -> None:
     # A state made without an optimizer is not affected.
     plain = pickle.loads(pickle.dumps(hooks.CompressionState()))
     assert not plain._detached
+
+
+def test_signatures_are_torchs() -> None:
+    """help() and IDEs show the torch optimizer's arguments, not (*args, **kwargs)."""
+    import inspect
+
+    for ours, theirs in ((optim.SGD, torch.optim.SGD), (optim.Adam, torch.optim.Adam), (optim.AdamW, torch.optim.AdamW)):
+        assert inspect.signature(ours) == inspect.signature(theirs), ours
+    assert "betas" in inspect.signature(optim.AdamW).parameters

@@ -29,6 +29,7 @@ or with a compressor. The torch hooks and DGC do not apply.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import statistics
@@ -43,6 +44,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 from torch.nn.parallel import DistributedDataParallel
 
 import ddlcomm  # noqa: F401  (registers the backend)
+from ddlcomm.bench import init_ranks
 from ddlcomm import compress, fsdp, hooks, optim
 from ddlcomm.bench.tasks import Task, lr_lambda, make_task
 
@@ -66,6 +68,32 @@ class Method:
 
 
 ADAMW = {"betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}  # torch's defaults, stated
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A training recipe as people run it: a task, a torch optimizer with its options and
+    learning rate (warm-up and cosine, as every task), and what the script does between
+    ``backward()`` and ``step()``."""
+
+    label: str
+    task: str
+    optimizer: str  # "sgd", "adam" or "adamw"
+    lr: float
+    options: dict = field(default_factory=dict)
+    clip: Optional[float] = None  # torch.nn.utils.clip_grad_norm_'s max_norm
+    micro_batches: int = 1  # gradient accumulation: all but the last under no_sync()
+
+
+RECIPES = {
+    "lm-adamw-clip": Recipe("char transformer, AdamW (0.9, 0.95) wd 0.1 lr 2e-3, clip 1.0", "lm", "adamw", 2e-3,
+                            {"betas": (0.9, 0.95), "weight_decay": 0.1}, clip=1.0),
+    "mlp-nesterov": Recipe("MLP, SGD nesterov 0.9 wd 5e-4 lr 0.05", "mlp", "sgd", 0.05,
+                           {"momentum": 0.9, "nesterov": True, "weight_decay": 5e-4}),
+    "cnn-adam": Recipe("CNN with BatchNorm, Adam lr 2e-3", "cnn", "adam", 2e-3),
+    "mlp-accum-clip": Recipe("MLP, SGD 0.9 lr 0.05, 2 micro-batches (no_sync), clip 1.0", "mlp", "sgd", 0.05,
+                             {"momentum": 0.9}, clip=1.0, micro_batches=2),
+}
 
 METHODS = {
     m.name: m
@@ -149,10 +177,12 @@ def _fully_shard(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def train(task: Task, method: Method, opt_name: str, seed: int, lr: Optional[float] = None,
-          start_compress_iter: int = START_COMPRESS_ITER, sharding: str = "ddp") -> dict:
-    """One run on every rank; returns the metric and the traffic figures."""
+          start_compress_iter: int = START_COMPRESS_ITER, sharding: str = "ddp",
+          recipe: Optional[Recipe] = None) -> dict:
+    """One run on every rank; returns the metric and the traffic figures. With ``recipe``
+    (DDP only) its optimizer, learning rate, clipping and micro-batches replace ``opt_name``'s."""
     rank = dist.get_rank()
-    lr = task.lr[opt_name] if lr is None else lr
+    lr = (recipe.lr if recipe else task.lr[opt_name]) if lr is None else lr
     torch.manual_seed(seed)
     model = task.model()
     if sharding == "fsdp":
@@ -166,7 +196,13 @@ def train(task: Task, method: Method, opt_name: str, seed: int, lr: Optional[flo
     in_comm = sharding == "fsdp" and method.compressor is not None and method.direction
     comm_momentum = method.sgd_momentum if in_comm and opt_name == "sgd" else 0.0
     adam_betas = ADAMW["betas"] if in_comm and opt_name == "adamw" else None
-    if opt_name == "sgd":
+    if recipe is not None:
+        options = dict(recipe.options)
+        if recipe.optimizer == "sgd" and not method.sgd_momentum:  # DGC: the hook holds the momentum
+            options.update(momentum=0.0, nesterov=False)
+        opt = {"sgd": family.SGD, "adam": family.Adam, "adamw": family.AdamW}[recipe.optimizer](
+            model.parameters(), lr=lr, **options)
+    elif opt_name == "sgd":
         opt = family.SGD(model.parameters(), lr=lr, momentum=method.sgd_momentum - comm_momentum)
     elif adam_betas is not None:  # SGD's weight decay on a given direction is AdamW's decoupled one
         opt = torch.optim.SGD(model.parameters(), lr=lr, weight_decay=ADAMW["weight_decay"])
@@ -191,12 +227,19 @@ def train(task: Task, method: Method, opt_name: str, seed: int, lr: Optional[flo
                                powerSGD_hook.powerSGD_hook)
     schedule = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(task.steps))
     g = torch.Generator().manual_seed(seed * 1000 + rank)
+    micro = recipe.micro_batches if recipe else 1
+    # clip_grad_norm_ needs gradients in .grad: not there where the hook averages directions.
+    clip = recipe.clip if recipe and not (state is not None and getattr(state, "averages_directions", False)) else None
     start = time.perf_counter()
     with _Traffic() as traffic:
         for _ in range(task.steps):
-            x, y = task.batch(g)
             opt.zero_grad()
-            task.loss(ddp, x, y).backward()
+            for m in range(micro):
+                x, y = task.batch(g)
+                with ddp.no_sync() if m < micro - 1 else contextlib.nullcontext():
+                    task.loss(ddp, x, y).backward()
+            if clip:
+                torch.nn.utils.clip_grad_norm_(ddp.parameters(), clip)
             opt.step()
             schedule.step()
     seconds = time.perf_counter() - start
@@ -212,7 +255,7 @@ def train(task: Task, method: Method, opt_name: str, seed: int, lr: Optional[flo
     else:
         sent = uncompressed = plain
     return {"metric": task.evaluate(model), "reduction": plain / sent if sent else math.inf,
-            "uncompressed_share": uncompressed / plain, "seconds": seconds}
+            "uncompressed_share": uncompressed / plain, "seconds": seconds, "clipped": bool(clip)}
 
 
 def _cell(task: Task, values: list[float], baseline: Optional[list[float]]) -> tuple[str, Optional[bool]]:
@@ -263,12 +306,63 @@ def table(task: Task, results: dict) -> str:
     return "\n".join(lines)
 
 
+RECIPE_METHODS = ("all-reduce", "fp16 (torch hook)", "PowerSGD rank 4 (torch hook)", "bf16", "1-bit", "ternary",
+                  "top-k 1%", "random-k 10%", "top-k 1% DGC (hook momentum + clipping)")
+
+
+def recipe_applies(method: Method, recipe: Recipe) -> bool:
+    return ("sgd" if recipe.optimizer == "sgd" else "adamw") in method.optimizers and applies(method, "ddp")
+
+
+def recipe_table(results: dict) -> str:
+    """Methods by recipe: mean ± sd over seeds, the difference to all-reduce, ✓ within 0.5
+    points or 1% of the loss, and the traffic reduction over the run."""
+    names = [n for n in RECIPES if n in results]
+    lines = ["| method | " + " | ".join(f"{n}: {RECIPES[n].label}" for n in names) + " |",
+             "| --- |" + " --- |" * len(names)]
+    for method in METHODS:
+        row, present = f"| {method} |", False
+        for name in names:
+            runs = results[name].get(method)
+            if not runs:
+                row += " - |"
+                continue
+            present = True
+            task = make_task(RECIPES[name].task)
+            baseline = None if method == "all-reduce" else [r["metric"] for r in results[name].get("all-reduce", [])]
+            text, ok = _cell(task, [r["metric"] for r in runs], baseline or None)
+            mark = "" if ok is None else (" ✓" if ok else " ✗")
+            unclipped = " (no clipping: refused)" if RECIPES[name].clip and not all(r["clipped"] for r in runs) else ""
+            row += f" {text}{mark}, {statistics.fmean(r['reduction'] for r in runs):.1f}x{unclipped} |"
+        if present:
+            lines.append(row)
+    return "\n".join(lines)
+
+
+def run_recipes(names: list[str], methods: list[str], seeds: int, start_compress_iter: int,
+                steps: Optional[int]) -> dict:
+    rank = dist.get_rank()
+    results: dict = {}
+    for name in names:
+        recipe = RECIPES[name]
+        task = make_task(recipe.task, **({"steps": steps} if steps else {}))
+        for method in methods:
+            if not recipe_applies(METHODS[method], recipe):
+                continue
+            runs = [train(task, METHODS[method], recipe.optimizer, s, start_compress_iter=start_compress_iter,
+                          recipe=recipe) for s in range(seeds)]
+            results.setdefault(name, {})[method] = runs
+            if rank == 0:
+                print(f"RESULT {name} {method}: " + json.dumps(runs), flush=True)
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tasks", default="mlp,cnn,lm")
-    parser.add_argument("--optimizers", default=",".join(OPTIMIZERS))
+    parser.add_argument("--tasks", default="mlp,cnn,lm", help="comma-separated tasks of ddlcomm.bench.tasks")
+    parser.add_argument("--optimizers", default=",".join(OPTIMIZERS), help="comma-separated: sgd, adamw")
     parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated names from the table")
-    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--seeds", type=int, default=3, help="seeds per cell (0, 1, ...)")
     parser.add_argument("--steps", type=int, default=None, help="override every task's step count")
     parser.add_argument("--start-compress-iter", type=int, default=START_COMPRESS_ITER,
                         help="uncompressed iterations first (every compressed method)")
@@ -276,24 +370,48 @@ def main() -> None:
                         help="DDP with hooks, or FSDP2 with ddlcomm.fsdp's compressed reduce-scatter")
     parser.add_argument("--sweep", action="store_true",
                         help="plain all-reduce at 0.5x, 1x and 2x each task's learning rate, to check it is the best")
+    parser.add_argument("--recipes", default=None,
+                        help=f"comma-separated recipes instead of tasks x optimizers ({', '.join(RECIPES)}, or all); "
+                             f"writes recipes.md / recipes.json")
     parser.add_argument("--out", default=None, help="directory for convergence.md / convergence.json (rank 0)")
     parser.add_argument("--render", default=None, metavar="JSON",
                         help="print the tables of a saved convergence.json and exit (no training, no torchrun)")
     args = parser.parse_args()
     if args.render:
         report = json.loads(Path(args.render).read_text())
+        if "recipes" in report:
+            print(recipe_table(report["recipes"]))
+            return
         for name, saved in report["tasks"].items():
             task = make_task(name)
             task.steps, task.lr = saved["steps"], saved["lr"]
             print(table(task, saved["results"]) + "\n")
         return
-    dist.init_process_group("ddlcomm")
+    init_ranks("ddlcomm")
     torch.set_num_threads(1)
     rank = dist.get_rank()
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
         raise SystemExit(f"unknown methods {unknown}; choose from {list(METHODS)}")
+    if args.recipes:
+        names = list(RECIPES) if args.recipes == "all" else args.recipes.split(",")
+        if any(n not in RECIPES for n in names):
+            raise SystemExit(f"unknown recipes {[n for n in names if n not in RECIPES]}; choose from {list(RECIPES)}")
+        chosen = methods if args.methods != ",".join(METHODS) else list(RECIPE_METHODS)
+        results = run_recipes(names, chosen, args.seeds, args.start_compress_iter, args.steps)
+        if rank == 0:
+            print("\n" + recipe_table(results) + "\n", flush=True)
+            if args.out:
+                out = Path(args.out)
+                out.mkdir(parents=True, exist_ok=True)
+                recipes = {n: vars(RECIPES[n]) for n in names}
+                (out / "recipes.json").write_text(json.dumps({"world_size": dist.get_world_size(), "seeds": args.seeds,
+                                                              "start_compress_iter": args.start_compress_iter,
+                                                              "definitions": recipes, "recipes": results}, indent=1))
+                (out / "recipes.md").write_text(recipe_table(results) + "\n")
+        dist.destroy_process_group()
+        return
     report: dict = {"world_size": dist.get_world_size(), "seeds": args.seeds, "sharding": args.sharding,
                     "start_compress_iter": args.start_compress_iter, "tasks": {}}
     tables = []

@@ -132,14 +132,25 @@ def _model() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
 
 
-def _step(ddp, opt, x, y, step: int, rank: int, micro: int = 1) -> None:
+def _step(ddp, opt, x, y, step: int, rank: int, micro: int = 1, clip: float | None = None,
+          scaler: torch.amp.GradScaler | None = None) -> float | None:
+    """One optimizer step, as a training script takes it; returns clip_grad_norm_'s norm."""
     opt.zero_grad()
     for m in range(micro):
         idx = torch.randint(0, len(x), (32,), generator=torch.Generator().manual_seed(step * 97 + m * 7 + rank))
         # Every micro-batch but the last runs under no_sync (forward included: DDP decides there).
         with ddp.no_sync() if m < micro - 1 else contextlib.nullcontext():
-            torch.nn.functional.cross_entropy(ddp(x[idx]), y[idx]).backward()
-    opt.step()
+            loss = torch.nn.functional.cross_entropy(ddp(x[idx]), y[idx])
+            (scaler.scale(loss) if scaler else loss).backward()
+    if scaler:
+        scaler.unscale_(opt)
+    norm = float(torch.nn.utils.clip_grad_norm_(ddp.parameters(), clip)) if clip else None
+    if scaler:
+        scaler.step(opt)
+        scaler.update()
+    else:
+        opt.step()
+    return norm
 
 
 def _params(model) -> torch.Tensor:
@@ -287,10 +298,10 @@ def direction_mode() -> None:
             dist.all_gather(everyone, trained[0], group=gloo)
             assert all(torch.equal(e, trained[0]) for e in everyone), f"{what}: ranks hold different parameters"
 
-    # clip_norm: each rank's bucket is scaled to at most clip_norm / sqrt(n) before compression.
+    # clip_norm (DGC, with momentum=): each rank's bucket is scaled to at most clip_norm / sqrt(n) first.
     clip = 0.5
-    state = hooks.CompressionState(None, compress.FP16(), start_compress_iter=2, min_compression_bytes=0,
-                                   clip_norm=clip)
+    state = hooks.CompressionState(None, compress.TopK(ratio=1.0), start_compress_iter=2, min_compression_bytes=0,
+                                   momentum=0.5, error_feedback=False, clip_norm=clip)
     state.iter = 2
     grad = torch.full((4096,), 10.0 * (rank + 1))
 
@@ -307,56 +318,108 @@ def direction_mode() -> None:
         def parameters(self):
             return []
 
-    out = hooks.fp16_hook(state, Bucket()).wait()
+    out = hooks.topk_hook(state, Bucket()).wait()
     limit = clip / n ** 0.5  # every rank's contribution has this norm; the mean at most this
     assert out.norm() <= limit * (1 + 1e-3), (out.norm(), limit)
     assert out.norm() >= limit * (1 - 1e-3), "identical directions: the mean of clipped vectors keeps the norm"
 
 
-def adam_matches_plain(compressors: str = "fp16,bf16") -> None:
-    """fp16 or bf16 with ``optimizer=ddlcomm.optim.AdamW`` is AdamW on the average gradient: 20
-    steps (compressed from the third) end where plain DDP with ``torch.optim.AdamW`` does, on the
-    same data, up to the compressor's rounding, and every rank holds the same bits. Prints
-    ``ADAM {compressor: [max |difference|, tolerance]}`` on rank 0."""
+# recipe -> (torch optimizer, options, clip_grad_norm_'s max_norm, GradScaler's init_scale)
+RECIPES = {
+    "adamw": ("AdamW", dict(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1), None, None),
+    "adamw_clip": ("AdamW", dict(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1), 1.0, None),
+    # init_scale 1024: a scaled gradient must fit FP16's range (65504) for plain and fp16 to agree.
+    "sgd_scaler_clip": ("SGD", dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=5e-4), 1.0, 1024.0),
+}
+
+
+def matches_plain(recipes: str = "adamw,adamw_clip,sgd_scaler_clip", compressors: str = "fp16,bf16") -> None:
+    """fp16 or bf16 with ``optimizer=ddlcomm.optim.*`` is torch's optimizer on the average
+    gradient, ``clip_grad_norm_`` and ``GradScaler`` between backward and step included: 20
+    steps (compressed from the third) end where plain DDP with the torch optimizer does, on the
+    same data, up to the compressor's rounding, clip_grad_norm_ sees the same norms, and every
+    rank holds the same bits. Prints ``MATCH {recipe: {compressor: [max |difference|,
+    tolerance, max relative norm difference]}}`` on rank 0."""
     rank, n = init()
     x, y = synthetic(rank)
-    lr, steps, start = 1e-2, 20, 2
-    options = dict(lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
-    trained = {}
-    for mode in ("plain", *compressors.split(",")):
-        # tanh rather than ReLU: a unit whose input sits at 0 on some sample would turn a
-        # rounding difference into a different gradient, and the comparison into chaos.
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Tanh(), torch.nn.Linear(256, 10))
-        ddp = DistributedDataParallel(model, bucket_cap_mb=0.1)
-        if mode == "plain":
-            opt = torch.optim.AdamW(model.parameters(), **options)
-        else:
-            opt = optim.AdamW(model.parameters(), **options)
-            state = hooks.CompressionState(None, COMPRESSORS[mode](), start_compress_iter=start,
-                                           min_compression_bytes=0, optimizer=opt)
-            ddp.register_comm_hook(state, HOOKS[mode])
-        for step in range(steps):
-            _step(ddp, opt, x, y, step, rank)
-        if mode != "plain":
-            assert state.stats.compressed_buckets >= steps - start
-        trained[mode] = _params(model)
-    report = {}
-    for name in compressors.split(","):
-        everyone = [torch.empty_like(trained[name]) for _ in range(n)]
-        dist.all_gather(everyone, trained[name])
-        assert all(torch.equal(e, trained[name]) for e in everyone), f"{name}: ranks hold different parameters"
-        # A compressed step moves an element by about lr at most (Adam's normalised step); the
-        # compressor's rounding (unit roundoff u: 2**-11 for fp16, 2**-8 for bf16) perturbs it
-        # by a few u. Allow 4 u of lr per compressed step. Averaging each rank's normalised step
-        # instead (ddlcomm.optim before issue 34) ended 0.07 away here, 200 times this for fp16.
-        u = {"fp16": 2.0**-11, "bf16": 2.0**-8}[name]
-        report[name] = [float((trained[name] - trained["plain"]).abs().max()), 4 * u * lr * (steps - start)]
+    steps, start = 20, 2
+    report: dict = {}
+    for recipe in recipes.split(","):
+        opt_name, options, clip, init_scale = RECIPES[recipe]
+        trained, norms = {}, {}
+        for mode in ("plain", *compressors.split(",")):
+            # tanh rather than ReLU: a unit whose input sits at 0 on some sample would turn a
+            # rounding difference into a different gradient, and the comparison into chaos.
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Tanh(), torch.nn.Linear(256, 10))
+            ddp = DistributedDataParallel(model, bucket_cap_mb=0.1)
+            opt = getattr(torch.optim if mode == "plain" else optim, opt_name)(model.parameters(), **options)
+            if mode != "plain":
+                state = hooks.CompressionState(None, COMPRESSORS[mode](), start_compress_iter=start,
+                                               min_compression_bytes=0, optimizer=opt)
+                ddp.register_comm_hook(state, HOOKS[mode])
+            scaler = torch.amp.GradScaler("cpu", init_scale=init_scale) if init_scale else None
+            norms[mode] = [_step(ddp, opt, x, y, step, rank, clip=clip, scaler=scaler) for step in range(steps)]
+            if mode != "plain":
+                assert state.stats.compressed_buckets >= steps - start
+            trained[mode] = _params(model)
+        if clip:
+            clipped = sum(norm > clip for norm in norms["plain"])
+            assert 0 < clipped < steps, f"{recipe}: clip_grad_norm_({clip}) clipped {clipped} of {steps} steps: {norms['plain']}"
+        report[recipe] = {}
+        for name in compressors.split(","):
+            everyone = [torch.empty_like(trained[name]) for _ in range(n)]
+            dist.all_gather(everyone, trained[name])
+            assert all(torch.equal(e, trained[name]) for e in everyone), f"{recipe}, {name}: ranks differ"
+            # A compressed step moves an element by about lr at most (Adam's normalised step,
+            # SGD's clipped one); the compressor's rounding (unit roundoff u: 2**-11 for fp16,
+            # 2**-8 for bf16) perturbs it by a few u. Allow 4 u of lr per compressed step.
+            # Averaging each rank's normalised step instead (ddlcomm.optim before issue 34) ended
+            # 0.07 away on AdamW, 200 times this for fp16. The norms clip_grad_norm_ sees: the
+            # rounding's u plus what the drift changes, within 8 u.
+            u = {"fp16": 2.0**-11, "bf16": 2.0**-8}[name]
+            diff = float((trained[name] - trained["plain"]).abs().max())
+            norm_diff = max((abs(a - b) / b for a, b in zip(norms[name], norms["plain"]) if b), default=0.0)
+            report[recipe][name] = [diff, 4 * u * options["lr"] * (steps - start), norm_diff]
     if rank == 0:
-        print("ADAM " + json.dumps(report), flush=True)
-    for name, (diff, tolerance) in report.items():
-        assert diff <= tolerance, f"{name} + ddlcomm.optim.AdamW drifted from torch.optim.AdamW by {diff:.3g} " \
-                                  f"(tolerance {tolerance:.3g}, {steps - start} compressed steps at lr {lr})"
+        print("MATCH " + json.dumps(report), flush=True)
+    for recipe, rows in report.items():
+        for name, (diff, tolerance, norm_diff) in rows.items():
+            u = {"fp16": 2.0**-11, "bf16": 2.0**-8}[name]
+            assert diff <= tolerance, f"{recipe}: {name} + ddlcomm.optim drifted from torch.optim by {diff:.3g} " \
+                                      f"(tolerance {tolerance:.3g}, {steps - start} compressed steps)"
+            assert norm_diff <= 8 * u, f"{recipe}: {name}: clip_grad_norm_ saw norms {norm_diff:.3g} (relative) " \
+                                       f"from plain's, beyond 8 u = {8 * u:.3g}"
+
+
+def misuse_is_refused() -> None:
+    """With a lossy compressor and optimizer=, .grad holds averaged directions after backward:
+    clip_grad_norm_ or GradScaler between backward and step raise from step() at the first
+    compressed step, on every rank, and the job can go on without them."""
+    rank, n = init()
+    x, y = synthetic(rank)
+    for opt_name, clip, init_scale in (("AdamW", 0.5, None), ("SGD", None, 1024.0)):
+        torch.manual_seed(0)
+        model = _model()
+        ddp = DistributedDataParallel(model, bucket_cap_mb=0.1)
+        opt = getattr(optim, opt_name)(model.parameters(), lr=1e-2, **({"momentum": 0.9} if opt_name == "SGD" else {}))
+        state = hooks.CompressionState(None, compress.OneBit(), start_compress_iter=2, min_compression_bytes=0,
+                                       optimizer=opt)
+        ddp.register_comm_hook(state, hooks.onebit_hook)
+        scaler = torch.amp.GradScaler("cpu", init_scale=init_scale) if init_scale else None
+        for step in range(2):  # warm-up: .grad holds the average gradient, both work
+            _step(ddp, opt, x, y, step, rank, clip=clip, scaler=scaler)
+        before = _params(model)
+        try:
+            _step(ddp, opt, x, y, 2, rank, clip=clip, scaler=scaler)
+        except RuntimeError as error:
+            assert "clip_grad_norm_ and GradScaler" in str(error), error
+        else:
+            raise AssertionError(f"{opt_name}: clip={clip} scaler={init_scale} passed a rewritten direction")
+        assert torch.equal(_params(model), before), "the refused step moved the parameters"
+        for step in range(3, 5):  # without them, training goes on
+            _step(ddp, opt, x, y, step, rank)
+        assert not torch.equal(_params(model), before)
 
 
 if __name__ == "__main__":
@@ -367,7 +430,8 @@ if __name__ == "__main__":
         "hook_mechanics": hook_mechanics,
         "warmup_boundary": warmup_boundary,
         "direction_mode": direction_mode,
-        "adam_matches_plain": adam_matches_plain,
+        "matches_plain": matches_plain,
+        "misuse_is_refused": misuse_is_refused,
         "uncompressed_is_logged_once": uncompressed_is_logged_once,
         "debug_wrapper": debug_wrapper,
     })
