@@ -7,7 +7,10 @@ itself (the ``torch.backends`` entry point in ``ddlcomm_autoload``), so this is 
     import torch.distributed as dist
     dist.init_process_group("ddlcomm")          # or "cpu:ddlcomm"
 
-Launch with ``torchrun`` like any other backend.
+Launch with ``torchrun`` like any other backend. ``ProcessGroupDdlcomm`` is the backend class
+torch creates for a group (``help(ddlcomm.ProcessGroupDdlcomm)`` lists its methods); the
+compressors are in ``ddlcomm.compress``, the DDP hooks in ``ddlcomm.hooks`` with their
+optimizers in ``ddlcomm.optim``, FSDP2 in ``ddlcomm.fsdp``, benchmarks in ``ddlcomm.bench``.
 """
 
 from __future__ import annotations
@@ -40,7 +43,9 @@ except ImportError:
         "which makes it importable as it is."
     ) from None
 
-__all__ = ["BACKEND_NAME", "ProcessGroupDdlcomm", "all_reduce_", "is_available", "transports"]
+# ProcessGroupDdlcomm is public but not listed: help(ddlcomm) would print its ~250 lines of
+# inherited c10d methods.
+__all__ = ["BACKEND_NAME", "all_reduce_", "is_available", "transports"]
 
 __version__ = importlib.metadata.version("ddlcomm")  # pyproject.toml's version, as installed
 BACKEND_NAME = "ddlcomm"

@@ -16,11 +16,17 @@ if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
 if ! .venv/bin/python -c "import torch, numpy, pytest, hypothesis, scikit_build_core" >/dev/null 2>&1; then
+  echo "setup: installing torch 2.13.0 (CPU) and the build and test tools into .venv (a few minutes, once)"
   .venv/bin/pip install -q --upgrade pip
   .venv/bin/pip install -q torch==2.13.0 numpy pytest hypothesis "scikit-build-core>=0.10" ninja cmake matplotlib scikit-learn
 fi
 # Editable: the checkout itself is the package (its compiled extension is found through the
 # install), so Python run in the checkout's root, or `-m ddlcomm.bench...`, imports it as is.
+if [ -d build ]; then
+  echo "setup: building ddlcomm (incremental: seconds to a few minutes)"
+else
+  echo "setup: building ddlcomm's C++ extension (the first build takes 10-15 min on 2 cores; later ones are incremental)"
+fi
 .venv/bin/pip install -q --no-build-isolation -e .
 .venv/bin/python - <<'PY'
 import torch, ddlcomm

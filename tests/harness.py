@@ -52,8 +52,11 @@ RANK_ENV = {
 }
 
 
-# Variables that a forked rank may set differently from the zygote: none is read at import.
-FORKABLE_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "DDLCOMM_", "UCX_")
+# Variables that a forked rank may set differently from the zygote: none is read at import
+# (pytest names the current test in PYTEST_CURRENT_TEST: without it here, only the first
+# test's ranks were forked).
+FORKABLE_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "DDLCOMM_", "UCX_",
+                "PYTEST_CURRENT_TEST")
 
 
 class _Forked:

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 import ddlcomm  # noqa: F401
+from ddlcomm.bench import init_ranks
 
 OPS = ["all_reduce", "all_gather", "reduce_scatter", "broadcast", "send_recv"]
 QUICK_SIZES = [4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20]
@@ -246,7 +247,7 @@ def main() -> None:
                              "needs deepspeed installed, DS_ACCELERATOR=cpu and LOCAL_SIZE set)")
     args = parser.parse_args()
 
-    dist.init_process_group("gloo")  # the world group only times and agrees; it is measured too
+    init_ranks("gloo")  # the world group only times and agrees; it is measured too
     backends = {"gloo": dist.group.WORLD, **ddlcomm_groups(args.transports)}
     if "shm" in backends and "all_reduce" in args.ops:
         backends[DIRECT] = Direct(backends["shm"])
@@ -268,6 +269,11 @@ def main() -> None:
               + "".join(f"{t + '/gloo':>10}" for t in args.transports)
               + ("   shm/tcp  memcpy  shm/memcpy" if {"shm", "tcp"} <= set(args.transports) else "")
               + ("  shm/deepspeed  direct/deepspeed" if args.deepspeed and DIRECT in backends else ""))
+        print("# X us: time per call (lower is better); busbw: bus bandwidth (higher is better); "
+              "T/gloo: gloo's time over T's (above 1x, ddlcomm's T is faster)")
+        if {"shm", "tcp"} <= set(args.transports):
+            print(f"# {DIRECT}: shm's all-reduce through ddlcomm.all_reduce_ (no c10d dispatch); memcpy: "
+                  "single-thread memcpy GB/s of that size, shm's ceiling; shm/memcpy: shm's busbw as a share of it")
     for op in args.ops:
         for nbytes in sizes:
             times = {}

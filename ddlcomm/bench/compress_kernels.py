@@ -226,7 +226,9 @@ def main() -> None:
           f"DDLCOMM_NUM_THREADS={os.environ.get('DDLCOMM_NUM_THREADS', '(unset)')}")
     for size in sizes:
         bench_size(size, args.reps, set(args.only) if args.only else None)
-    bench_top_k_vs_torch(64, max(3, args.reps // 2))
+    # The top-k section belongs to top-k: run it when --only names one (or is not given).
+    if not args.only or any(name.startswith("top-k") for name in args.only):
+        bench_top_k_vs_torch(64, max(3, args.reps // 2))
 
 
 if __name__ == "__main__":

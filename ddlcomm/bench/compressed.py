@@ -24,6 +24,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 from torch.nn.parallel import DistributedDataParallel
 
 import ddlcomm  # noqa: F401
+from ddlcomm.bench import init_ranks
 from ddlcomm import compress, fsdp, hooks
 from ddlcomm.compressed import _Agreement, _Wire, compressed_all_reduce, server_residual_numel, wire_bytes
 
@@ -57,7 +58,7 @@ def allreduce_bench(gloo, numel: int, repeats: int) -> None:
     grad = torch.randn(numel, generator=torch.Generator().manual_seed(rank))
     fp32_bytes = 2 * (n - 1) * numel * 4 // n
     base = timed(lambda: dist.all_reduce(grad, group=gloo), repeats)
-    report(kind="allreduce", method="gloo fp32", seconds=base, speedup=1.0, wire_bytes=fp32_bytes)
+    report(kind="allreduce", method="gloo fp32", seconds=base, speedup=1.0, wire_bytes=fp32_bytes, numel=numel, ranks=n)
     t = timed(lambda: dist.all_reduce(grad), repeats)
     report(kind="allreduce", method="ddlcomm fp32", seconds=t, speedup=base / t, wire_bytes=fp32_bytes)
     for name, make in COMPRESSORS.items():
@@ -174,14 +175,14 @@ def ddp_bench(gloo, width: int, depth: int, iters: int, batch: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--numel", type=int, default=25_000_000, help="elements of the all-reduce (100 MB fp32)")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--width", type=int, default=2048)
+    parser.add_argument("--repeats", type=int, default=3, help="timed all-reduces per method (the median is reported)")
+    parser.add_argument("--width", type=int, default=2048, help="hidden width of the DDP model")
     parser.add_argument("--depth", type=int, default=6, help="hidden layers (2048 x 2048 each: 6 -> 25.2M parameters)")
-    parser.add_argument("--iters", type=int, default=3)
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--skip-ddp", action="store_true")
+    parser.add_argument("--iters", type=int, default=3, help="timed DDP steps per method")
+    parser.add_argument("--batch", type=int, default=16, help="per-rank batch of the DDP model")
+    parser.add_argument("--skip-ddp", action="store_true", help="time the all-reduces only, not DDP steps")
     args = parser.parse_args()
-    dist.init_process_group("ddlcomm")
+    init_ranks("ddlcomm")
     gloo = dist.new_group(backend="gloo")
     torch.set_num_threads(1)
     allreduce_bench(gloo, args.numel, args.repeats)

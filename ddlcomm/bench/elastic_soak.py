@@ -54,7 +54,7 @@ def _run(folder: Path, path: str, kills: int) -> tuple[subprocess.CompletedProce
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--minutes", type=float, default=30)
+    parser.add_argument("--minutes", type=float, default=30, help="how long to keep starting killed-and-resumed runs")
     parser.add_argument("--json", help="also write the figures here")
     args = parser.parse_args()
     if not WORKER.is_file():

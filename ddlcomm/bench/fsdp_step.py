@@ -27,6 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 
 import ddlcomm  # noqa: F401  (registers the backend)
+from ddlcomm.bench import init_ranks
 from ddlcomm import compress, fsdp
 
 MOMENTUM = 0.9
@@ -122,17 +123,17 @@ def run(method: Method, gloo: dist.ProcessGroup, args: argparse.Namespace) -> di
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--width", type=int, default=3584)
+    parser.add_argument("--width", type=int, default=3584, help="hidden width of the model")
     parser.add_argument("--depth", type=int, default=8, help="hidden layers (3584 x 3584 each: 8 -> 102.8M parameters)")
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--iters", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=16, help="per-rank batch")
+    parser.add_argument("--iters", type=int, default=2, help="timed steps per method")
     parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated names from METHODS")
     args = parser.parse_args()
     names = args.methods.split(",")
     unknown = [n for n in names if n not in METHODS]
     if unknown:
         raise SystemExit(f"unknown methods {unknown}; choose from {list(METHODS)}")
-    dist.init_process_group("ddlcomm")
+    init_ranks("ddlcomm")
     gloo = dist.new_group(backend="gloo")
     torch.set_num_threads(1)
     base = None

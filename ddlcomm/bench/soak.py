@@ -76,10 +76,10 @@ def markdown(args: argparse.Namespace, results: list[Any], wall: float, passed: 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--ops", type=int, default=10_000)
-    parser.add_argument("--seed", type=int, default=2026)
+    parser.add_argument("--ops", type=int, default=10_000, help="random collectives to run and check")
+    parser.add_argument("--seed", type=int, default=2026, help="seed of the random sequence (every rank draws the same)")
     parser.add_argument("--max-mib", type=float, default=64, help="largest buffer a rank passes, in MiB")
-    parser.add_argument("--ranks", type=int, default=4)
+    parser.add_argument("--ranks", type=int, default=4, help="ranks to start")
     parser.add_argument("--timeout", type=float, default=4 * 3600, help="seconds before the ranks are killed")
     args = parser.parse_args()
     start = time.monotonic()

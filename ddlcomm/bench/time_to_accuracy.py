@@ -23,6 +23,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 from torch.nn.parallel import DistributedDataParallel
 
 import ddlcomm  # noqa: F401  (registers the backend)
+from ddlcomm.bench import init_ranks
 from ddlcomm import compress, hooks, optim
 from ddlcomm.bench.tasks import lr_lambda, make_task
 
@@ -79,16 +80,16 @@ def run(task, method: str, opt_name: str, gloo: dist.ProcessGroup, eval_every: i
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--task", default="cnn")
-    parser.add_argument("--optimizer", default="sgd", choices=("sgd", "adamw"))
+    parser.add_argument("--task", default="cnn", help="a task of ddlcomm.bench.tasks (mlp, cnn, lm)")
+    parser.add_argument("--optimizer", default="sgd", choices=("sgd", "adamw"), help="the optimizer every method trains with")
     parser.add_argument("--width", type=int, default=None, help="the task's width (CNN linear layer, LM model)")
     parser.add_argument("--batch", type=int, default=None, help="per-rank batch")
-    parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--steps", type=int, default=None, help="override the task's step count")
     parser.add_argument("--lr", type=float, default=None, help="override the task's learning rate")
-    parser.add_argument("--eval-every", type=int, default=20)
-    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--eval-every", type=int, default=20, help="steps between evaluations of the curve")
+    parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated names from METHODS")
     args = parser.parse_args()
-    dist.init_process_group("ddlcomm")
+    init_ranks("ddlcomm")
     gloo = dist.new_group(backend="gloo")
     torch.set_num_threads(1)
     options = {k: v for k, v in (("width", args.width), ("batch", args.batch), ("steps", args.steps)) if v is not None}

@@ -28,6 +28,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 from torch.nn.parallel import DistributedDataParallel
 
 from ddlcomm import compress, hooks, optim
+from ddlcomm.bench import init_ranks
 
 
 def _hooks(group: dist.ProcessGroup) -> dict[str, Optional[Callable]]:
@@ -102,12 +103,12 @@ def _profile(args: argparse.Namespace, device: torch.device, make: Optional[Call
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--backend", default="nccl")
-    parser.add_argument("--width", type=int, default=4096)
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--batch", type=int, default=2048)
-    parser.add_argument("--warmup", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--backend", default="nccl", help="process group backend (nccl, gloo, ddlcomm)")
+    parser.add_argument("--width", type=int, default=4096, help="hidden width of the MLP")
+    parser.add_argument("--layers", type=int, default=8, help="hidden layers of the MLP")
+    parser.add_argument("--batch", type=int, default=2048, help="per-rank batch")
+    parser.add_argument("--warmup", type=int, default=8, help="untimed steps first (the hooks compress from the third)")
+    parser.add_argument("--steps", type=int, default=30, help="timed steps per method")
     parser.add_argument("--json", help="also write the rows here")
     parser.add_argument("--profile", metavar="HOOK", help="instead, torch.profiler's table for HOOK's steps "
                         "(a name from the table, e.g. 'ddlcomm 1-bit')")
@@ -115,7 +116,7 @@ def main() -> None:
     if "RANK" not in os.environ:  # one rank, without torchrun
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29517")
     torch.backends.cuda.matmul.allow_tf32 = True
-    dist.init_process_group(args.backend, timeout=timedelta(seconds=120))
+    init_ranks(args.backend, timeout=timedelta(seconds=120))
     rank, n = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
     torch.cuda.set_device(device)

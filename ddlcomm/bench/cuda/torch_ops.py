@@ -184,8 +184,8 @@ def run_cuda_bench(path, sizes):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--bench", help="path of bench_cuda_kernels, to print the CUDA numbers alongside")
-    ap.add_argument("--sizes-mib", default="1,16,64,256")
-    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--sizes-mib", default="1,16,64,256", help="comma-separated tensor sizes, MiB")
+    ap.add_argument("--reps", type=int, default=10, help="timed repetitions per size")
     ap.add_argument("--csv", help="write the table here")
     args = ap.parse_args()
     if not torch.cuda.is_available():

@@ -56,9 +56,18 @@ def plot(results: list[dict], path: Path) -> None:
         value = float(rate.rstrip("gbitm"))
         return value if rate.endswith("gbit") else value / 1000
 
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    for ax, kind, title in ((axes[0], "allreduce", "all-reduce of 100 MB float32, 4 ranks"),
-                            (axes[1], "ddp", "DDP iteration, 25M-parameter model, 4 ranks")):
+    # Titles from what ran (--numel, --width/--depth, --ranks); a kind that did not run
+    # (--skip-ddp) gets no panel.
+    first = {kind: next((r for r in results if r["kind"] == kind), None) for kind in ("allreduce", "ddp")}
+    panels = []
+    if first["allreduce"]:
+        r = first["allreduce"]
+        panels.append(("allreduce", f"all-reduce of {r.get('numel', 0) * 4 / 1e6:.0f} MB float32, "
+                                    f"{r.get('ranks', '?')} ranks"))
+    if first["ddp"]:
+        panels.append(("ddp", f"DDP iteration, {first['ddp'].get('params', 0) / 1e6:.1f}M-parameter model"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.5), squeeze=False)
+    for ax, (kind, title) in zip(axes[0], panels):
         for method in dict.fromkeys(r["method"] for r in results if r["kind"] == kind):
             points = sorted((gbits(r["rate"]), r["seconds"]) for r in results if r["kind"] == kind and r["method"] == method)
             ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=method)
@@ -74,7 +83,7 @@ def plot(results: list[dict], path: Path) -> None:
 
 def main() -> None:
     parser = bench_parser(__doc__, "results", 1500, worker="ddlcomm.bench.compressed")
-    parser.add_argument("--ranks", type=int, default=4)
+    parser.add_argument("--ranks", type=int, default=4, help="ranks, one emulated host each")
     args = parser.parse_args()
     require_slownet("ddlcomm.bench.slownet.compressed")
     extra = worker_args(args)

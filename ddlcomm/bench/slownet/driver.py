@@ -19,9 +19,9 @@ def bench_parser(doc: str, out: str, timeout: float, worker: str | None = None) 
     """The options every emulated-network benchmark takes: link rates, output folder, timeout,
     and (with ``worker``) the options after ``--`` that go to that worker (``worker_args``)."""
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rates", default="1gbit,10gbit")
-    parser.add_argument("--out", default=out)
-    parser.add_argument("--timeout", type=float, default=timeout)
+    parser.add_argument("--rates", default="1gbit,10gbit", help="comma-separated link rates to emulate (tc syntax)")
+    parser.add_argument("--out", default=out, help="folder for the .md and .json results")
+    parser.add_argument("--timeout", type=float, default=timeout, help="seconds before a run is killed")
     if worker:
         parser.add_argument("worker_args", nargs=argparse.REMAINDER, help=f"passed to {worker} after --",
                             type=str)

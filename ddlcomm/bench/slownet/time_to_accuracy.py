@@ -125,7 +125,7 @@ def plot(results: list[dict], path: Path) -> None:
 
 def main() -> None:
     parser = bench_parser(__doc__, "docs/results", 3600)
-    parser.add_argument("--tasks", default="cnn,lm")
+    parser.add_argument("--tasks", default="cnn,lm", help="comma-separated tasks of ddlcomm.bench.tasks")
     parser.add_argument("--methods", default=None, help="passed to the worker (default: all)")
     parser.add_argument("--render", default=None, metavar="JSON",
                         help="rewrite the .md and .png beside a saved time_to_accuracy.json, print the tables and exit")
