@@ -211,12 +211,14 @@ def hook_mechanics() -> None:
 
 def uncompressed_is_logged_once() -> None:
     """Buckets the hook cannot or will not compress (small, float64) go through a plain
-    all-reduce, said once per reason, and the statistics show it."""
+    all-reduce, said once per reason, and the statistics show it; the first iteration says
+    (INFO) when compression starts."""
     rank, n = init()
     records: list[logging.LogRecord] = []
     handler = logging.Handler()
     handler.emit = records.append  # type: ignore[method-assign]
     logging.getLogger("ddlcomm.hooks").addHandler(handler)
+    logging.getLogger("ddlcomm.hooks").setLevel(logging.INFO)
     for dtype, reason in ((torch.float32, "min_compression_bytes=65536"), (torch.float64, "torch.float64 buckets")):
         records.clear()
         model = torch.nn.Linear(16, 4).to(dtype)  # 272 parameters: far below the default 64 KiB
@@ -227,6 +229,8 @@ def uncompressed_is_logged_once() -> None:
             ddp(torch.randn(8, 16, dtype=dtype)).sum().backward()
         said = [r.getMessage() for r in records if "go uncompressed" in r.getMessage()]
         assert len(said) == 1 and reason in said[0], said
+        started = [r.getMessage() for r in records if "from iteration" in r.getMessage()]
+        assert len(started) == 1 and "FP16" in started[0] and "first 2 uncompressed" in started[0], started
         assert state.stats.compressed_buckets == 0 and state.stats.uncompressed_buckets == 6
         assert state.stats.ratio == 1.0
 
