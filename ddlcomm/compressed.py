@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import zlib
 from typing import Optional
 
 import torch
@@ -34,6 +33,7 @@ import torch.distributed as dist
 
 from . import _C
 from .compress import Compressor, all_finite
+from .wire import Agreement, Wire, accumulate, aligned, all_gather_single, decode
 
 __all__ = [
     "compressed_all_reduce", "start_compressed_all_reduce", "server_chunks", "server_residual_numel",
@@ -43,10 +43,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 _SPARSE = {"top_k", "random_k"}
-_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 _encode_stream = _C.ProcessGroupDdlcomm.encode_stream
-# torch 2.13 renamed all_gather_into_tensor (and deprecated the old name).
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def native_backend(group: Optional[dist.ProcessGroup]) -> Optional[_C.ProcessGroupDdlcomm]:
@@ -169,7 +166,7 @@ def start_compressed_all_reduce(
     if group is None and not dist.is_initialized():  # as torch's collectives say it
         raise ValueError("compressed_all_reduce: the default process group has not been initialized: call "
                          "torch.distributed.init_process_group first")
-    wire = _Wire(tensor, group)
+    wire = Wire(tensor, group)
     # Random-k sends a random sample, which can miss a non-finite entry; a non-finite gradient
     # anywhere must still make the result non-finite everywhere (GradScaler skips the step),
     # and the residuals must not take it in.
@@ -199,107 +196,6 @@ def _completed(raw: torch.futures.Future, tensor: torch.Tensor) -> tuple[torch.f
     return raw, done
 
 
-class _Wire:
-    """Where the payloads of one compressed all-reduce travel: with the tensor when the group's
-    collectives run there (CPU tensors; CUDA tensors over NCCL), else through pinned host memory
-    (CUDA tensors over gloo or ddlcomm, whose collectives run on the CPU)."""
-
-    def __init__(self, tensor: torch.Tensor, group: Optional[dist.ProcessGroup]) -> None:
-        self.gpu = tensor.device if tensor.is_cuda else None
-        self.staged = self.gpu is not None and not _collectives_on_gpu(group or dist.group.WORLD, tensor.device)
-        self.device = torch.device("cpu") if self.staged else tensor.device
-
-    def send(self, payload: torch.Tensor) -> torch.Tensor:
-        """``payload`` where the collective can send it: a pinned host copy when staged, made on
-        the current stream and waited for through an event."""
-        if not self.staged:
-            return payload
-        host = torch.empty(payload.shape, dtype=payload.dtype, pin_memory=True)
-        host.copy_(payload, non_blocking=True)
-        copied = torch.cuda.Event()
-        copied.record()
-        copied.synchronize()
-        return host
-
-    def receive(self, payloads: torch.Tensor, compressor: Compressor, numels: list[int]) -> torch.Tensor:
-        """Rows of payloads that arrived, on the tensor's device: staged ones are validated on
-        the host first (row i carries numels[i] elements; its first nbytes(i) bytes are the
-        payload), then copied to the GPU on the current stream."""
-        if not self.staged:
-            return payloads
-        for row, numel in zip(payloads, numels):
-            compressor._check_received(row[: compressor.compressed_nbytes(numel)], numel)
-        return payloads.to(self.gpu, non_blocking=True)
-
-    def empty(self, nbytes: int) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8, device=self.device, pin_memory=self.staged)
-
-
-def _aligned(nbytes: int) -> int:
-    return (nbytes + 3) // 4 * 4
-
-
-def _collectives_on_gpu(group: dist.ProcessGroup, device: torch.device) -> bool:
-    """Whether `group` runs collectives of tensors on `device` on that GPU (NCCL does; gloo and
-    ddlcomm stage them through the CPU)."""
-    try:
-        backend = group._get_backend(device)
-    except RuntimeError:
-        return False
-    return "nccl" in type(getattr(backend, "wrapped_pg", backend)).__name__.lower()
-
-
-def _accumulate(compressor: Compressor, payloads: torch.Tensor, acc: torch.Tensor, numel: int) -> None:
-    """acc += decode(row) for each row of payloads (of numel elements each), in row order."""
-    nbytes = compressor.compressed_nbytes(numel)
-    for part in payloads:
-        if acc.is_cuda:
-            compressor._decode_device(part[:nbytes], acc, accumulate=True)
-        else:
-            compressor.decode_accumulate(part[:nbytes], acc)
-
-
-def _decode(compressor: Compressor, payload: torch.Tensor, out: torch.Tensor) -> None:
-    if out.is_cuda:
-        compressor._decode_device(payload, out, accumulate=False)
-    else:
-        compressor.decode(payload, out=out)
-
-
-class _Agreement:
-    """Every rank must reduce as many elements, of one dtype, with one compressor: gloo would
-    abort the process on mismatched payload sizes (the native backend checks this itself).
-    The check's all-gather starts before this rank encodes and is waited for before the first
-    payload is sent, so its latency hides behind the encoding."""
-
-    def __init__(self, flat: torch.Tensor, compressor: Compressor, group: dist.ProcessGroup, n: int,
-                 verify: bool, device: torch.device) -> None:
-        self._work = None
-        if not verify:
-            return
-        dtype = _DTYPES.index(flat.dtype) if flat.dtype in _DTYPES else len(_DTYPES)  # the encoder refuses others
-        self._mine = torch.tensor([flat.numel(), dtype, zlib.crc32(repr(compressor).encode())], dtype=torch.int64,
-                                  device=device)
-        self._everyone = torch.empty(n * 3, dtype=torch.int64, device=device)
-        self._work = _all_gather_single(self._everyone, self._mine, group=group, async_op=True)
-        self._compressor, self._group, self._n = compressor, group, n
-
-    def wait(self) -> None:
-        if self._work is None:
-            return
-        self._work.wait()
-        self._work = None
-        rows = self._everyone.view(self._n, 3).tolist()
-        if all(row == rows[0] for row in rows):
-            return
-        me = dist.get_rank(self._group)
-        other = next(i for i, row in enumerate(rows) if row != rows[me])
-        what = lambda row: f"{row[0]} {(_DTYPES + ['other'])[row[1]]} elements"  # noqa: E731
-        raise ValueError(f"compressed_all_reduce: ranks disagree: rank {me} reduces {what(rows[me])} with "
-                         f"{self._compressor!r}, rank {other} {what(rows[other])}"
-                         + ("" if rows[other][2] == rows[me][2] else " with another compressor"))
-
-
 def _fallback(
     tensor: torch.Tensor,
     compressor: Compressor,
@@ -309,7 +205,7 @@ def _fallback(
     average: bool,
     stream: int,
     verify: bool,
-    wire: _Wire,
+    wire: Wire,
 ) -> None:
     """The native algorithm over standard collectives (gloo, nccl; CUDA tensors on any group):
     same bytes, same sums."""
@@ -317,7 +213,7 @@ def _fallback(
     n, r = dist.get_world_size(group), dist.get_rank(group)
     flat = tensor.view(-1)
     numel = flat.numel()
-    agreement = _Agreement(flat, compressor, group, n, verify, wire.device)
+    agreement = Agreement(flat, compressor, group, n, verify, wire.device)
     if numel == 0:
         agreement.wait()
         return
@@ -326,9 +222,9 @@ def _fallback(
         payload = wire.send(compressor.encode(flat, worker_residual, stream=_encode_stream(stream, r, 0, 0, n)))
         everyone = wire.empty(n * payload.numel())
         agreement.wait()
-        _all_gather_single(everyone, payload, group=group)
+        all_gather_single(everyone, payload, group=group)
         acc = torch.zeros(numel, dtype=torch.float32, device=flat.device)
-        _accumulate(compressor, wire.receive(everyone.view(n, -1), compressor, [numel] * n), acc, numel)
+        accumulate(compressor, wire.receive(everyone.view(n, -1), compressor, [numel] * n), acc, numel)
         if average:
             acc.mul_(scale)
         flat.copy_(acc)
@@ -363,8 +259,8 @@ def _scatter_reduce_gather(
     scale: float,
     stream: int,
     piece: int,
-    agreement: _Agreement,
-    wire: _Wire,
+    agreement: Agreement,
+    wire: Wire,
 ) -> None:
     """One piece of a quantized or cast compressed all-reduce, in place; chunk i is
     flat[bounds[i]:bounds[i + 1]]."""
@@ -372,7 +268,7 @@ def _scatter_reduce_gather(
     lengths = [bounds[i + 1] - bounds[i] for i in range(n)]
     sizes = [compressor.compressed_nbytes(length) for length in lengths]
     # Each payload in a slot of whole 4-byte words: the CUDA decoders read it in place.
-    slots = [_aligned(size) for size in sizes]
+    slots = [aligned(size) for size in sizes]
     outgoing = torch.zeros(sum(slots), dtype=torch.uint8, device=flat.device)
     at = 0
     for i in range(n):
@@ -388,7 +284,7 @@ def _scatter_reduce_gather(
     agreement.wait()
     dist.all_to_all_single(incoming, outgoing, [slots[r]] * n, slots, group=group)
     acc = torch.zeros(lengths[r], dtype=torch.float32, device=flat.device)
-    _accumulate(compressor, wire.receive(incoming.view(n, slots[r]), compressor, [lengths[r]] * n), acc, lengths[r])
+    accumulate(compressor, wire.receive(incoming.view(n, slots[r]), compressor, [lengths[r]] * n), acc, lengths[r])
     if scale != 1.0:
         acc.mul_(scale)
     # all_gather_single needs equal sizes: chunk payloads differ by at most one element's worth.
@@ -396,7 +292,7 @@ def _scatter_reduce_gather(
     padded = torch.zeros(widest, dtype=torch.uint8, device=flat.device)
     compressor.encode(acc, server_residual, stream=_encode_stream(stream, r, 1, r, n, piece), out=padded)
     gathered = wire.empty(n * widest)
-    _all_gather_single(gathered, wire.send(padded), group=group)
+    all_gather_single(gathered, wire.send(padded), group=group)
     rows = wire.receive(gathered.view(n, widest), compressor, lengths)
     for j, part in enumerate(rows):
-        _decode(compressor, part[: sizes[j]], flat[bounds[j] : bounds[j + 1]])
+        decode(compressor, part[: sizes[j]], flat[bounds[j] : bounds[j + 1]])

@@ -56,9 +56,9 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatt
 
 from . import _C
 from .compress import Compressor, all_finite
-from .compressed import (_accumulate, _Agreement, _aligned, _all_gather_single, _Wire, compressed_all_reduce,
-                         native_backend, server_residual_numel, wire_bytes)
-from .hooks import CompressionStats, _CompressionOptions, _LogOnce
+from .compressed import compressed_all_reduce, native_backend, server_residual_numel, wire_bytes
+from .options import CompressionOptions, CompressionStats, LogOnce
+from .wire import Agreement, Wire, accumulate, aligned, all_gather_single
 
 __all__ = ["FSDPCompressionState", "CompressedReduceScatter", "compress_gradients", "AllGatherQuantization",
            "QuantizedAllGather", "quantize_all_gather"]
@@ -73,7 +73,7 @@ _MEMORIES = ("residuals", "server_residuals", "momenta", "exp_avgs", "exp_avg_sq
              "replica_server_residuals")
 
 
-class FSDPCompressionState(_CompressionOptions):
+class FSDPCompressionState(CompressionOptions):
     """Residuals, call counts and statistics of the compressed reduce-scatters (and HSDP
     all-reduces) of one model. Made by ``compress_gradients``; one per rank.
 
@@ -239,8 +239,8 @@ class FSDPCompressionState(_CompressionOptions):
         if self.compressor.samples_randomly and self._poisoned(flat, [group]):
             output.fill_(float("nan"))
             return
-        wire = _Wire(flat, group)
-        agreement = _Agreement(flat, self.compressor, group, n, name not in self._verified, wire.device)
+        wire = Wire(flat, group)
+        agreement = Agreement(flat, self.compressor, group, n, name not in self._verified, wire.device)
         self._verified.add(name)
         residual = self._memory(self.residuals, name, flat.numel(), flat.device) if self.error_feedback else None
         stream = calls * 65536 + index
@@ -258,13 +258,13 @@ class FSDPCompressionState(_CompressionOptions):
         self.stats.compressed_bytes_uncompressed += ring
 
     def _reduce_scatter_over(self, group: dist.ProcessGroup, output: torch.Tensor, flat: torch.Tensor,
-                             residual: Optional[torch.Tensor], op: Any, stream: int, wire: _Wire,
-                             agreement: _Agreement) -> None:
+                             residual: Optional[torch.Tensor], op: Any, stream: int, wire: Wire,
+                             agreement: Agreement) -> None:
         """The compressed reduce-scatter over the group's all-to-all (gloo, nccl, CUDA tensors):
         the bytes and the float32 sum of the native one."""
         n, r = group.size(), group.rank()
         m = output.numel()
-        slot = _aligned(self.compressor.compressed_nbytes(m))
+        slot = aligned(self.compressor.compressed_nbytes(m))
         outgoing = torch.zeros(n * slot, dtype=torch.uint8, device=flat.device)
         for i in range(n):
             self.compressor.encode(flat[i * m:(i + 1) * m], None if residual is None else residual[i * m:(i + 1) * m],
@@ -274,7 +274,7 @@ class FSDPCompressionState(_CompressionOptions):
         agreement.wait()
         dist.all_to_all_single(incoming, outgoing, group=group)
         acc = torch.zeros(m, dtype=torch.float32, device=flat.device)
-        _accumulate(self.compressor, wire.receive(incoming.view(n, slot), self.compressor, [m] * n), acc, m)
+        accumulate(self.compressor, wire.receive(incoming.view(n, slot), self.compressor, [m] * n), acc, m)
         if op == dist.ReduceOp.AVG:
             acc.mul_(1.0 / n)  # float(1 / n), as the native one
         output.view(-1).copy_(acc)
@@ -477,7 +477,7 @@ def _dequantize(payload: torch.Tensor, numel: int, block_size: int, out: torch.T
         out[full * block_size:].copy_(q[full, :numel - full * block_size].to(torch.float32) * scales[full])
 
 
-class AllGatherQuantization(_LogOnce):
+class AllGatherQuantization(LogOnce):
     """Options and statistics of the 8-bit parameter all-gathers of one model (made by
     ``quantize_all_gather``; one per rank).
 
@@ -522,13 +522,13 @@ class AllGatherQuantization(_LogOnce):
         if reason is not None:
             self.stats.uncompressed_buckets += 1
             self.stats.bytes_sent += ring
-            _all_gather_single(output, input, group=group)
+            all_gather_single(output, input, group=group)
             return
-        slot = _aligned(_quantized_nbytes(m, self.block_size))
+        slot = aligned(_quantized_nbytes(m, self.block_size))
         mine = torch.zeros(slot, dtype=torch.uint8, device=input.device)
         _quantize(input.reshape(-1), self.block_size, mine)  # before ``output`` (which holds ``input``) changes
         gathered = torch.empty(n * slot, dtype=torch.uint8, device=input.device)
-        _all_gather_single(gathered, mine, group=group)
+        all_gather_single(gathered, mine, group=group)
         rows = output.view(n, m)
         for i in range(n):
             _dequantize(gathered[i * slot:(i + 1) * slot], m, self.block_size, rows[i])

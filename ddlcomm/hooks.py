@@ -37,7 +37,6 @@ only payloads cross PCIe (``ddlcomm.compressed``). Non-finite gradients come out
 
 import logging
 import math
-from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -47,6 +46,7 @@ from .compress import BF16, FP16, Compressor, OneBit, RandomK, Ternary, TopK, ha
 from .compressed import start_compressed_all_reduce, wire_bytes
 from .feedback import FeedbackMemory, Signature
 from .optim import DirectionOptimizer
+from .options import CompressionOptions, CompressionStats
 
 __all__ = [
     "CompressionState",
@@ -69,69 +69,7 @@ _STATE_VERSION = 3
 _REPLAY_ITERATIONS = 2
 
 
-@dataclass
-class CompressionStats:
-    """Bytes this rank put on the wire, against what a plain ring all-reduce would send."""
-
-    bytes_sent: int = 0  # everything, warm-up and small buckets included
-    bytes_uncompressed: int = 0
-    compressed_buckets: int = 0
-    uncompressed_buckets: int = 0
-    compressed_bytes_sent: int = 0  # the compressed buckets alone
-    compressed_bytes_uncompressed: int = 0
-
-    @property
-    def ratio(self) -> float:
-        """Uncompressed bytes per byte sent, over everything (higher is better)."""
-        return self.bytes_uncompressed / self.bytes_sent if self.bytes_sent else 1.0
-
-    @property
-    def compression_ratio(self) -> float:
-        """Uncompressed bytes per byte sent, over the compressed buckets alone."""
-        if not self.compressed_bytes_sent:
-            return 1.0
-        return self.compressed_bytes_uncompressed / self.compressed_bytes_sent
-
-
-class _LogOnce:
-    """A state that logs each reason for leaving something uncompressed once."""
-
-    _logger = logger  # each path logs under its own module's name
-
-    def __init__(self) -> None:
-        self._logged: set[str] = set()  # reasons already logged once
-
-    def _log_once(self, reason: str, message: str, *args: Any) -> None:
-        if reason not in self._logged:
-            self._logged.add(reason)
-            self._logger.warning(message, *args)
-
-
-class _CompressionOptions(_LogOnce):
-    """What every compressed path's state (these hooks', ``ddlcomm.fsdp``'s) checks and keeps
-    alike: the compressor, warm-up, minimum size, error feedback and momentum options, the
-    statistics, and the reasons already logged once."""
-
-    def __init__(self, compressor: Compressor, start_compress_iter: int, min_compression_bytes: int,
-                 error_feedback: bool, momentum: float) -> None:
-        if not isinstance(compressor, Compressor):
-            raise TypeError(f"compressor must be a ddlcomm.compress compressor, got {type(compressor).__name__}")
-        if start_compress_iter < 0:
-            raise ValueError(f"start_compress_iter must be >= 0, got {start_compress_iter}")
-        if min_compression_bytes < 0:
-            raise ValueError(f"min_compression_bytes must be >= 0, got {min_compression_bytes}")
-        if not 0.0 <= momentum < 1.0:
-            raise ValueError(f"momentum must be in [0, 1), got {momentum}")
-        super().__init__()
-        self.compressor = compressor
-        self.start_compress_iter = start_compress_iter
-        self.min_compression_bytes = min_compression_bytes
-        self.error_feedback = error_feedback
-        self.momentum = momentum
-        self.stats = CompressionStats()
-
-
-class CompressionState(_CompressionOptions):
+class CompressionState(CompressionOptions):
     """State of a compressed DDP communication hook.
 
     Args:
@@ -170,6 +108,8 @@ class CompressionState(_CompressionOptions):
 
     The first iteration logs, at INFO level, the compressor and when compression starts.
     """
+
+    _logger = logger
 
     def __init__(
         self,

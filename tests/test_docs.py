@@ -287,3 +287,17 @@ def test_help_of_the_package_is_short():
     text = pydoc.render_doc(ddlcomm, renderer=pydoc.plaintext)
     assert len(text.splitlines()) < 100, len(text.splitlines())
     assert "ProcessGroupDdlcomm" in text  # named in the description, for help() on it
+
+
+def test_no_module_imports_another_modules_private_names():
+    """What ddlcomm's modules share has a public name (ddlcomm.wire, ddlcomm.options); the
+    compiled extension ``_C`` is the one underscore module they import."""
+    import ast
+
+    offenders = []
+    for path in sorted((ROOT / "ddlcomm").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("ddlcomm")):
+                offenders += [f"{path.relative_to(ROOT)}: {alias.name}" for alias in node.names
+                              if alias.name.startswith("_") and alias.name != "_C"]
+    assert not offenders, offenders

@@ -26,7 +26,8 @@ from torch.nn.parallel import DistributedDataParallel
 import ddlcomm  # noqa: F401
 from ddlcomm.bench import init_ranks
 from ddlcomm import compress, fsdp, hooks
-from ddlcomm.compressed import _Agreement, _Wire, compressed_all_reduce, server_residual_numel, wire_bytes
+from ddlcomm.compressed import compressed_all_reduce, server_residual_numel, wire_bytes
+from ddlcomm.wire import Agreement, Wire
 
 COMPRESSORS = {
     "fp16": compress.FP16,
@@ -105,7 +106,7 @@ def reduce_scatter_bench(gloo, numel: int, repeats: int) -> None:
             residual = state.residuals["g"]
             if python:
                 call = lambda: state._reduce_scatter_over(group, out, grad, residual, dist.ReduceOp.AVG, 0,  # noqa: E731
-                                                          _Wire(grad, group), _Agreement(grad, comp, group, n, False,
+                                                          Wire(grad, group), Agreement(grad, comp, group, n, False,
                                                                                         grad.device))
             else:
                 call = lambda: state.reduce_scatter("g", out, grad, group, dist.ReduceOp.AVG)  # noqa: E731
