@@ -1,4 +1,4 @@
-// Compressed all-reduce with error feedback (DESIGN.md, "Compressed all-reduce"). Every
+// Compressed all-reduce with error feedback (docs/design.md, "Algorithms"). Every
 // rank ends with bitwise identical results, because everything a rank decodes is bytes
 // that every other rank decodes too, summed in rank order.
 #pragma once

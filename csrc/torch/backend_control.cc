@@ -1,6 +1,6 @@
 // How the backend runs operations (the executor, profiler spans) and its group-level
 // controls: timeout, options, coalescing and the monitored barrier. The collectives
-// themselves are in backend.cc.
+// themselves are in backend_collectives.cc (backend_sparse.cc for sparse tensors).
 #include <ATen/record_function.h>
 #include <c10/util/Exception.h>
 

@@ -27,7 +27,6 @@ PYBIND11_MODULE(_C, m) {
       .def("all_reduce_", &ProcessGroupDdlcomm::allreduceNow, py::arg("tensor"), py::arg("op"),
            py::call_guard<py::gil_scoped_release>(),
            "dist.all_reduce(tensor, op) without c10d's dispatch: blocking, in place (ddlcomm.all_reduce_).")
-      .def("server_residual_numel", &ProcessGroupDdlcomm::serverResidualNumel, py::arg("numel"))
       .def("compressed_allreduce", &ProcessGroupDdlcomm::compressedAllreduce, py::arg("tensor"), py::arg("config"),
            py::arg("worker_residual") = py::none(), py::arg("server_residual") = py::none(),
            py::arg("average") = true, py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>(),
