@@ -271,6 +271,9 @@ def main() -> None:
               + ("  shm/deepspeed  direct/deepspeed" if args.deepspeed and DIRECT in backends else ""))
         print("# X us: time per call (lower is better); busbw: bus bandwidth (higher is better); "
               "T/gloo: gloo's time over T's (above 1x, ddlcomm's T is faster)")
+        if "ucx" in args.transports:
+            print("# ucx: UCX over the transports UCX_TLS allows (tcp on a host without RDMA NICs), at times below "
+                  "gloo here: docs/results/transports.md, \"Where UCX over tcp loses its time\"")
         if {"shm", "tcp"} <= set(args.transports):
             print(f"# {DIRECT}: shm's all-reduce through ddlcomm.all_reduce_ (no c10d dispatch); memcpy: "
                   "single-thread memcpy GB/s of that size, shm's ceiling; shm/memcpy: shm's busbw as a share of it")
