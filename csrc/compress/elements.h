@@ -44,7 +44,7 @@ template <class E, bool EF>
 
 // Block encoders ask for the inputs of the block this many blocks ahead while they encode
 // one: on vectors in DRAM the hardware prefetcher alone leaves the 1-bit encode with error
-// feedback about 20% slower (25 M float32 on one core: 0.78 -> 0.64 ns per element).
+// feedback slower (docs/results/README.md, "CPU kernel choices").
 constexpr size_t kPrefetchBlocks = 2;
 
 // Prefetches elements [begin, begin + len) of x (and of the residual, to be written).
@@ -96,7 +96,7 @@ struct Output {
   void* data;
   bool accumulate;
   // A float32 output too big to stay in cache: rows are written with non-temporal stores,
-  // which skip reading the lines first (1-bit, 100 MB: 14 ms to 4.3 ms on one core).
+  // which skip reading the lines first (docs/results/README.md, "CPU kernel choices").
   bool streaming = false;
 };
 

@@ -87,12 +87,10 @@ std::unique_ptr<Transport> connectTransport(int rank, int size, KeyValueStore& s
   store.set(bootKey(rank), bootId());
 
   // A waiting rank spins a little before it sleeps: waking from a sleep costs more than a
-  // small message takes (2 ranks, 4 KiB all-reduce: TCP 11-12 us instead of 32-39 us, UCX
-  // 13 us instead of 39-41 us). Where this host's ranks outnumber its cores a long spin holds
-  // the core its peer needs (4 ranks on 2 cores: 1.4-2.8x slower over UCX with 100 us), so
-  // there a short one yields between polls (10 us: than none, TCP 10-30% faster at 4 KiB-4 MiB,
-  // UCX up to 15% from 64 KiB; shared memory 5 us). Decided once the network is connected (see
-  // ranksOnThisHost).
+  // small message takes. Where this host's ranks outnumber its cores a long spin holds the
+  // core its peer needs, so there a short one yields between polls (10 us; shared memory 5 us).
+  // Measured against no spin: docs/results/transports.md, "Spinning before sleeping". Decided
+  // once the network is connected (see ranksOnThisHost).
   using std::chrono::microseconds;
   auto spinOr = [&](microseconds chosen) {
     const bool oversubscribed = size > 1 && ranksOnThisHost(rank, size, store) > usableCores();

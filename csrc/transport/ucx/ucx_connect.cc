@@ -39,9 +39,10 @@ Digest helloMac(const std::string& key, int from, int to, int size) {
 }
 
 // UCX's tcp transport copies through 8 KiB send and 64 KiB receive segments by default; with
-// these, ring all-reduce over it reaches 80-110% of ddlcomm's own TCP from 1 MiB up instead of
-// 45-80% (2 ranks, loopback). They are a pair (UCX refuses a receive segment smaller than
-// the send segment): where either variable is set, UCX's own settings apply to both.
+// these larger ones, ring all-reduce over it comes much closer to ddlcomm's own TCP from 1 MiB
+// up (docs/results/transports.md, "UCX's tcp segment sizes"). They are a pair (UCX refuses a
+// receive segment smaller than the send segment): where either variable is set, UCX's own
+// settings apply to both.
 // UCX applies a modified transport setting by its name within the transport's table, without
 // the "TCP_" prefix; only tcp has these two.
 struct ConfigDefault {
