@@ -24,8 +24,9 @@ struct CompressedAllreduceArgs {
 // Quantizers and casts reduce the vector in pieces of kPieceElements elements (the last
 // one shorter), each an independent scatter-reduce-gather over its own n chunks, so that one
 // piece's all-gather overlaps the next piece's encode. Part of what the result is: the
-// Python fallback splits the same way. Two pieces for 100 MB of float32: on 4 ranks sharing
-// 2 cores, more pieces meant more waits for the slowest rank and were slower.
+// Python fallback splits the same way. Large, because each piece waits for the slowest rank;
+// still more than one for a 100 MB gradient, so that pieces overlap (measured in
+// docs/results/README.md, "Compressed all-reduce choices").
 constexpr size_t kPieceElements = size_t(1) << 24;
 
 // Randomness stream of one encode: distinct per call stream, rank, phase (0 worker,

@@ -14,8 +14,9 @@ namespace ddlcomm::compress {
 namespace {
 
 // The cores this process may run on, shared with the other ranks on the node (torchrun's
-// LOCAL_WORLD_SIZE): four ranks on two cores each spawning a thread per core made the
-// loopback compressed all-reduce of 100 MB 15% slower than one thread each.
+// LOCAL_WORLD_SIZE): ranks that each spawn a thread per core oversubscribe the node and wait
+// for each other's threads (measured in docs/results/README.md, "Compressed all-reduce
+// choices").
 size_t coresPerLocalRank() {
   return std::max<size_t>(1, size_t(usableCores()) / size_t(envInteger("LOCAL_WORLD_SIZE", 1, 1)));
 }
