@@ -56,3 +56,15 @@ def with_header(payload: torch.Tensor, **fields: int) -> torch.Tensor:
 def section(payload: torch.Tensor, offset: int, count: int, dtype: torch.dtype) -> torch.Tensor:
     size = torch.empty(0, dtype=dtype).element_size()
     return payload[32 + offset:32 + offset + count * size].clone().view(dtype)
+
+
+def sparse_entries(payload: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    k = header(payload)["k"]
+    return section(payload, 0, k, torch.int32).long(), section(payload, 4 * k, k, torch.float32)
+
+
+def assert_error_feedback(y: torch.Tensor, decoded: torch.Tensor, residual: torch.Tensor) -> None:
+    """decoded + residual == y up to the two float32 roundings of residual = y - decoded."""
+    err = (decoded + residual - y).abs()
+    tol = 2 * F32_EPS * (y.abs() + decoded.abs()) + 1e-30
+    assert torch.all(err <= tol), f"max error {err.max().item()} (tolerance {tol[err.argmax()].item()})"

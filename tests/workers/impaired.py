@@ -1,5 +1,5 @@
 """Collectives over an emulated lossy, slow or broken network, run on every rank (each in its
-own network namespace) by tests/test_slownet.py."""
+own network namespace) by tests/test_slownet_ddlcomm.py."""
 
 from __future__ import annotations
 

@@ -1,0 +1,134 @@
+"""The command line of ddlcomm.bench.slownet (``python -m ddlcomm.bench.slownet``): it runs every
+rank, propagates failures, times out, cleans up on signals and refuses what it cannot do; and
+the units its options take. What the tests need to run is in slownet_harness.py.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from slownet_harness import impairable, iptables, probe  # noqa: F401 (fixtures the marks use)
+from slownet_harness import communicate_or_kill, needs_iptables, needs_net
+
+from ddlcomm.bench import slownet
+from ddlcomm.bench.slownet import SlowNet
+
+CLI = [sys.executable, "-m", "ddlcomm.bench.slownet"]
+
+
+def cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    """Run the CLI; also check it left none of its namespaces behind."""
+    proc = subprocess.Popen([*CLI, *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    out, err = communicate_or_kill(proc, timeout)
+    assert not [ns for ns in slownet.list_namespaces() if ns.startswith(f"ddl-{proc.pid}-")]
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+@needs_net
+def test_cli_runs_every_rank() -> None:
+    p = cli("--ranks", "2", "--rate", "1gbit", "--", sys.executable, "-c",
+            "import os; print(os.environ['RANK'], os.environ['MASTER_ADDR'])")
+    assert p.returncode == 0, p.stderr
+    assert sorted(p.stdout.splitlines()) == ["[rank 0] 0 10.77.0.1", "[rank 1] 1 10.77.0.1"]
+
+
+@needs_net
+def test_cli_propagates_failure_and_kills_after_grace() -> None:
+    code = "import os, sys, time; r = os.environ['RANK']; sys.exit(3) if r == '1' else time.sleep(60)"
+    t0 = time.monotonic()
+    p = cli("--ranks", "2", "--rate", "1gbit", "--grace", "1", "--", sys.executable, "-c", code)
+    assert p.returncode == 3, p.stderr
+    assert time.monotonic() - t0 < 20
+    assert "rank 1 exited with 3" in p.stderr
+
+
+@needs_iptables
+def test_cli_says_how_delay_and_loss_are_emulated() -> None:
+    p = cli("--ranks", "2", "--shaper", "tbf", "--delay", "1ms", "--loss", "1%", "--",
+            str(SlowNet.probe().iptables), "-S")
+    assert p.returncode == 0, p.stderr
+    assert "delay 1ms loss 1% per link direction emulated at each receiver" in p.stderr
+    assert "NFQUEUE to nfq_delay.py" in p.stderr
+    assert p.stdout.count("-j NFQUEUE") == 2
+
+
+@needs_net
+def test_cli_timeout() -> None:
+    p = cli("--ranks", "2", "--rate", "1gbit", "--timeout", "1", "--", "sleep", "60")
+    assert p.returncode == 124, p.stderr
+    assert "timeout" in p.stderr
+
+
+@needs_net
+@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 128 + signal.SIGTERM), (signal.SIGINT, 130)])
+def test_cli_cleans_up_on_signal(sig: int, code: int) -> None:
+    proc = subprocess.Popen([*CLI, "--ranks", "2", "--", "sleep", "60"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    prefix = f"ddl-{proc.pid}-"
+    try:
+        deadline = time.monotonic() + 15
+        while len([ns for ns in slownet.list_namespaces() if ns.startswith(prefix)]) < 3:
+            assert time.monotonic() < deadline and proc.poll() is None, "CLI did not set up"
+            time.sleep(0.05)
+        time.sleep(0.3)  # let the ranks start
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=20)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == code, err
+    assert "Traceback" not in err
+    assert not [ns for ns in slownet.list_namespaces() if ns.startswith(prefix)]
+
+
+def test_cli_preconditions_exit_2(monkeypatch: pytest.MonkeyPatch,
+                                  capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(slownet.probe.os, "geteuid", lambda: 1000)
+    assert slownet.main(["--ranks", "2", "--", "true"]) == 2
+    err = capsys.readouterr().err
+    assert "root" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+    monkeypatch.setattr(slownet.probe.os, "geteuid", lambda: 0)
+    real_which = slownet.probe.shutil.which
+    monkeypatch.setattr(slownet.probe.shutil, "which", lambda t: None if t == "tc" else real_which(t))
+    assert slownet.main(["--ranks", "2", "--", "true"]) == 2
+    err = capsys.readouterr().err
+    assert "`tc` not found" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_cli_as_non_root_exits_2() -> None:
+    nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+    # The unprivileged user must be able to import the package (torch and ddlcomm included).
+    probe = subprocess.run([*nobody, *CLI, "--help"], capture_output=True,
+                           timeout=60) if shutil.which("setpriv") else None
+    if os.geteuid() != 0 or probe is None or probe.returncode != 0:
+        pytest.skip("cannot run the command line as an unprivileged user here")
+    p = subprocess.run([*nobody, *CLI, "--ranks", "2", "--", "true"],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2
+    assert "root" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_units() -> None:
+    assert slownet.parse_rate("1gbit") == 1e9
+    assert slownet.parse_rate("200mbit") == 200e6
+    assert slownet.parse_rate("1mbps") == 8e6
+    assert slownet.parse_rate("1kibit") == 1024
+    assert slownet.parse_time("0.1ms") == pytest.approx(1e-4)
+    assert slownet.parse_time("100us") == pytest.approx(1e-4)
+    assert slownet.parse_time("0") == 0
+    assert slownet.parse_loss("0.5%") == 0.5 and slownet.parse_loss(None) == 0
+    bad_inputs = (("fast", slownet.parse_rate), ("5", slownet.parse_time),
+                  ("200%", slownet.parse_loss))
+    for bad, fn in bad_inputs:
+        with pytest.raises(ValueError):
+            fn(bad)
