@@ -9,11 +9,11 @@ four, so the compression error is larger, and the runs take half the time on a 2
 
 Margins come from the measured spread: on 2 ranks, plain all-reduce's accuracy has a standard
 deviation of 0.38 points (SGD) and 0.24 (AdamW) over 4 seeds, so the difference of two 2-seed
-means has one of about 0.4, and 1.5 points is more than three of them. Top-k 1% with AdamW
-(1.6 points below over 4 seeds) and random-k 10% (0.4 and 3.3 points below) lose accuracy at
-this length (docs/choosing-a-compressor.md) and get wider bounds that still fail a compressor
-that does not train. The control shows the task can tell: the 1-bit hook on gradients with
-momentum SGD reaches 10%.
+means has one of about 0.4, and 1.5 points is more than three of them. The runs are the
+compressors docs/choosing-a-compressor.md recommends for each optimizer: 1-bit and ternary
+with both, top-k 1% with SGD (with AdamW it loses 1.6 points over 4 seeds, and random-k is a
+baseline that loses with both: the benchmark's tables show them, not this test). The control
+shows the task can tell: the 1-bit hook on gradients with momentum SGD reaches 10%.
 """
 
 from __future__ import annotations
@@ -25,8 +25,7 @@ from harness import assert_all_ok, launch
 
 SEEDS = "0,1"
 MARGIN = 1.5  # points, plain mean minus compressed mean
-LOOSER = {("adamw", "top-k 1%"): 4.0, ("sgd", "random-k 10%"): 3.0, ("adamw", "random-k 10%"): 5.0}
-COMPRESSORS = ("1-bit", "ternary", "top-k 1%", "random-k 10%")
+RECOMMENDED = {"sgd": ("1-bit", "ternary", "top-k 1%"), "adamw": ("1-bit", "ternary")}
 CONTROL = "1-bit on gradients (no optimizer=)"
 DGC = "top-k 1% DGC (hook momentum + clipping)"
 
@@ -39,16 +38,15 @@ def _quality(runs: list[str], timeout: float) -> dict:
 
 
 def test_compressed_hooks_keep_accuracy_with_momentum_sgd_and_adamw() -> None:
-    runs = [f"{opt}:{name}" for opt in ("sgd", "adamw") for name in ("all-reduce", *COMPRESSORS)]
+    runs = [f"{opt}:{name}" for opt, names in RECOMMENDED.items() for name in ("all-reduce", *names)]
     acc = _quality(runs + [f"sgd:{CONTROL}", f"sgd:{DGC}"], timeout=600)
     summary = {opt: {name: round(statistics.fmean(v), 2) for name, v in runs_.items()} for opt, runs_ in acc.items()}
-    for opt in ("sgd", "adamw"):
+    for opt, names in RECOMMENDED.items():
         plain = statistics.fmean(acc[opt]["all-reduce"])
         assert plain > 95.0, f"plain all-reduce did not learn the task: {summary}"
-        for name in COMPRESSORS:
-            margin = LOOSER.get((opt, name), MARGIN)
+        for name in names:
             got = statistics.fmean(acc[opt][name])
-            assert got >= plain - margin, f"{name} with {opt}: {got:.2f} vs plain {plain:.2f} (margin {margin}): {summary}"
+            assert got >= plain - MARGIN, f"{name} with {opt}: {got:.2f} vs plain {plain:.2f} (margin {MARGIN}): {summary}"
     plain_sgd = statistics.fmean(acc["sgd"]["all-reduce"])
     assert statistics.fmean(acc["sgd"][CONTROL]) < plain_sgd - 10, f"the control trained well: the task is too easy: {summary}"
     # DGC's recipe (torch SGD without momentum, the hook's momentum correction and clipping).

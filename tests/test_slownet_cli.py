@@ -116,6 +116,16 @@ def test_cli_as_non_root_exits_2() -> None:
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 2
     assert "root" in p.stderr and "Traceback" not in p.stderr
+    check = subprocess.run([*nobody, *CLI, "--check"], capture_output=True, text=True, timeout=60)
+    assert check.returncode == 1 and "cannot emulate the network: must run as root" in check.stdout, check
+
+
+def test_check_says_whether_the_network_can_be_emulated() -> None:
+    """scripts/demo.sh runs its slow-network part only where ``--check`` exits 0."""
+    ok, reason = SlowNet.available()
+    p = cli("--check")
+    assert p.returncode == (0 if ok else 1), p
+    assert p.stdout.strip() == ("slownet: can emulate the network" if ok else f"slownet: cannot emulate the network: {reason}")
 
 
 def test_units() -> None:

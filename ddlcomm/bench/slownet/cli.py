@@ -53,6 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--timeout", type=float, default=600.0,
                     help="kill everything after this many seconds (default 600)")
     ap.add_argument("--keep", action="store_true", help="do not delete the namespaces (debugging)")
+    ap.add_argument("--check", action="store_true",
+                    help="only say whether this machine can emulate the network (exit 0) or why not (exit 1)")
     ap.add_argument("--cleanup-stale", action="store_true",
                     help="delete ddl-* namespaces of dead processes, then run COMMAND if any")
     ap.add_argument("command", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
@@ -63,6 +65,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if args.check:
+        ok, reason = SlowNet.available()
+        print(f"slownet: {'can emulate the network' if ok else 'cannot emulate the network: ' + reason}")
+        return 0 if ok else 1
     if not command and not args.cleanup_stale:
         ap.error("no COMMAND given (put it after --)")
     missing = missing_prerequisite()
