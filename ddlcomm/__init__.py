@@ -9,7 +9,7 @@ itself (the ``torch.backends`` entry point in ``ddlcomm_autoload``), so this is 
 
 Launch with ``torchrun`` like any other backend. ``ProcessGroupDdlcomm`` is the backend class
 torch creates for a group (``help(ddlcomm.ProcessGroupDdlcomm)`` lists its methods); the
-compressors are in ``ddlcomm.compress``, the DDP hooks in ``ddlcomm.hooks`` with their
+compressors are in ``ddlcomm.compressors``, the DDP hooks in ``ddlcomm.hooks`` with their
 optimizers in ``ddlcomm.optim``, FSDP2 in ``ddlcomm.fsdp``, benchmarks in ``ddlcomm.bench``.
 """
 

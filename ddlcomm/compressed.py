@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from . import _C
-from .compress import Compressor, all_finite
+from .compressors import Compressor, all_finite
 from .wire import Agreement, Wire, accumulate, aligned, all_gather_single, decode
 
 __all__ = [
@@ -130,7 +130,7 @@ def compressed_all_reduce(
     Args:
         tensor: float32, float16 or bfloat16 tensor, on the CPU or a GPU; overwritten
             with the result. Residuals live on the tensor's device.
-        compressor: a ``ddlcomm.compress`` compressor.
+        compressor: a ``ddlcomm.compressors`` compressor.
         worker_residual: float32 tensor of ``tensor.numel()`` elements (error feedback of
             what this rank sent), updated in place; None disables worker error feedback.
         server_residual: float32 tensor of ``server_residual_numel(...)`` elements (error

@@ -11,7 +11,7 @@ its worker and server residuals::
 
     from torch.distributed.fsdp import fully_shard
     from ddlcomm import fsdp
-    from ddlcomm.compress import Ternary
+    from ddlcomm.compressors import Ternary
 
     for block in model.blocks:
         fully_shard(block)
@@ -56,7 +56,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
 from . import _C
-from .compress import Compressor, all_finite
+from .compressors import Compressor, all_finite
 from .compressed import compressed_all_reduce, native_backend, server_residual_numel, wire_bytes
 from .options import CompressionOptions, CompressionStats
 from .quantized_gather import AllGatherQuantization, QuantizedAllGather, quantize_all_gather  # re-exported

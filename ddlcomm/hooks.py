@@ -3,7 +3,7 @@
 Usage, in the style of PyTorch's ``powerSGD_hook``::
 
     from ddlcomm import hooks, optim
-    from ddlcomm.compress import OneBit
+    from ddlcomm.compressors import OneBit
 
     opt = optim.SGD(model.parameters(), lr=0.1, momentum=0.9)   # a drop-in torch.optim.SGD
     state = hooks.CompressionState(compressor=OneBit(), optimizer=opt)
@@ -42,7 +42,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from .compress import BF16, FP16, Compressor, OneBit, RandomK, Ternary, TopK, has_cuda
+from .compressors import BF16, FP16, Compressor, OneBit, RandomK, Ternary, TopK, has_cuda
 from .compressed import start_compressed_all_reduce, wire_bytes
 from .feedback import FeedbackMemory, Signature
 from .optim import DirectionOptimizer
@@ -74,7 +74,7 @@ class CompressionState(CompressionOptions):
 
     Args:
         process_group: the group to reduce over (default: the world).
-        compressor: a ``ddlcomm.compress`` compressor (``OneBit()``, ``Ternary()``,
+        compressor: a ``ddlcomm.compressors`` compressor (``OneBit()``, ``Ternary()``,
             ``TopK(ratio=0.01)``, ``RandomK(...)``, ``FP16()``, ``BF16()``); None means
             ``OneBit()``.
         start_compress_iter: iterations that run uncompressed first (at least 2: DDP

@@ -50,7 +50,7 @@ from typing import Any, Optional
 
 import torch
 
-from .compress import all_finite
+from .compressors import all_finite
 
 __all__ = ["SGD", "Adam", "AdamW", "DirectionOptimizer"]
 

@@ -8,7 +8,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from .compress import Compressor
+from .compressors import Compressor
 
 __all__ = ["CompressionOptions", "CompressionStats", "LogOnce"]
 
@@ -59,7 +59,7 @@ class CompressionOptions(LogOnce):
     def __init__(self, compressor: Compressor, start_compress_iter: int, min_compression_bytes: int,
                  error_feedback: bool, momentum: float) -> None:
         if not isinstance(compressor, Compressor):
-            raise TypeError(f"compressor must be a ddlcomm.compress compressor, got {type(compressor).__name__}")
+            raise TypeError(f"compressor must be a ddlcomm.compressors compressor, got {type(compressor).__name__}")
         if start_compress_iter < 0:
             raise ValueError(f"start_compress_iter must be >= 0, got {start_compress_iter}")
         if min_compression_bytes < 0:

@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .compress import Compressor
+from .compressors import Compressor
 
 __all__ = ["COMPRESSIBLE_DTYPES", "Agreement", "Wire", "accumulate", "aligned", "all_gather_single",
            "collectives_on_gpu", "decode"]

@@ -6,7 +6,7 @@ import struct
 
 import torch
 
-from ddlcomm.compress import BF16, FP16, OneBit, RandomK, Ternary, TopK
+from ddlcomm.compressors import BF16, FP16, OneBit, RandomK, Ternary, TopK
 
 HEADER = struct.Struct("<IBBBBIIQQ")  # csrc/compress/wire_format.h
 MASK64 = (1 << 64) - 1

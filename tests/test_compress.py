@@ -1,4 +1,4 @@
-"""Compressors with error feedback (ddlcomm.compress, csrc/compress/): the error-feedback identity,
+"""Compressors with error feedback (ddlcomm.compressors, csrc/compress/): the error-feedback identity,
 sizes and decode variants, non-finite input, determinism. The numpy contract and statistics are in
 test_compress_contract.py, top-k selection in test_compress_topk.py."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from compress_cases import COMPRESSORS, DTYPES, SIZES, assert_error_feedback, make_input, sparse_entries
-from ddlcomm.compress import BF16, FP16, OneBit, RandomK, Ternary, TopK, inspect
+from ddlcomm.compressors import BF16, FP16, OneBit, RandomK, Ternary, TopK, inspect
 
 
 # ---- error feedback, sizes, decode variants ---------------------------------------------------

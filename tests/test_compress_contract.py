@@ -1,5 +1,5 @@
 """The compressors' cross-device contract, recomputed in numpy (scales, codes and indices bit for
-bit), and the statistics of the stochastic ones (ddlcomm.compress, csrc/compress/)."""
+bit), and the statistics of the stochastic ones (ddlcomm.compressors, csrc/compress/)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from compress_cases import DTYPES, MASK64, make_input, section, sparse_entries
-from ddlcomm.compress import Compressor, OneBit, RandomK, Ternary, inspect
+from ddlcomm.compressors import Compressor, OneBit, RandomK, Ternary, inspect
 
 
 # ---- the cross-device contract, recomputed in numpy -----------------------------------------

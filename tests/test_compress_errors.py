@@ -1,4 +1,4 @@
-"""Compressors refuse corrupt payloads and bad arguments with clear errors (ddlcomm.compress)."""
+"""Compressors refuse corrupt payloads and bad arguments with clear errors (ddlcomm.compressors)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from compress_cases import COMPRESSORS, DTYPES, header, make_input, section, with_header
-from ddlcomm.compress import BF16, FP16, Compressor, OneBit, RandomK, Ternary, TopK, all_finite, inspect
+from ddlcomm.compressors import BF16, FP16, Compressor, OneBit, RandomK, Ternary, TopK, all_finite, inspect
 
 
 # ---- corrupt payloads -----------------------------------------------------------------------------
@@ -235,16 +235,16 @@ def test_options_that_a_compressor_would_ignore_are_refused() -> None:
 
 
 def test_star_import_binds_only_public_names() -> None:
-    """`from ddlcomm.compress import *` used to bind the module's imports and shadow the standard
+    """`from ddlcomm.compressors import *` used to bind the module's imports and shadow the standard
     library's inspect module with ddlcomm's inspect()."""
-    import ddlcomm.compress
+    import ddlcomm.compressors
 
     namespace: dict = {}
-    exec("from ddlcomm.compress import *", namespace)
+    exec("from ddlcomm.compressors import *", namespace)
     names = set(namespace) - {"__builtins__"}
-    assert names == set(ddlcomm.compress.__all__)
+    assert names == set(ddlcomm.compressors.__all__)
     assert "inspect" not in names and not any(name.startswith("_") for name in names)
-    assert all(getattr(ddlcomm.compress, name).__module__ == "ddlcomm.compress" for name in names)
+    assert all(getattr(ddlcomm.compressors, name).__module__ == "ddlcomm.compressors" for name in names)
 
 
 def test_invalid_thread_count_is_refused_naming_the_variable(monkeypatch) -> None:

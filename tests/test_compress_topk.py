@@ -1,4 +1,4 @@
-"""Top-k selection (ddlcomm.compress.TopK, csrc/compress/topk.cc): exact and approximate top-k
+"""Top-k selection (ddlcomm.compressors.TopK, csrc/compress/topk.cc): exact and approximate top-k
 pick the k largest magnitudes, ties to the lower index, NaN largest."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from compress_cases import APPROX_MIN_NUMEL, assert_error_feedback, header, sparse_entries
-from ddlcomm.compress import TopK
+from ddlcomm.compressors import TopK
 
 
 # ---- top-k selection --------------------------------------------------------------------------

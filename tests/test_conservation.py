@@ -11,7 +11,7 @@ import itertools
 import torch
 
 from ddlcomm import ProcessGroupDdlcomm
-from ddlcomm.compress import RandomK, Ternary
+from ddlcomm.compressors import RandomK, Ternary
 from harness import assert_all_ok, launch
 
 

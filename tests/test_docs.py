@@ -301,3 +301,20 @@ def test_no_module_imports_another_modules_private_names():
                 offenders += [f"{path.relative_to(ROOT)}: {alias.name}" for alias in node.names
                               if alias.name.startswith("_") and alias.name != "_C"]
     assert not offenders, offenders
+
+
+def test_the_old_compress_module_is_an_alias_that_warns() -> None:
+    """ddlcomm.compress was renamed ddlcomm.compressors; the old path works for one release
+    (CHANGELOG.md), with a FutureWarning, and old pickles (class paths ddlcomm.compress.X) load."""
+    import importlib
+    import pickle
+    import sys
+
+    import ddlcomm.compressors as compressors
+
+    sys.modules.pop("ddlcomm.compress", None)
+    with pytest.warns(FutureWarning, match="ddlcomm.compressors"):
+        old = importlib.import_module("ddlcomm.compress")
+    assert old.OneBit is compressors.OneBit and old.__all__ == compressors.__all__
+    saved = pickle.dumps(compressors.TopK(ratio=0.05), protocol=0).replace(b"ddlcomm.compressors", b"ddlcomm.compress")
+    assert pickle.loads(saved) == compressors.TopK(ratio=0.05)

@@ -7,7 +7,7 @@ import torch
 
 from harness import assert_all_ok, launch
 
-from ddlcomm import compress, fsdp
+from ddlcomm import compressors, fsdp
 
 
 @pytest.mark.parametrize("backend,ranks", [("ddlcomm", 4), ("gloo", 2)])
@@ -77,9 +77,9 @@ def test_state_refuses_bad_options() -> None:
     with pytest.raises(TypeError, match="compressor"):
         fsdp.FSDPCompressionState("onebit")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="min_compression_bytes"):
-        fsdp.FSDPCompressionState(compress.OneBit(), min_compression_bytes=-1)
+        fsdp.FSDPCompressionState(compressors.OneBit(), min_compression_bytes=-1)
     with pytest.raises(ValueError, match="fully_shard"):
-        fsdp.compress_gradients(torch.nn.Linear(2, 2), compress.OneBit())
+        fsdp.compress_gradients(torch.nn.Linear(2, 2), compressors.OneBit())
     with pytest.raises(ValueError, match="fully_shard"):
         fsdp.quantize_all_gather(torch.nn.Linear(2, 2))
     with pytest.raises(ValueError, match="block_size"):

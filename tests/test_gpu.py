@@ -1,5 +1,5 @@
 """The CUDA paths, where a GPU is present (skipped elsewhere): the kernels through
-ddlcomm.compress, the backend with CUDA tensors, compressed all-reduces, DDP hooks and FSDP2's
+ddlcomm.compressors, the backend with CUDA tensors, compressed all-reduces, DDP hooks and FSDP2's
 compressed reduce-scatter on CUDA gradients, over ddlcomm and gloo groups (two ranks share
 GPU 0) and nccl groups (one GPU per rank, so world size 1 on a one-GPU machine: NCCL refuses
 two ranks on one GPU; two ranks where there are two GPUs)."""
@@ -11,21 +11,21 @@ import torch
 
 from harness import assert_all_ok, launch
 
-from ddlcomm import compress
+from ddlcomm import compressors
 
-pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() and compress.has_cuda()),
+pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() and compressors.has_cuda()),
                                 reason="needs a GPU and a CUDA build of ddlcomm")
 
 COMPRESSORS = {
-    "onebit": lambda: compress.OneBit(),
-    "onebit2": lambda: compress.OneBit(block_size=64, two_scales=True),
-    "ternary": lambda: compress.Ternary(block_size=100),
-    "ternary_stochastic": lambda: compress.Ternary(stochastic=True, clip=2.5, seed=3),
-    "topk": lambda: compress.TopK(ratio=0.01),
-    "topk_approx": lambda: compress.TopK(ratio=0.01, approximate=True),
-    "randomk": lambda: compress.RandomK(ratio=0.02, seed=4, scaled=True),
-    "fp16": lambda: compress.FP16(),
-    "bf16": lambda: compress.BF16(),
+    "onebit": lambda: compressors.OneBit(),
+    "onebit2": lambda: compressors.OneBit(block_size=64, two_scales=True),
+    "ternary": lambda: compressors.Ternary(block_size=100),
+    "ternary_stochastic": lambda: compressors.Ternary(stochastic=True, clip=2.5, seed=3),
+    "topk": lambda: compressors.TopK(ratio=0.01),
+    "topk_approx": lambda: compressors.TopK(ratio=0.01, approximate=True),
+    "randomk": lambda: compressors.RandomK(ratio=0.02, seed=4, scaled=True),
+    "fp16": lambda: compressors.FP16(),
+    "bf16": lambda: compressors.BF16(),
 }
 
 
@@ -52,7 +52,7 @@ def test_gpu_payloads_are_the_cpu_payloads(name: str, dtype: torch.dtype) -> Non
 
 def test_gpu_calls_run_on_the_current_stream() -> None:
     """An encode on a side stream sees what that stream wrote before it, without a sync."""
-    c = compress.OneBit()
+    c = compressors.OneBit()
     side = torch.cuda.Stream()
     with torch.cuda.stream(side):
         x = torch.full((1 << 24,), -1.0, device="cuda")
@@ -64,13 +64,13 @@ def test_gpu_calls_run_on_the_current_stream() -> None:
 
 
 def test_gpu_bad_input_is_refused() -> None:
-    c = compress.OneBit()
+    c = compressors.OneBit()
     x = torch.randn(10_000, device="cuda")
     with pytest.raises(ValueError, match="one device"):
         c.encode(x, torch.zeros(10_000))
     payload = c.encode(x)
     with pytest.raises(ValueError, match="expects"):
-        compress.Ternary().decode(payload)  # another compressor's payload
+        compressors.Ternary().decode(payload)  # another compressor's payload
     with pytest.raises(ValueError, match="bytes"):
         c.decode(payload[:-4])  # truncated
     with pytest.raises(ValueError, match="elements"):
@@ -78,7 +78,7 @@ def test_gpu_bad_input_is_refused() -> None:
     with pytest.raises(ValueError, match="one device"):
         c.decode(payload, out=torch.empty(10_000))
     with pytest.raises(ValueError, match="host"):
-        compress.inspect(payload)
+        compressors.inspect(payload)
 
 
 def test_backend_collectives_on_cuda_tensors() -> None:

@@ -8,7 +8,7 @@ import logging
 import pytest
 import torch
 
-from ddlcomm import compress, hooks
+from ddlcomm import compressors, hooks
 from harness import assert_all_ok, launch
 
 
@@ -59,12 +59,12 @@ def test_uncompressed_buckets_are_logged_once() -> None:
 
 
 @pytest.mark.parametrize("options, error, words", [
-    ({"compressor": compress.OneBit(), "momentum": 0.9}, ValueError, "sparse compressors"),
-    ({"compressor": compress.FP16(), "momentum": 0.9}, ValueError, "sparse compressors"),
-    ({"compressor": "onebit"}, TypeError, "ddlcomm.compress compressor"),
+    ({"compressor": compressors.OneBit(), "momentum": 0.9}, ValueError, "sparse compressors"),
+    ({"compressor": compressors.FP16(), "momentum": 0.9}, ValueError, "sparse compressors"),
+    ({"compressor": "onebit"}, TypeError, "ddlcomm.compressors compressor"),
     ({"min_compression_bytes": -1}, ValueError, "min_compression_bytes"),
     ({"clip_norm": 0.0}, ValueError, "clip_norm"),
-    ({"compressor": compress.FP16(), "clip_norm": 1.0}, ValueError, "clip_grad_norm_ between backward"),
+    ({"compressor": compressors.FP16(), "clip_norm": 1.0}, ValueError, "clip_grad_norm_ between backward"),
     ({"model": "net"}, TypeError, "torch.nn.Module"),
     ({"start_compress_iter": 1}, ValueError, "rebuilds its buckets"),
 ])

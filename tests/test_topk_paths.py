@@ -7,18 +7,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ddlcomm import _C, compress
+from ddlcomm import _C, compressors
 
 # topk.cc: the sampled path needs at least 8 * 2**15 elements.
 SAMPLED_MIN_NUMEL = 8 * (1 << 15)
 
 
-def encode_counted(compressor: compress.Compressor, x: torch.Tensor) -> tuple[torch.Tensor, dict]:
+def encode_counted(compressor: compressors.Compressor, x: torch.Tensor) -> tuple[torch.Tensor, dict]:
     """The payload of encoding x (no residual), and the paths the encode took."""
     stats = _C.compress.TopKStats()
     nbytes = compressor.compressed_nbytes(x.numel())
     payload = torch.empty(nbytes, dtype=torch.uint8)
-    _C.compress.encode(compressor.config, compress._DTYPE_CODES[x.dtype], x.data_ptr(), 0, x.numel(), 7,
+    _C.compress.encode(compressor.config, compressors._DTYPE_CODES[x.dtype], x.data_ptr(), 0, x.numel(), 7,
                        payload.data_ptr(), nbytes, top_k_stats=stats)
     return payload, {"sampled": stats.sampled, "exact_fallbacks": stats.exact_fallbacks}
 
@@ -43,7 +43,7 @@ INPUTS = {
 def test_approximate_top_k_takes_the_path_it_claims(name: str) -> None:
     make, expected_paths = INPUTS[name]
     x = make()
-    approximate, exact = compress.TopK(ratio=0.01, approximate=True), compress.TopK(ratio=0.01)
+    approximate, exact = compressors.TopK(ratio=0.01, approximate=True), compressors.TopK(ratio=0.01)
     payload, paths = encode_counted(approximate, x)
     assert paths == expected_paths, paths
     reference, exact_paths = encode_counted(exact, x)
@@ -53,12 +53,12 @@ def test_approximate_top_k_takes_the_path_it_claims(name: str) -> None:
 
 def test_top_k_stats_accumulate_and_default_to_none() -> None:
     x = torch.randn(SAMPLED_MIN_NUMEL, generator=torch.Generator().manual_seed(3))
-    comp = compress.TopK(ratio=0.01, approximate=True)
+    comp = compressors.TopK(ratio=0.01, approximate=True)
     stats = _C.compress.TopKStats()
     nbytes = comp.compressed_nbytes(x.numel())
     payload = torch.empty(nbytes, dtype=torch.uint8)
     for _ in range(3):
-        _C.compress.encode(comp.config, compress._DTYPE_CODES[x.dtype], x.data_ptr(), 0, x.numel(), 0,
+        _C.compress.encode(comp.config, compressors._DTYPE_CODES[x.dtype], x.data_ptr(), 0, x.numel(), 0,
                            payload.data_ptr(), nbytes, top_k_stats=stats)
     assert (stats.sampled, stats.exact_fallbacks) == (3, 0)
     assert torch.equal(comp.encode(x), payload)  # the wrapper passes no stats: same bytes

@@ -76,6 +76,17 @@ def test_two_hosts_mix_shared_memory_and_tcp() -> None:
         assert_all_ok(launch("transports", "mixed_hosts", 4, timeout=120, rank_prefix={0: a, 1: a, 2: b, 3: b}))
 
 
+@pytest.mark.parametrize("when", ["during", "after"])
+def test_killed_peer_on_a_mixed_group_is_named_by_every_survivor(when: str) -> None:
+    """Two "hosts" of 2 ranks: rank 1 dies; rank 0 reaches it over shared memory layered on
+    TCP, ranks 2 and 3 over TCP. Every survivor raises DistBackendError naming rank 1 within
+    the timeout (tests/workers/faults.py, peer_killed)."""
+    with pid_namespaces(2) as (a, b):
+        results = launch("faults", "peer_killed", 4, timeout=90, args=(when,), rank_prefix={0: a, 1: a, 2: b, 3: b})
+    assert results[1].returncode == -signal.SIGKILL, results[1].output
+    assert_all_ok([r for r in results if r.rank != 1])
+
+
 def test_shm_alone_is_refused_across_hosts() -> None:
     with pid_namespaces(2) as (a, b):
         assert_all_ok(launch("transports", "shm_refused_across_hosts", 2, timeout=60, rank_prefix={0: a, 1: b},

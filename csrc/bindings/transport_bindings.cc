@@ -11,14 +11,7 @@ namespace py = pybind11;
 namespace ddlcomm::bindings {
 
 void bindTransport(py::module_& m) {
-  m.def(
-      "_transports",
-      [] {
-        std::vector<std::string> names{"tcp", "shm"};
-        if (ucxBuilt()) names.push_back("ucx");
-        return names;
-      },
-      "The DDLCOMM_TRANSPORT values this build supports besides auto.");
+  m.def("_transports", &transportNames, "The DDLCOMM_TRANSPORT values this build supports besides auto.");
   m.def(
       "_hmac_sha256",
       [](py::bytes key, py::bytes message) {

@@ -1,7 +1,8 @@
 #include "transport/connect.h"
 
-#include <cstring>
 #include <fstream>
+#include <iterator>
+#include <optional>
 
 #include "common/cores.h"
 #include "common/env.h"
@@ -12,47 +13,6 @@
 #endif
 
 namespace ddlcomm {
-
-const char* transportChoiceName(TransportChoice choice) {
-  switch (choice) {
-    case TransportChoice::Auto: return "auto";
-    case TransportChoice::Tcp: return "tcp";
-    case TransportChoice::Shm: return "shm";
-    case TransportChoice::Ucx: return "ucx";
-  }
-  return "?";
-}
-
-bool ucxBuilt() {
-#ifdef DDLCOMM_WITH_UCX
-  return true;
-#else
-  return false;
-#endif
-}
-
-TransportOptions TransportOptions::fromEnvironment(std::chrono::milliseconds connectTimeout) {
-  TransportOptions o;
-  o.connectTimeout = connectTimeout;
-  if (const char* name = envString("DDLCOMM_TRANSPORT")) {
-    bool known = false;
-    for (TransportChoice c : {TransportChoice::Auto, TransportChoice::Tcp, TransportChoice::Shm, TransportChoice::Ucx}) {
-      if (std::strcmp(name, transportChoiceName(c)) == 0) {
-        o.choice = c;
-        known = true;
-      }
-    }
-    DDLCOMM_CHECK(known, ErrorKind::InvalidArgument, "environment variable DDLCOMM_TRANSPORT='", name,
-                  "' is invalid: expected auto, tcp, shm or ucx (or unset for auto)");
-    DDLCOMM_CHECK(o.choice != TransportChoice::Ucx || ucxBuilt(), ErrorKind::InvalidArgument,
-                  "DDLCOMM_TRANSPORT=ucx, but this build of ddlcomm has no UCX transport: UCX was not found "
-                  "(pkg-config ucx) when it was built");
-  }
-  o.tcpSpin = std::chrono::microseconds(envInteger("DDLCOMM_TCP_SPIN_US", -1, 0, 1000000));
-  o.ucxSpin = std::chrono::microseconds(envInteger("DDLCOMM_UCX_SPIN_US", -1, 0, 1000000));
-  return o;
-}
-
 namespace {
 
 std::string bootKey(int rank) { return "ddlcomm/boot/" + std::to_string(rank); }
@@ -75,49 +35,173 @@ int ranksOnThisHost(int rank, int size, KeyValueStore& store) {
   return count;
 }
 
+struct TransportEntry;
+
+// What the transports' connect functions share: the settings, all read before anything
+// connects (a bad value fails at once, not after the peers joined), and the host's load.
+class Setup {
+ public:
+  Setup(int rank, int size, KeyValueStore& store, const TransportOptions& options)
+      : rank(rank), size(size), store(store), options(options),
+        tcp(tcp::TcpOptions::fromEnvironment()), shm(shm::ShmOptions::fromEnvironment()) {
+    tcp.connectTimeout = options.connectTimeout;
+    store.set(bootKey(rank), bootId());
+  }
+
+  // How `entry` waits: its DDLCOMM_*_SPIN_US, else its default for this host's load. Asked
+  // first once the network is connected (see ranksOnThisHost), then kept for the layers.
+  SpinPolicy spin(const TransportEntry& entry);
+
+  const int rank;
+  const int size;
+  KeyValueStore& store;
+  const TransportOptions& options;
+  tcp::TcpOptions tcp;
+  shm::ShmOptions shm;
+
+ private:
+  std::optional<bool> oversubscribed_;
+};
+
+// One row of the transport table, as NCCL's: the choice walks the table, asking each built
+// entry whether it applies to the group under DDLCOMM_TRANSPORT.
+struct TransportEntry {
+  enum Role {
+    Network,  // connects every pair of ranks; the last network entry that applies is taken
+    Layer,    // wraps the network for the ranks it can reach itself
+  };
+  const char* name;  // DDLCOMM_TRANSPORT value, listed by ddlcomm.transports()
+  bool built;
+  const char* notBuilt;  // why `built` is false: the error when DDLCOMM_TRANSPORT names it
+  Role role;
+  // A waiting rank spins a little before it sleeps: waking from a sleep costs more than a
+  // small message takes. Where this host's ranks outnumber its cores a long spin holds the
+  // core its peer needs, so there a short one yields between polls. Measured against no
+  // spin: docs/results/transports.md, "Spinning before sleeping".
+  const char* spinVariable;
+  int spinMicros;
+  int oversubscribedSpinMicros;
+  bool (*applies)(const TransportEntry& self, const std::string& choice);
+  // `network` is null for a Network entry, the transport to wrap for a Layer; a Layer may
+  // hand `network` back when it reaches no peer itself.
+  std::unique_ptr<Transport> (*connect)(Setup& setup, const TransportEntry& self, std::unique_ptr<Transport> network);
+};
+
+SpinPolicy Setup::spin(const TransportEntry& entry) {
+  if (!oversubscribed_) oversubscribed_ = size > 1 && ranksOnThisHost(rank, size, store) > usableCores();
+  const auto chosen = options.spin.find(entry.name);
+  const std::chrono::microseconds duration =
+      chosen != options.spin.end() ? chosen->second
+                                   : std::chrono::microseconds(*oversubscribed_ ? entry.oversubscribedSpinMicros
+                                                                                : entry.spinMicros);
+  return SpinPolicy{duration, *oversubscribed_};
+}
+
+std::unique_ptr<Transport> connectTcp(Setup& s, const TransportEntry& self, std::unique_ptr<Transport>) {
+  std::unique_ptr<Transport> t = tcp::TcpTransport::connect(s.rank, s.size, s.store, s.tcp);
+  t->setSpin(s.spin(self));
+  return t;
+}
+
+// The network transport connects first: it proves the group key, so the store entries the
+// shared-memory layer then reads were written by members of this group.
+std::unique_ptr<Transport> layerShm(Setup& s, const TransportEntry& self, std::unique_ptr<Transport> network) {
+  shm::ShmOptions options = s.shm;
+  options.required = s.options.choice == self.name;  // every rank must be local, no fallback
+  return shm::ShmTransport::layer(std::move(network), s.store, options, s.spin(self));
+}
+
+#ifdef DDLCOMM_WITH_UCX
+constexpr bool kUcxBuilt = true;
+// Named, or auto between hosts with RDMA devices.
+bool ucxApplies(const TransportEntry& self, const std::string& choice) {
+  return choice == self.name || (choice == "auto" && ucx::rdmaDevicePresent());
+}
+std::unique_ptr<Transport> connectUcx(Setup& s, const TransportEntry& self, std::unique_ptr<Transport>) {
+  std::unique_ptr<Transport> t = ucx::UcxTransport::connect(s.rank, s.size, s.store, s.options.connectTimeout);
+  t->setSpin(s.spin(self));
+  return t;
+}
+#else
+constexpr bool kUcxBuilt = false;
+bool ucxApplies(const TransportEntry&, const std::string&) { return false; }
+std::unique_ptr<Transport> connectUcx(Setup&, const TransportEntry&, std::unique_ptr<Transport>) {
+  fail(ErrorKind::InvalidArgument, "this build of ddlcomm has no UCX transport");  // not built: never chosen
+}
+#endif
+
+// In the order ddlcomm.transports() lists them. Network entries come in ascending
+// preference: tcp, always applicable, is the fallback.
+const TransportEntry kTransports[] = {
+    {"tcp", true, nullptr, TransportEntry::Network, "DDLCOMM_TCP_SPIN_US", 50, 10,
+     [](const TransportEntry&, const std::string&) { return true; }, connectTcp},
+    {"shm", true, nullptr, TransportEntry::Layer, "DDLCOMM_SHM_SPIN_US", 50, 5,
+     [](const TransportEntry& self, const std::string& choice) { return choice == "auto" || choice == self.name; },
+     layerShm},
+    {"ucx", kUcxBuilt,
+     "this build of ddlcomm has no UCX transport: UCX was not found (pkg-config ucx) when it was built",
+     TransportEntry::Network,
+     "DDLCOMM_UCX_SPIN_US", 50, 10, ucxApplies, connectUcx},
+};
+
+const TransportEntry* findTransport(const std::string& name) {
+  for (const TransportEntry& e : kTransports) {
+    if (name == e.name) return &e;
+  }
+  return nullptr;
+}
+
+// "auto, tcp, shm or ucx": every name the table knows, built or not.
+std::string choices() {
+  std::string list = "auto";
+  const size_t n = std::size(kTransports);
+  for (size_t i = 0; i < n; ++i) list += std::string(i + 1 == n ? " or " : ", ") + kTransports[i].name;
+  return list;
+}
+
 }  // namespace
+
+TransportOptions TransportOptions::fromEnvironment(std::chrono::milliseconds connectTimeout) {
+  TransportOptions o;
+  o.connectTimeout = connectTimeout;
+  if (const char* name = envString("DDLCOMM_TRANSPORT")) {
+    const TransportEntry* e = findTransport(name);
+    DDLCOMM_CHECK(e || std::string(name) == "auto", ErrorKind::InvalidArgument,
+                  "environment variable DDLCOMM_TRANSPORT='", name, "' is invalid: expected ", choices(),
+                  " (or unset for auto)");
+    DDLCOMM_CHECK(!e || e->built, ErrorKind::InvalidArgument, "DDLCOMM_TRANSPORT=", name, ", but ",
+                  e ? e->notBuilt : "");
+    o.choice = name;
+  }
+  for (const TransportEntry& e : kTransports) {
+    const int64_t micros = envInteger(e.spinVariable, -1, 0, 1000000);
+    if (micros >= 0) o.spin[e.name] = std::chrono::microseconds(micros);
+  }
+  return o;
+}
+
+std::vector<std::string> transportNames() {
+  std::vector<std::string> names;
+  for (const TransportEntry& e : kTransports) {
+    if (e.built) names.push_back(e.name);
+  }
+  return names;
+}
 
 std::unique_ptr<Transport> connectTransport(int rank, int size, KeyValueStore& store,
                                             const TransportOptions& options) {
-  // Every setting is read before connecting: a bad value fails at once, not after the peers joined.
-  auto tcpOptions = tcp::TcpOptions::fromEnvironment();
-  tcpOptions.connectTimeout = options.connectTimeout;
-  auto shmOptions = shm::ShmOptions::fromEnvironment();
-  shmOptions.required = options.choice == TransportChoice::Shm;
-  store.set(bootKey(rank), bootId());
-
-  // A waiting rank spins a little before it sleeps: waking from a sleep costs more than a
-  // small message takes. Where this host's ranks outnumber its cores a long spin holds the
-  // core its peer needs, so there a short one yields between polls (10 us; shared memory 5 us).
-  // Measured against no spin: docs/results/transports.md, "Spinning before sleeping". Decided
-  // once the network is connected (see ranksOnThisHost).
-  using std::chrono::microseconds;
-  auto spinOr = [&](microseconds chosen) {
-    const bool oversubscribed = size > 1 && ranksOnThisHost(rank, size, store) > usableCores();
-    shmOptions.spin.yield = oversubscribed;
-    if (shmOptions.spin.duration.count() < 0) shmOptions.spin.duration = microseconds(oversubscribed ? 5 : 50);
-    return SpinPolicy{chosen.count() >= 0 ? chosen : microseconds(oversubscribed ? 10 : 50), oversubscribed};
-  };
-
-  std::unique_ptr<Transport> network;
-#ifdef DDLCOMM_WITH_UCX
-  if (options.choice == TransportChoice::Ucx || (options.choice == TransportChoice::Auto && ucx::rdmaDevicePresent())) {
-    auto ucx = ucx::UcxTransport::connect(rank, size, store, options.connectTimeout);
-    ucx->setSpin(spinOr(options.ucxSpin));
-    network = std::move(ucx);
+  Setup setup(rank, size, store, options);
+  const TransportEntry* network = nullptr;
+  for (const TransportEntry& e : kTransports) {
+    if (e.built && e.role == TransportEntry::Network && e.applies(e, options.choice)) network = &e;
   }
-#endif
-  if (!network) {
-    auto tcp = tcp::TcpTransport::connect(rank, size, store, tcpOptions);
-    tcp->setSpin(spinOr(options.tcpSpin));
-    network = std::move(tcp);
+  std::unique_ptr<Transport> transport = network->connect(setup, *network, nullptr);
+  for (const TransportEntry& e : kTransports) {
+    if (e.built && e.role == TransportEntry::Layer && e.applies(e, options.choice)) {
+      transport = e.connect(setup, e, std::move(transport));
+    }
   }
-  // The network transport connects first: it proves the group key, so the store entries the
-  // shared-memory layer then reads were written by members of this group.
-  if (options.choice == TransportChoice::Auto || options.choice == TransportChoice::Shm) {
-    return shm::ShmTransport::layer(std::move(network), store, shmOptions);
-  }
-  return network;
+  return transport;
 }
 
 }  // namespace ddlcomm

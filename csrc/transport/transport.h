@@ -108,19 +108,21 @@ class Transport {
   virtual TransportStats stats() const = 0;
   // Null unless every rank of the group can read every other's memory.
   virtual SharedWindows* sharedWindows() { return nullptr; }
+  // How a wait polls before it sleeps; connectTransport sets it once connected.
+  virtual void setSpin(SpinPolicy spin) { spin_ = spin; }
 
   // Called once, on the first failure, before any connection is closed: peers notice the
   // closed connections, so whatever the hook publishes is there when they look. Returns
   // the message to fail with.
   using FailureHook = std::function<std::string(ErrorKind, const std::string&)>;
-  void setFailureHook(FailureHook hook) { failureHook_ = std::move(hook); }
+  virtual void setFailureHook(FailureHook hook) { failureHook_ = std::move(hook); }
 
   // Called by wait() after each second without progress: whether another rank has recorded
   // a failure. A rank whose own sockets show nothing wrong (its connections were lost
   // silently, or its peers failed elsewhere) then fails promptly instead of at its timeout;
   // the failure hook names the recorded failure.
   using FailureProbe = std::function<bool()>;
-  void setFailureProbe(FailureProbe probe) { failureProbe_ = std::move(probe); }
+  virtual void setFailureProbe(FailureProbe probe) { failureProbe_ = std::move(probe); }
 
  protected:
   // Runs `body`; an Error aborts the transport before it propagates: callers unwind their
@@ -150,6 +152,7 @@ class Transport {
 
   FailureHook failureHook_;
   FailureProbe failureProbe_;
+  SpinPolicy spin_;
 };
 
 }  // namespace ddlcomm

@@ -23,7 +23,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from ddlcomm.compress import BF16, FP16, Compressor, OneBit, RandomK, Ternary, TopK
+from ddlcomm.compressors import BF16, FP16, Compressor, OneBit, RandomK, Ternary, TopK
 
 MiB = 1 << 20
 BLOCK = 256

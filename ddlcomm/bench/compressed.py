@@ -25,15 +25,15 @@ from torch.nn.parallel import DistributedDataParallel
 
 import ddlcomm  # noqa: F401
 from ddlcomm.bench import init_ranks
-from ddlcomm import compress, fsdp, hooks
+from ddlcomm import compressors, fsdp, hooks
 from ddlcomm.compressed import compressed_all_reduce, server_residual_numel, wire_bytes
 from ddlcomm.wire import Agreement, Wire
 
 COMPRESSORS = {
-    "fp16": compress.FP16,
-    "1-bit": compress.OneBit,
-    "ternary": compress.Ternary,
-    "top-k 1%": lambda: compress.TopK(ratio=0.01, approximate=True),
+    "fp16": compressors.FP16,
+    "1-bit": compressors.OneBit,
+    "ternary": compressors.Ternary,
+    "top-k 1%": lambda: compressors.TopK(ratio=0.01, approximate=True),
 }
 HOOKS = {"fp16": hooks.fp16_hook, "1-bit": hooks.onebit_hook, "ternary": hooks.ternary_hook, "top-k 1%": hooks.topk_hook}
 

@@ -45,7 +45,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import ddlcomm  # noqa: F401  (registers the backend)
 from ddlcomm.bench import init_ranks
-from ddlcomm import compress, fsdp, hooks, optim
+from ddlcomm import compressors, fsdp, hooks, optim
 from ddlcomm.bench.tasks import Task, lr_lambda, make_task
 
 START_COMPRESS_ITER = 10
@@ -58,7 +58,7 @@ class Method:
     """How one configuration communicates: a compressor for the ddlcomm hook, or a torch hook."""
 
     name: str
-    compressor: Optional[Callable[[], compress.Compressor]] = None
+    compressor: Optional[Callable[[], compressors.Compressor]] = None
     direction: bool = True  # ddlcomm hooks: pass the optimizer (average update directions)
     torch_hook: Optional[str] = None  # "fp16" or "powersgd"
     hook_options: dict = field(default_factory=dict)  # more CompressionState arguments
@@ -101,24 +101,24 @@ METHODS = {
         Method("all-reduce"),
         Method("fp16 (torch hook)", torch_hook="fp16"),
         Method("PowerSGD rank 4 (torch hook)", torch_hook="powersgd"),
-        Method("1-bit", compress.OneBit),
-        Method("ternary", compress.Ternary),
-        Method("top-k 1%", lambda: compress.TopK(ratio=0.01, approximate=True)),
-        Method("random-k 10%", lambda: compress.RandomK(ratio=0.1)),
-        Method("1-bit on gradients (no optimizer=)", compress.OneBit, direction=False),
+        Method("1-bit", compressors.OneBit),
+        Method("ternary", compressors.Ternary),
+        Method("top-k 1%", lambda: compressors.TopK(ratio=0.01, approximate=True)),
+        Method("random-k 10%", lambda: compressors.RandomK(ratio=0.1)),
+        Method("1-bit on gradients (no optimizer=)", compressors.OneBit, direction=False),
         # Deep Gradient Compression's recipe: torch SGD without momentum; the hook accumulates
         # the momentum locally, clears what it sent, and clips each rank's gradient.
-        Method("top-k 1% DGC (hook momentum + clipping)", lambda: compress.TopK(ratio=0.01, approximate=True),
+        Method("top-k 1% DGC (hook momentum + clipping)", lambda: compressors.TopK(ratio=0.01, approximate=True),
                direction=False, hook_options={"momentum": 0.9, "clip_norm": 4.0}, sgd_momentum=0.0,
                optimizers=("sgd",)),
-        Method("1-bit block 64", lambda: compress.OneBit(block_size=64)),
-        Method("ternary block 64", lambda: compress.Ternary(block_size=64)),
-        Method("bf16", compress.BF16),
+        Method("1-bit block 64", lambda: compressors.OneBit(block_size=64)),
+        Method("ternary block 64", lambda: compressors.Ternary(block_size=64)),
+        Method("bf16", compressors.BF16),
         Method("8-bit all-gather", quantize_all_gather=True),
-        Method("1-bit + 8-bit all-gather", compress.OneBit, quantize_all_gather=True),
-        Method("1-bit block 64 + 8-bit all-gather", lambda: compress.OneBit(block_size=64), quantize_all_gather=True),
-        Method("ternary + 8-bit all-gather", compress.Ternary, quantize_all_gather=True),
-        Method("bf16 + 8-bit all-gather", compress.BF16, quantize_all_gather=True),
+        Method("1-bit + 8-bit all-gather", compressors.OneBit, quantize_all_gather=True),
+        Method("1-bit block 64 + 8-bit all-gather", lambda: compressors.OneBit(block_size=64), quantize_all_gather=True),
+        Method("ternary + 8-bit all-gather", compressors.Ternary, quantize_all_gather=True),
+        Method("bf16 + 8-bit all-gather", compressors.BF16, quantize_all_gather=True),
     )
 }
 

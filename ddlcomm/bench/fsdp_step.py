@@ -28,7 +28,7 @@ from torch.distributed.fsdp import fully_shard
 
 import ddlcomm  # noqa: F401  (registers the backend)
 from ddlcomm.bench import init_ranks
-from ddlcomm import compress, fsdp
+from ddlcomm import compressors, fsdp
 
 MOMENTUM = 0.9
 
@@ -36,7 +36,7 @@ MOMENTUM = 0.9
 @dataclass
 class Method:
     name: str
-    compressor: Optional[Callable[[], compress.Compressor]] = None
+    compressor: Optional[Callable[[], compressors.Compressor]] = None
     quantize_all_gather: bool = False
     gloo: bool = False  # FSDP2 on a gloo group (else the ddlcomm group)
 
@@ -44,14 +44,14 @@ class Method:
 METHODS = {m.name: m for m in (
     Method("gloo", gloo=True),
     Method("ddlcomm"),
-    Method("fp16", compress.FP16),
-    Method("1-bit", compress.OneBit),
-    Method("ternary", compress.Ternary),
-    Method("top-k 1%", lambda: compress.TopK(ratio=0.01, approximate=True)),
+    Method("fp16", compressors.FP16),
+    Method("1-bit", compressors.OneBit),
+    Method("ternary", compressors.Ternary),
+    Method("top-k 1%", lambda: compressors.TopK(ratio=0.01, approximate=True)),
     Method("8-bit all-gather", quantize_all_gather=True),
-    Method("1-bit + 8-bit all-gather", compress.OneBit, quantize_all_gather=True),
-    Method("1-bit block 64 + 8-bit all-gather", lambda: compress.OneBit(block_size=64), quantize_all_gather=True),
-    Method("ternary + 8-bit all-gather", compress.Ternary, quantize_all_gather=True),
+    Method("1-bit + 8-bit all-gather", compressors.OneBit, quantize_all_gather=True),
+    Method("1-bit block 64 + 8-bit all-gather", lambda: compressors.OneBit(block_size=64), quantize_all_gather=True),
+    Method("ternary + 8-bit all-gather", compressors.Ternary, quantize_all_gather=True),
 )}
 
 

@@ -24,15 +24,15 @@ from torch.nn.parallel import DistributedDataParallel
 
 import ddlcomm  # noqa: F401  (registers the backend)
 from ddlcomm.bench import init_ranks
-from ddlcomm import compress, hooks, optim
+from ddlcomm import compressors, hooks, optim
 from ddlcomm.bench.tasks import lr_lambda, make_task
 
 START_COMPRESS_ITER = 10
 COMPRESSORS = {
-    "ddlcomm 1-bit": compress.OneBit,
-    "ddlcomm ternary": compress.Ternary,
-    "ddlcomm top-k 1%": lambda: compress.TopK(ratio=0.01, approximate=True),
-    "ddlcomm random-k 10%": lambda: compress.RandomK(ratio=0.1),
+    "ddlcomm 1-bit": compressors.OneBit,
+    "ddlcomm ternary": compressors.Ternary,
+    "ddlcomm top-k 1%": lambda: compressors.TopK(ratio=0.01, approximate=True),
+    "ddlcomm random-k 10%": lambda: compressors.RandomK(ratio=0.1),
 }
 METHODS = ["gloo fp32", "gloo fp16_compress_hook", "PowerSGD rank 4 (torch hook)", *COMPRESSORS]
 

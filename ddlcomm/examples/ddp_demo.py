@@ -23,13 +23,13 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 import ddlcomm  # noqa: F401  (registers the backend)
-from ddlcomm import compress, hooks, optim
+from ddlcomm import compressors, hooks, optim
 from ddlcomm.bench.tasks import lr_lambda, make_task
 
 LR = 0.4  # the digits MLP's best learning rate for plain all-reduce (docs/choosing-a-compressor.md)
 
 
-def train(name: str, compressor: Optional[compress.Compressor], steps: int) -> dict:
+def train(name: str, compressor: Optional[compressors.Compressor], steps: int) -> dict:
     """One run on every rank; returns what the table shows."""
     rank, n = dist.get_rank(), dist.get_world_size()
     task = make_task("mlp", steps=steps, batch=128 // n)  # a global batch of 128
@@ -74,8 +74,8 @@ def main() -> None:
     rank, n = dist.get_rank(), dist.get_world_size()
     if rank == 0:
         print(f"training the digits MLP ({args.steps} steps, {n} ranks) three ways:", flush=True)
-    runs = [train("all-reduce", None, args.steps), train("1-bit", compress.OneBit(), args.steps),
-            train("ternary", compress.Ternary(), args.steps)]
+    runs = [train("all-reduce", None, args.steps), train("1-bit", compressors.OneBit(), args.steps),
+            train("ternary", compressors.Ternary(), args.steps)]
     if rank == 0:
         plain = runs[0]
         print(f"\n{'method':<12}{'traffic ÷':>11}{'ms/step':>10}{'held-out accuracy %':>21}")

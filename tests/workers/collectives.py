@@ -406,15 +406,15 @@ def wire_bytes_measured() -> None:
     over its connections) is ddlcomm.compressed.wire_bytes plus one frame header per message:
     n - 1 messages for the sparse formats (an all-gather), 2 (n - 1) per piece for the others
     (an all-to-all, then an all-gather). Random-k is left out: it all-reduces a finiteness flag first."""
-    from ddlcomm import compress
+    from ddlcomm import compressors
     from ddlcomm.compressed import compressed_all_reduce, wire_bytes
 
     rank, n = init(timeout_s=60)
     gloo = dist.new_group(backend="gloo")  # synchronizes without ddlcomm traffic
     numel = 100_003
-    for name, comp in (("onebit", compress.OneBit()), ("ternary_b37", compress.Ternary(block_size=37)),
-                       ("topk", compress.TopK(ratio=0.01)), ("topk_approx", compress.TopK(k=5000, approximate=True)),
-                       ("fp16", compress.FP16()), ("bf16", compress.BF16())):
+    for name, comp in (("onebit", compressors.OneBit()), ("ternary_b37", compressors.Ternary(block_size=37)),
+                       ("topk", compressors.TopK(ratio=0.01)), ("topk_approx", compressors.TopK(k=5000, approximate=True)),
+                       ("fp16", compressors.FP16()), ("bf16", compressors.BF16())):
         x = torch.randn(numel, generator=torch.Generator().manual_seed(rank))
         dist.barrier(group=gloo)
         before = ddlcomm_stats()

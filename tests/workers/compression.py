@@ -12,19 +12,19 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from common import init, run
-from ddlcomm import ProcessGroupDdlcomm, compress, hooks, optim
+from ddlcomm import ProcessGroupDdlcomm, compressors, hooks, optim
 from ddlcomm.compressed import compressed_all_reduce, native_backend, server_residual_numel
 
 COMPRESSORS = {
-    "onebit": compress.OneBit,
-    "onebit2": lambda: compress.OneBit(block_size=64, two_scales=True),
-    "ternary": lambda: compress.Ternary(block_size=64),
-    "ternary_stochastic": lambda: compress.Ternary(block_size=64, stochastic=True, seed=3),
-    "topk": lambda: compress.TopK(ratio=0.05),
-    "topk_approx": lambda: compress.TopK(ratio=0.05, approximate=True),
-    "randomk": lambda: compress.RandomK(ratio=0.05, seed=5),
-    "fp16": compress.FP16,
-    "bf16": compress.BF16,
+    "onebit": compressors.OneBit,
+    "onebit2": lambda: compressors.OneBit(block_size=64, two_scales=True),
+    "ternary": lambda: compressors.Ternary(block_size=64),
+    "ternary_stochastic": lambda: compressors.Ternary(block_size=64, stochastic=True, seed=3),
+    "topk": lambda: compressors.TopK(ratio=0.05),
+    "topk_approx": lambda: compressors.TopK(ratio=0.05, approximate=True),
+    "randomk": lambda: compressors.RandomK(ratio=0.05, seed=5),
+    "fp16": compressors.FP16,
+    "bf16": compressors.BF16,
 }
 HOOKS = {
     "onebit": hooks.onebit_hook, "onebit2": hooks.onebit_hook, "ternary": hooks.ternary_hook,
@@ -165,7 +165,7 @@ def hook_mechanics() -> None:
     def run_steps(group, steps):
         model = _model()
         ddp = DistributedDataParallel(model, process_group=group, bucket_cap_mb=0.1)
-        state = hooks.CompressionState(group, compress.OneBit(), start_compress_iter=2, min_compression_bytes=0)
+        state = hooks.CompressionState(group, compressors.OneBit(), start_compress_iter=2, min_compression_bytes=0)
         ddp.register_comm_hook(state, hooks.onebit_hook)
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
         for step in range(steps):
@@ -187,7 +187,7 @@ def hook_mechanics() -> None:
     # no_sync accumulation: the hook runs once per optimizer step, on the summed gradient.
     model = _model()
     ddp = DistributedDataParallel(model, bucket_cap_mb=0.1)
-    state = hooks.CompressionState(None, compress.FP16(), start_compress_iter=2, min_compression_bytes=0)
+    state = hooks.CompressionState(None, compressors.FP16(), start_compress_iter=2, min_compression_bytes=0)
     ddp.register_comm_hook(state, hooks.fp16_hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     for step in range(4):
@@ -202,7 +202,7 @@ def hook_mechanics() -> None:
 
     # The typed hooks refuse a state with another compressor.
     try:
-        hooks.topk_hook(hooks.CompressionState(compressor=compress.OneBit()), None)
+        hooks.topk_hook(hooks.CompressionState(compressor=compressors.OneBit()), None)
     except TypeError:
         pass
     else:
@@ -223,7 +223,7 @@ def uncompressed_is_logged_once() -> None:
         records.clear()
         model = torch.nn.Linear(16, 4).to(dtype)  # 272 parameters: far below the default 64 KiB
         ddp = DistributedDataParallel(model)
-        state = hooks.CompressionState(None, compress.FP16(), start_compress_iter=2)
+        state = hooks.CompressionState(None, compressors.FP16(), start_compress_iter=2)
         ddp.register_comm_hook(state, hooks.fp16_hook)
         for _ in range(6):
             ddp(torch.randn(8, 16, dtype=dtype)).sum().backward()
@@ -244,7 +244,7 @@ def warmup_boundary() -> None:
     for start in (2, 5):
         model = _model()
         ddp = DistributedDataParallel(model)  # one bucket: the model is far below 25 MB
-        state = hooks.CompressionState(None, compress.OneBit(), start_compress_iter=start, min_compression_bytes=0)
+        state = hooks.CompressionState(None, compressors.OneBit(), start_compress_iter=start, min_compression_bytes=0)
         ddp.register_comm_hook(state, hooks.onebit_hook)
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
         for step in range(start + 1):
@@ -304,7 +304,7 @@ def direction_mode() -> None:
 
     # clip_norm (DGC, with momentum=): each rank's bucket is scaled to at most clip_norm / sqrt(n) first.
     clip = 0.5
-    state = hooks.CompressionState(None, compress.TopK(ratio=1.0), start_compress_iter=2, min_compression_bytes=0,
+    state = hooks.CompressionState(None, compressors.TopK(ratio=1.0), start_compress_iter=2, min_compression_bytes=0,
                                    momentum=0.5, error_feedback=False, clip_norm=clip)
     state.iter = 2
     grad = torch.full((4096,), 10.0 * (rank + 1))
@@ -407,7 +407,7 @@ def misuse_is_refused() -> None:
         model = _model()
         ddp = DistributedDataParallel(model, bucket_cap_mb=0.1)
         opt = getattr(optim, opt_name)(model.parameters(), lr=1e-2, **({"momentum": 0.9} if opt_name == "SGD" else {}))
-        state = hooks.CompressionState(None, compress.OneBit(), start_compress_iter=2, min_compression_bytes=0,
+        state = hooks.CompressionState(None, compressors.OneBit(), start_compress_iter=2, min_compression_bytes=0,
                                        optimizer=opt)
         ddp.register_comm_hook(state, hooks.onebit_hook)
         scaler = torch.amp.GradScaler("cpu", init_scale=init_scale) if init_scale else None

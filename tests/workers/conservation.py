@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from common import init, run
-from ddlcomm import ProcessGroupDdlcomm, compress
+from ddlcomm import ProcessGroupDdlcomm, compressors
 from ddlcomm.compressed import compressed_all_reduce, native_backend, server_chunks, server_residual_numel
 
 U = 2.0**-24  # float32 unit roundoff
@@ -40,14 +40,14 @@ U = 2.0**-24  # float32 unit roundoff
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 COMPRESSORS = {
-    "onebit": lambda: compress.OneBit(block_size=64),
-    "onebit2": lambda: compress.OneBit(block_size=64, two_scales=True),
-    "ternary": lambda: compress.Ternary(block_size=64),
-    "ternary_stochastic": lambda: compress.Ternary(block_size=64, stochastic=True, seed=3),
-    "topk": lambda: compress.TopK(ratio=0.05),
-    "randomk": lambda: compress.RandomK(ratio=0.05, seed=5),
-    "fp16": compress.FP16,
-    "bf16": compress.BF16,
+    "onebit": lambda: compressors.OneBit(block_size=64),
+    "onebit2": lambda: compressors.OneBit(block_size=64, two_scales=True),
+    "ternary": lambda: compressors.Ternary(block_size=64),
+    "ternary_stochastic": lambda: compressors.Ternary(block_size=64, stochastic=True, seed=3),
+    "topk": lambda: compressors.TopK(ratio=0.05),
+    "randomk": lambda: compressors.RandomK(ratio=0.05, seed=5),
+    "fp16": compressors.FP16,
+    "bf16": compressors.BF16,
 }
 SPARSE = {"top_k", "random_k"}
 STOCHASTIC = ("ternary_stochastic", "randomk")

@@ -25,14 +25,14 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from ddlcomm import compress, fsdp, hooks, optim
+from ddlcomm import compressors, fsdp, hooks, optim
 
 SAVE_EVERY = 5
 HOOKS = {
-    "onebit": (compress.OneBit, hooks.onebit_hook),
-    "ternary": (compress.Ternary, hooks.ternary_hook),
-    "topk": (lambda: compress.TopK(ratio=0.05), hooks.topk_hook),
-    "fp16": (compress.FP16, hooks.fp16_hook),
+    "onebit": (compressors.OneBit, hooks.onebit_hook),
+    "ternary": (compressors.Ternary, hooks.ternary_hook),
+    "topk": (lambda: compressors.TopK(ratio=0.05), hooks.topk_hook),
+    "fp16": (compressors.FP16, hooks.fp16_hook),
 }
 
 

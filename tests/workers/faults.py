@@ -103,14 +103,14 @@ def op_mismatch() -> None:
 def compressor_mismatch(kind: str) -> None:
     """Rank 1 compresses differently, into payloads of the same size: every rank refuses to
     decode what it did not expect instead of summing it."""
-    from ddlcomm import compress
+    from ddlcomm import compressors
     from ddlcomm.compressed import compressed_all_reduce
 
     rank, n = init(timeout_s=30)
     # 1000 elements on 2 ranks: chunks of 500, two blocks of 256 or of 250 each.
     mine, other = {
-        "cast": (compress.FP16(), compress.BF16()),
-        "block_size": (compress.OneBit(block_size=256), compress.OneBit(block_size=250)),
+        "cast": (compressors.FP16(), compressors.BF16()),
+        "block_size": (compressors.OneBit(block_size=256), compressors.OneBit(block_size=250)),
     }[kind]
     comp = other if rank == 1 else mine
     assert comp.compressed_nbytes(500) == mine.compressed_nbytes(500)
@@ -123,16 +123,16 @@ def compressed_mismatch_on_gloo() -> None:
     """On a gloo group (the fallback over standard collectives), ranks that reduce different
     sizes or compressors get a ValueError naming both, on every rank; gloo would otherwise
     abort the process on the mismatched payloads."""
-    from ddlcomm import compress
+    from ddlcomm import compressors
     from ddlcomm.compressed import compressed_all_reduce
 
     rank, n = init(timeout_s=30)
     gloo = dist.new_group(backend="gloo")
-    for numel, comp in ((1000 + rank, compress.OneBit()), (1000, compress.TopK(ratio=0.1 * (rank + 1)))):
+    for numel, comp in ((1000 + rank, compressors.OneBit()), (1000, compressors.TopK(ratio=0.1 * (rank + 1)))):
         text = expect(ValueError, lambda: compressed_all_reduce(torch.ones(numel), comp, group=gloo).wait(),
                       "ranks disagree", f"rank {rank}")
         print(f"rank {rank}: {text}")
-    out = compressed_all_reduce(torch.ones(1000), compress.OneBit(), group=gloo).wait()
+    out = compressed_all_reduce(torch.ones(1000), compressors.OneBit(), group=gloo).wait()
     assert torch.equal(out, torch.ones(1000)), "the group is unusable after a refused call"
 
 
@@ -141,14 +141,14 @@ def hook_peer_killed() -> None:
     DistBackendError naming it (not torch's RuntimeError wrapper of a future's callback)."""
     from torch.nn.parallel import DistributedDataParallel
 
-    from ddlcomm import compress, hooks
+    from ddlcomm import compressors, hooks
 
     timeout = PEER_FAILURE_TIMEOUT
     rank, n = init(timeout_s=timeout)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
     ddp = DistributedDataParallel(model, bucket_cap_mb=0.1)
-    ddp.register_comm_hook(hooks.CompressionState(compressor=compress.OneBit(), start_compress_iter=2,
+    ddp.register_comm_hook(hooks.CompressionState(compressor=compressors.OneBit(), start_compress_iter=2,
                                                   min_compression_bytes=0), hooks.onebit_hook)
     last_step_done = [time.monotonic()]
 
@@ -166,11 +166,11 @@ def hook_peer_killed() -> None:
 def reduce_scatter_peer_killed() -> None:
     """A rank dies between ddlcomm.fsdp's native compressed reduce-scatters (2M elements each):
     every survivor's call raises DistBackendError naming it."""
-    from ddlcomm import compress, fsdp
+    from ddlcomm import compressors, fsdp
 
     timeout = PEER_FAILURE_TIMEOUT
     rank, n = init(timeout_s=timeout)
-    state = fsdp.FSDPCompressionState(compress.OneBit(), start_compress_iter=0, min_compression_bytes=0)
+    state = fsdp.FSDPCompressionState(compressors.OneBit(), start_compress_iter=0, min_compression_bytes=0)
     grad, out = torch.randn(n * 500_000), torch.empty(500_000)
     last_call_done = [time.monotonic()]
 

@@ -10,11 +10,11 @@ import torch
 import torch.distributed as dist
 
 from common import assert_equal, init, make_input, reference, run
-from ddlcomm import ProcessGroupDdlcomm, compress
+from ddlcomm import ProcessGroupDdlcomm, compressors
 from ddlcomm.compressed import _chunk_bounds, compressed_all_reduce
 
 
-def compressed_reference(inputs: list[torch.Tensor], comp: compress.Compressor, stream: int) -> torch.Tensor:
+def compressed_reference(inputs: list[torch.Tensor], comp: compressors.Compressor, stream: int) -> torch.Tensor:
     """A quantizing compressed all-reduce (average, no residuals) computed locally from every
     rank's input: chunk j is the sum, in rank order, of every rank's encoded chunk j, averaged,
     encoded again by rank j (see ddlcomm.compressed) and decoded."""
@@ -52,7 +52,7 @@ def mixed() -> None:
     dist.all_gather(gathered, inputs[rank])
     for r in range(n):
         assert_equal(gathered[r], inputs[r], f"all_gather part of rank {r}")
-    comp = compress.Ternary(block_size=64)
+    comp = compressors.Ternary(block_size=64)
     inputs = [torch.randn(300_000, generator=torch.Generator().manual_seed(r)) for r in range(n)]
     out = compressed_all_reduce(inputs[rank].clone(), comp, stream=7).wait()
     assert_equal(out, compressed_reference(inputs, comp, stream=7), "compressed all-reduce (ternary)")

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from common import init, run
-from ddlcomm import compress, hooks, optim
+from ddlcomm import compressors, hooks, optim
 
 STEPS, SAVE_AT = 10, 6
 
@@ -39,15 +39,15 @@ def _batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
 # worker and server residuals (quantizers), DGC momenta (top-k), Adam moments and random-k's
 # per-bucket randomness stream.
 CASES = {
-    "onebit_sgd": (compress.OneBit, hooks.onebit_hook, lambda ps: torch.optim.SGD(ps, lr=0.05), {}),
-    "ternary_momentum": (lambda: compress.Ternary(block_size=64), hooks.ternary_hook,
+    "onebit_sgd": (compressors.OneBit, hooks.onebit_hook, lambda ps: torch.optim.SGD(ps, lr=0.05), {}),
+    "ternary_momentum": (lambda: compressors.Ternary(block_size=64), hooks.ternary_hook,
                          lambda ps: optim.SGD(ps, lr=0.05, momentum=0.9), {}),
-    "topk_dgc": (lambda: compress.TopK(ratio=0.05), hooks.topk_hook, lambda ps: torch.optim.SGD(ps, lr=0.05),
+    "topk_dgc": (lambda: compressors.TopK(ratio=0.05), hooks.topk_hook, lambda ps: torch.optim.SGD(ps, lr=0.05),
                  {"momentum": 0.9}),
-    "randomk_adamw": (lambda: compress.RandomK(ratio=0.1, seed=3), hooks.randomk_hook,
+    "randomk_adamw": (lambda: compressors.RandomK(ratio=0.1, seed=3), hooks.randomk_hook,
                       lambda ps: optim.AdamW(ps, lr=3e-3), {}),
     # some buckets under min_compression_bytes: plain all-reduce beside compressed ones
-    "onebit_small_buckets": (compress.OneBit, hooks.onebit_hook, lambda ps: torch.optim.SGD(ps, lr=0.05),
+    "onebit_small_buckets": (compressors.OneBit, hooks.onebit_hook, lambda ps: torch.optim.SGD(ps, lr=0.05),
                              {"min_compression_bytes": 12_000}),
 }
 
@@ -191,7 +191,7 @@ def refused() -> None:
     wider = Job("onebit_sgd")
     wider.model = torch.nn.Sequential(torch.nn.Linear(32, 10))
     wider.ddp = DistributedDataParallel(wider.model, bucket_cap_mb=0.01)
-    wider.state = hooks.CompressionState(None, compress.OneBit(), start_compress_iter=2, min_compression_bytes=0,
+    wider.state = hooks.CompressionState(None, compressors.OneBit(), start_compress_iter=2, min_compression_bytes=0,
                                          model=wider.model)
     wider.ddp.register_comm_hook(wider.state, hooks.onebit_hook)
     wider.opt = torch.optim.SGD(wider.model.parameters(), lr=0.05)
@@ -200,13 +200,13 @@ def refused() -> None:
     assert "saved for another model" in str(e), e
 
     # Keyed by parameter names, loaded into a state keyed by optimizer positions.
-    keyed = hooks.CompressionState(None, compress.OneBit(), optimizer=optim.SGD(_model().parameters(), lr=0.1))
+    keyed = hooks.CompressionState(None, compressors.OneBit(), optimizer=optim.SGD(_model().parameters(), lr=0.1))
     e = refuses(ValueError, lambda: keyed.load_state_dict(torch.load(io.BytesIO(mine))["hook"]),
                 "a state keyed by names was loaded into one keyed by optimizer positions")
     assert "model=" in str(e), e
 
     # Without model= or optimizer= there is nothing stable to key the memory by.
-    anonymous = hooks.CompressionState(None, compress.OneBit(), start_compress_iter=2, min_compression_bytes=0)
+    anonymous = hooks.CompressionState(None, compressors.OneBit(), start_compress_iter=2, min_compression_bytes=0)
     model = _model()
     ddp = DistributedDataParallel(model, bucket_cap_mb=0.01)
     ddp.register_comm_hook(anonymous, hooks.onebit_hook)

@@ -12,11 +12,11 @@ from torch.distributed.fsdp import fully_shard
 
 from common import init, run
 from compression import synthetic
-from ddlcomm import compress, fsdp
+from ddlcomm import compressors, fsdp
 
 COMPRESSORS = {
-    "onebit": compress.OneBit,
-    "ternary": lambda: compress.Ternary(block_size=64),
+    "onebit": compressors.OneBit,
+    "ternary": lambda: compressors.Ternary(block_size=64),
 }
 
 
@@ -26,14 +26,14 @@ def reduce_scatter_math(backend: str) -> None:
     rank, n = init(backend)
     m = 1000
     g = torch.Generator().manual_seed(rank)
-    state = fsdp.FSDPCompressionState(compress.FP16(), start_compress_iter=0, min_compression_bytes=0)
+    state = fsdp.FSDPCompressionState(compressors.FP16(), start_compress_iter=0, min_compression_bytes=0)
     x = torch.randn(n * m, generator=g)
     out, ref = torch.empty(m), torch.empty(m)
     state.reduce_scatter("layer", out, x.clone(), dist.group.WORLD, dist.ReduceOp.AVG)
     dist.reduce_scatter_tensor(ref, x.clone(), op=dist.ReduceOp.AVG)
     assert torch.allclose(out, ref, rtol=2e-3, atol=2e-3), (out - ref).abs().max()
 
-    state = fsdp.FSDPCompressionState(compress.OneBit(block_size=32), start_compress_iter=0, min_compression_bytes=0)
+    state = fsdp.FSDPCompressionState(compressors.OneBit(block_size=32), start_compress_iter=0, min_compression_bytes=0)
     delivered, sent = torch.zeros(m, dtype=torch.float64), torch.zeros(n * m, dtype=torch.float64)
     for step in range(5):
         x = torch.randn(n * m, generator=g) * (step + 1)
@@ -52,7 +52,7 @@ def reduce_scatter_math(backend: str) -> None:
     assert one_bit > 1e-2, "1-bit with error feedback should hold something back"
 
     # Every rank must compress alike; the first call checks it.
-    odd = fsdp.FSDPCompressionState(compress.Ternary() if rank == 1 else compress.OneBit(), start_compress_iter=0,
+    odd = fsdp.FSDPCompressionState(compressors.Ternary() if rank == 1 else compressors.OneBit(), start_compress_iter=0,
                                     min_compression_bytes=0)
     try:
         odd.reduce_scatter("layer", out, x, dist.group.WORLD, dist.ReduceOp.SUM)
@@ -79,7 +79,7 @@ def _momentum_math(group: dist.ProcessGroup, replicate_group=None) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     m, beta = 1000, 0.9
     g = torch.Generator().manual_seed(100 + rank)
-    for compressor in (compress.FP16(), compress.OneBit(block_size=32)):
+    for compressor in (compressors.FP16(), compressors.OneBit(block_size=32)):
         state = fsdp.FSDPCompressionState(compressor, start_compress_iter=1, min_compression_bytes=0,
                                           replicate_group=replicate_group, momentum=beta)
         reference = torch.zeros(n * m, dtype=torch.float64)
@@ -97,7 +97,7 @@ def _momentum_math(group: dist.ProcessGroup, replicate_group=None) -> None:
             everyone = [torch.empty_like(buf) for _ in range(world)]
             dist.all_gather(everyone, buf)
             assert all(torch.equal(b, buf) for b in everyone), f"{compressor}: ranks hold different momenta"
-            if isinstance(compressor, compress.FP16):
+            if isinstance(compressor, compressors.FP16):
                 err = (buf.double() - reference).abs().max()
                 assert err < 2e-2, f"step {step}: {err}"  # fp16 rounding of values up to ~10
         assert state.stats.compressed_buckets == 2 and state.stats.uncompressed_buckets == 1, vars(state.stats)
@@ -128,7 +128,7 @@ def _adam_math(group: dist.ProcessGroup, replicate_group=None) -> None:
     rank = dist.get_rank()
     m, (beta1, beta2), eps = 1000, (0.9, 0.99), 1e-8
     g = torch.Generator().manual_seed(200 + rank)
-    state = fsdp.FSDPCompressionState(compress.FP16(), start_compress_iter=1, min_compression_bytes=0,
+    state = fsdp.FSDPCompressionState(compressors.FP16(), start_compress_iter=1, min_compression_bytes=0,
                                       replicate_group=replicate_group, adam_betas=(beta1, beta2), adam_eps=eps)
     first = torch.zeros(n * m, dtype=torch.float64)
     second = torch.zeros(m, dtype=torch.float64)
@@ -175,7 +175,7 @@ def _adam_math(group: dist.ProcessGroup, replicate_group=None) -> None:
     assert torch.equal(state.exp_avgs["layer"], moments[0]) and torch.equal(state.exp_avg_sqs["layer"], moments[1]), \
         "a NaN gradient on one rank changed this rank's moments"
     try:
-        fsdp.FSDPCompressionState(compress.FP16(), momentum=0.9, adam_betas=(0.9, 0.999))
+        fsdp.FSDPCompressionState(compressors.FP16(), momentum=0.9, adam_betas=(0.9, 0.999))
     except ValueError as e:
         assert "exclude" in str(e), e
     else:
@@ -226,7 +226,7 @@ def backends_agree() -> None:
         for group in (None, gloo):
             model = _model() if group is None else _model_on(group)
             opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9 - momentum)
-            state = fsdp.compress_gradients(model, compress.OneBit(), start_compress_iter=2, min_compression_bytes=0,
+            state = fsdp.compress_gradients(model, compressors.OneBit(), start_compress_iter=2, min_compression_bytes=0,
                                             momentum=momentum)
             _steps(model, opt, x, y, 0, 20)
             assert state.stats.compressed_buckets > 0 and bool(state.momenta) == bool(momentum)
@@ -241,11 +241,11 @@ def native_reduce_scatter() -> None:
     rank, n = init("ddlcomm")
     gloo = dist.new_group(backend="gloo")
     logging.getLogger("ddlcomm").setLevel(logging.ERROR)
-    compressors = {"onebit": compress.OneBit, "onebit2": lambda: compress.OneBit(block_size=64, two_scales=True),
-                   "ternary": lambda: compress.Ternary(block_size=64, stochastic=True, seed=3),
-                   "topk": lambda: compress.TopK(ratio=0.05), "randomk": lambda: compress.RandomK(ratio=0.1, seed=5),
-                   "fp16": compress.FP16, "bf16": compress.BF16}
-    for name, make in compressors.items():
+    makers = {"onebit": compressors.OneBit, "onebit2": lambda: compressors.OneBit(block_size=64, two_scales=True),
+                   "ternary": lambda: compressors.Ternary(block_size=64, stochastic=True, seed=3),
+                   "topk": lambda: compressors.TopK(ratio=0.05), "randomk": lambda: compressors.RandomK(ratio=0.1, seed=5),
+                   "fp16": compressors.FP16, "bf16": compressors.BF16}
+    for name, make in makers.items():
         for dtype in (torch.float32, torch.bfloat16, torch.float16):
             for m in (1, 1000, 70_001):
                 states = [fsdp.FSDPCompressionState(make(), start_compress_iter=0, min_compression_bytes=0)
@@ -267,7 +267,7 @@ def native_reduce_scatter() -> None:
     # Random-k can miss a NaN in its sample: the output is NaN everywhere all the same, and the
     # residual is left as it was.
     for group in (dist.group.WORLD, gloo):
-        state = fsdp.FSDPCompressionState(compress.RandomK(ratio=0.01, seed=5), start_compress_iter=0,
+        state = fsdp.FSDPCompressionState(compressors.RandomK(ratio=0.01, seed=5), start_compress_iter=0,
                                           min_compression_bytes=0)
         out = torch.empty(1000)
         state.reduce_scatter("layer", out, torch.randn(n * 1000), group, dist.ReduceOp.AVG)
@@ -279,7 +279,7 @@ def native_reduce_scatter() -> None:
         assert out.isnan().all(), f"random-k: {int((~out.isnan()).sum())} outputs are not NaN"
         assert torch.equal(state.residuals["layer"], before), "random-k: the skipped call changed the residual"
     # Mismatched sizes across ranks are refused on the native path too.
-    state = fsdp.FSDPCompressionState(compress.OneBit(), start_compress_iter=0, min_compression_bytes=0)
+    state = fsdp.FSDPCompressionState(compressors.OneBit(), start_compress_iter=0, min_compression_bytes=0)
     m = 100 + (rank == 1)
     try:
         state.reduce_scatter("odd", torch.empty(m), torch.randn(n * m), dist.group.WORLD, dist.ReduceOp.SUM)
@@ -340,7 +340,7 @@ def _resume(compressor: str, options: dict, x: torch.Tensor, y: torch.Tensor) ->
     _steps(model, opt, x, y, 5, 10)
     assert not torch.equal(straight, torch.cat([p.full_tensor().flatten() for p in model.parameters()])), options
 
-    other = fsdp.FSDPCompressionState(compress.Ternary() if compressor != "ternary" else compress.OneBit())
+    other = fsdp.FSDPCompressionState(compressors.Ternary() if compressor != "ternary" else compressors.OneBit())
     try:
         other.load_state_dict(saved["compression"])
     except ValueError as e:
@@ -439,7 +439,7 @@ def quantized_all_gather(backend: str) -> None:
         if name != "plain":
             quant = fsdp.quantize_all_gather(model, min_bytes=0)
         if name == "8-bit + 1-bit":
-            fsdp.compress_gradients(model, compress.OneBit(), start_compress_iter=2, min_compression_bytes=0,
+            fsdp.compress_gradients(model, compressors.OneBit(), start_compress_iter=2, min_compression_bytes=0,
                                     momentum=0.9)
         _steps(model, opt, x, y, 0, 120)
         if name != "plain":

@@ -11,24 +11,24 @@ import torch
 import torch.distributed as dist
 
 from common import OPS
-from ddlcomm import compress
+from ddlcomm import compressors
 from ddlcomm.compressed import compressed_all_reduce, server_residual_numel
 from soak_reference import digest, fold
 
 MiB = 1 << 20
 COMPRESSED_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-COMPRESSORS: dict[str, Callable[[], compress.Compressor]] = {
-    "onebit": compress.OneBit,
-    "onebit_two_scales_b64": lambda: compress.OneBit(block_size=64, two_scales=True),
-    "ternary": lambda: compress.Ternary(),
-    "ternary_b37": lambda: compress.Ternary(block_size=37),
-    "ternary_stochastic_clip_b37": lambda: compress.Ternary(block_size=37, stochastic=True, clip=1.5, seed=4),
-    "topk": lambda: compress.TopK(ratio=0.05),
-    "topk_approx": lambda: compress.TopK(ratio=0.05, approximate=True),
-    "randomk": lambda: compress.RandomK(ratio=0.05, seed=5),
-    "randomk_scaled": lambda: compress.RandomK(ratio=0.1, seed=6, scaled=True),
-    "fp16": compress.FP16,
-    "bf16": compress.BF16,
+COMPRESSORS: dict[str, Callable[[], compressors.Compressor]] = {
+    "onebit": compressors.OneBit,
+    "onebit_two_scales_b64": lambda: compressors.OneBit(block_size=64, two_scales=True),
+    "ternary": lambda: compressors.Ternary(),
+    "ternary_b37": lambda: compressors.Ternary(block_size=37),
+    "ternary_stochastic_clip_b37": lambda: compressors.Ternary(block_size=37, stochastic=True, clip=1.5, seed=4),
+    "topk": lambda: compressors.TopK(ratio=0.05),
+    "topk_approx": lambda: compressors.TopK(ratio=0.05, approximate=True),
+    "randomk": lambda: compressors.RandomK(ratio=0.05, seed=5),
+    "randomk_scaled": lambda: compressors.RandomK(ratio=0.1, seed=6, scaled=True),
+    "fp16": compressors.FP16,
+    "bf16": compressors.BF16,
 }
 STRIDED_MAX_BYTES = MiB  # non-contiguous tensors need a 2x buffer: only for small ones
 

@@ -13,7 +13,6 @@ ShmOptions ShmOptions::fromEnvironment() {
                 "environment variable DDLCOMM_SHM_RING_BYTES='", o.ringBytes, "' is invalid: expected a power of two");
   o.windowBytes = size_t(envInteger("DDLCOMM_SHM_WINDOW_BYTES", int64_t(o.windowBytes), 0, int64_t(1) << 32));
   o.windowBytes &= ~size_t(63);
-  o.spin.duration = std::chrono::microseconds(envInteger("DDLCOMM_SHM_SPIN_US", -1, 0, 1000000));
   return o;
 }
 

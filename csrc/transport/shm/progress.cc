@@ -60,7 +60,7 @@ void ShmTransport::sleep(Deadline deadline, Done& done) {
 template <typename Done>
 void ShmTransport::progressUntil(Done&& done, Deadline deadline, int waitedPeer, const Signature& signature) {
   RegionHeader& mine = own_.header();
-  Clock::time_point spinUntil = Clock::now() + options_.spin.duration;
+  Clock::time_point spinUntil = Clock::now() + spin_.duration;
   Clock::time_point nextCheck = Clock::now() + kLivenessPeriod, nextProbe = Clock::now() + std::chrono::seconds(1);
   bool published = false;
   unsigned spins = 0, idle = 0;
@@ -75,7 +75,7 @@ void ShmTransport::progressUntil(Done&& done, Deadline deadline, int waitedPeer,
     Clock::time_point now = Clock::now();
     if (moved) {
       idle = 0;
-      spinUntil = now + options_.spin.duration;
+      spinUntil = now + spin_.duration;
       nextProbe = now + std::chrono::seconds(1);
       continue;
     }
@@ -83,7 +83,7 @@ void ShmTransport::progressUntil(Done&& done, Deadline deadline, int waitedPeer,
       // With a core per rank the peer is running elsewhere: pause a while, as a yield is a
       // system call that delays seeing it. Then, or when ranks outnumber cores, yield: if the
       // scheduler put a peer on this core, it runs now.
-      if (!options_.spin.yield && ++idle < kPauseSpins) {
+      if (!spin_.yield && ++idle < kPauseSpins) {
         cpuRelax();
       } else {
         sched_yield();
@@ -108,7 +108,7 @@ void ShmTransport::progressUntil(Done&& done, Deadline deadline, int waitedPeer,
              waitedPeer, ": another rank failed");
       }
     }
-    spinUntil = Clock::now() + options_.spin.duration / 4;  // woken: spin a little before sleeping again
+    spinUntil = Clock::now() + spin_.duration / 4;  // woken: spin a little before sleeping again
   }
   if (published) mine.waitingIn.store(0, std::memory_order_relaxed);
 }

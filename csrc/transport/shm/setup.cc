@@ -15,7 +15,7 @@ void note(int rank, const std::string& text) { std::fprintf(stderr, "[ddlcomm ra
 }  // namespace
 
 std::unique_ptr<Transport> ShmTransport::layer(std::unique_ptr<Transport> network, KeyValueStore& store,
-                                               const ShmOptions& options) {
+                                               const ShmOptions& options, SpinPolicy spin) {
   const int rank = network->rank(), size = network->size();
   if (size == 1) return network;
   const std::string prefix = "ddlcomm/shm/", me = std::to_string(rank);
@@ -36,6 +36,7 @@ std::unique_ptr<Transport> ShmTransport::layer(std::unique_ptr<Transport> networ
   if (local.size() == 1) return network;
 
   std::unique_ptr<ShmTransport> t(new ShmTransport(std::move(network), options));
+  t->setSpin(spin);
   t->layout_.rings = int(local.size()) - 1;
   t->layout_.ringBytes = options.ringBytes;
   t->layout_.windowBytes = local.size() == size_t(size) ? options.windowBytes : 0;

@@ -64,11 +64,31 @@ char* ShmTransport::window(int rank, int half) {
   return s.base() + layout_.window(half);
 }
 
+void ShmTransport::setFailureHook(FailureHook hook) {
+  if (network_) network_->setFailureHook(hook);
+  Transport::setFailureHook(std::move(hook));
+}
+
+void ShmTransport::setFailureProbe(FailureProbe probe) {
+  if (network_) network_->setFailureProbe(probe);
+  Transport::setFailureProbe(std::move(probe));
+}
+
 void ShmTransport::abort(ErrorKind kind, const std::string& reason) noexcept {
   if (broken_) return;
   broken_ = true;
   brokenKind_ = kind;
-  brokenReason_ = failureMessage(kind, reason);
+  // The hook runs once per failure: a network that failed first ran it (it was forwarded
+  // there), and its message is kept; otherwise it runs here, and not again in the network.
+  bool networkFailed = false;
+  try {
+    if (network_) network_->throwIfBroken();
+  } catch (const Error& e) {
+    networkFailed = true;
+    brokenKind_ = e.kind();
+    brokenReason_ = e.what();
+  }
+  if (!networkFailed) brokenReason_ = failureMessage(kind, reason);
   for (Peer& p : peers_) {
     for (Out& o : p.sends) o.request->failed = true, o.request->transfersLeft = 0;
     for (In& i : p.recvs) i.request->failed = true, i.request->transfersLeft = 0;
@@ -80,7 +100,10 @@ void ShmTransport::abort(ErrorKind kind, const std::string& reason) noexcept {
     own_.header().closed.store(1);
     for (Peer& p : peers_) ring(p.region.header());
   }
-  if (network_) network_->abort(kind, brokenReason_);
+  if (network_) {
+    network_->setFailureHook(nullptr);
+    network_->abort(kind, brokenReason_);
+  }
   netPending_.clear();
 }
 
@@ -92,7 +115,7 @@ TransportStats ShmTransport::stats() const {
   TransportStats s = network_->stats();
   s.sharedMemoryPeers = int(peers_.size());
   s.sharedMemoryBytesSent = bytesSent_;
-  s.sharedMemorySpinMicros = options_.spin.duration.count();
+  s.sharedMemorySpinMicros = spin_.duration.count();
   return s;
 }
 

@@ -29,9 +29,6 @@ struct ShmOptions {
   // the caches between being written, reduced and copied out (measured: 1 MiB beats 4 MiB
   // by 1.5-2x at 16-64 MiB on 2 cores with 2 MiB of L2 each).
   size_t windowBytes = 1 << 20;
-  // Busy-wait before sleeping: the duration is DDLCOMM_SHM_SPIN_US, negative until
-  // connectTransport picks it (50 us, or 5 us when ranks outnumber cores).
-  SpinPolicy spin{std::chrono::microseconds(-1)};
   bool required = false;  // DDLCOMM_TRANSPORT=shm: every rank must be local, no fallback
 
   static ShmOptions fromEnvironment();
@@ -39,10 +36,10 @@ struct ShmOptions {
 
 class ShmTransport final : public Transport, private SharedWindows {
  public:
-  // Maps the regions of the ranks on this host and returns the layered transport, or
-  // `network` itself when no peer can share memory with this rank (logged).
+  // Maps the regions of the ranks on this host and returns the layered transport, waiting
+  // as `spin` says, or `network` itself when no peer can share memory with this rank (logged).
   static std::unique_ptr<Transport> layer(std::unique_ptr<Transport> network, KeyValueStore& store,
-                                          const ShmOptions& options);
+                                          const ShmOptions& options, SpinPolicy spin);
   ~ShmTransport() override;
 
   int rank() const override { return rank_; }
@@ -56,6 +53,10 @@ class ShmTransport final : public Transport, private SharedWindows {
   void throwIfBroken() const override;
   TransportStats stats() const override;
   SharedWindows* sharedWindows() override { return windowed_ ? this : nullptr; }
+  // Given to the network too: a wait on a remote peer sleeps in the network's wait, and a
+  // network failure must publish before the network closes its sockets.
+  void setFailureHook(FailureHook hook) override;
+  void setFailureProbe(FailureProbe probe) override;
 
  private:
   struct Out {

@@ -1,7 +1,6 @@
 #include "transport/tcp/handshake.h"
 
 #include <poll.h>
-#include <sys/random.h>
 #include <sys/socket.h>
 
 #include <algorithm>
@@ -13,11 +12,13 @@
 #include <thread>
 #include <vector>
 
-#include "common/env.h"
 #include "common/error.h"
 #include "common/sha256.h"
 
 namespace ddlcomm::tcp {
+using transport::bytesOf;
+using transport::randomNonce;
+
 namespace {
 
 constexpr uint32_t kHelloMagic = 0x4f4c4548;      // "HELO"
@@ -46,23 +47,6 @@ struct AcceptorProof {
   Digest mac;
 };
 #pragma pack(pop)
-
-template <typename T>
-std::string_view bytesOf(const T& value) {
-  return {reinterpret_cast<const char*>(&value), sizeof value};
-}
-
-Nonce randomNonce() {
-  Nonce n;
-  size_t got = 0;
-  while (got < n.size()) {
-    ssize_t r = getrandom(n.data() + got, n.size() - got, 0);
-    if (r < 0 && errno == EINTR) continue;
-    DDLCOMM_CHECK(r > 0, ErrorKind::System, systemErrorText("getrandom", errno));
-    got += size_t(r);
-  }
-  return n;
-}
 
 Digest connectorMac(const std::string& key, const Nonce& challenge, const Nonce& nonce, const Hello& hello) {
   return hmacSha256(key, {kConnectorLabel, bytesOf(challenge), bytesOf(nonce), bytesOf(hello)});
@@ -103,19 +87,6 @@ Hello authenticate(int fd, const std::string& peerName, const std::string& key, 
 
 Hello makeHello(int rank, int size, int connectionsPerPeer) {
   return Hello{kHelloMagic, kHandshakeVersion, rank, size, 0, connectionsPerPeer};
-}
-
-std::string groupKey(KeyValueStore& store, int rank) {
-  const std::string name = "ddlcomm/auth_secret";
-  if (rank == 0) {
-    Nonce secret = randomNonce();
-    store.set(name, std::string(bytesOf(secret)));
-  }
-  std::string secret = store.get(name);
-  const char* extra = envString("DDLCOMM_AUTH_KEY");
-  if (!extra) return secret;
-  Digest bound = hmacSha256(extra, {"ddlcomm group key", secret});
-  return std::string(bytesOf(bound));
 }
 
 Fd connectAuthenticated(const Address& address, const std::string& peerName, const std::string& key,

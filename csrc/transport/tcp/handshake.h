@@ -1,9 +1,7 @@
 // Connection set-up between ranks. Every connection is authenticated before either side
 // believes a byte from the other: the acceptor sends a random challenge, the connector
 // answers with its Hello and an HMAC-SHA256 over both nonces and the Hello under the
-// group key, and the acceptor proves the key back the same way. The key is 32 random
-// bytes that rank 0 publishes in the Store (the job's trust root, as for torch itself),
-// optionally bound to DDLCOMM_AUTH_KEY so that reading the Store alone is not enough.
+// group key (transport/handshake.h), and the acceptor proves the key back the same way.
 //
 // The acceptor serves many half-open connections at once, each with its own deadline, so
 // a client that sends garbage, the wrong key, nothing at all, or a flood of connections
@@ -17,12 +15,13 @@
 #include <string>
 
 #include "common/sha256.h"
+#include "transport/handshake.h"
 #include "transport/store.h"
 #include "transport/tcp/socket.h"
 
 namespace ddlcomm::tcp {
 
-using Nonce = std::array<uint8_t, 32>;
+using transport::Nonce;
 
 // Who is calling and for which slot; exchanged inside the authenticated handshake.
 struct Hello {
@@ -34,9 +33,6 @@ struct Hello {
   int32_t connectionsPerPeer;
 };
 Hello makeHello(int rank, int size, int connectionsPerPeer);
-
-// The group key: rank 0 makes it, every rank reads it from `store`.
-std::string groupKey(KeyValueStore& store, int rank);
 
 // Connector side: connects to `address` and authenticates both ways, retrying while the
 // acceptor drops the connection (it may be shedding a flood) until `deadline`. Returns the

@@ -43,7 +43,7 @@ void TcpTransport::establish(KeyValueStore& store) {
 
   const int k = options_.connectionsPerPeer;
   const Deadline deadline = Clock::now() + options_.connectTimeout;
-  const std::string key = groupKey(store, rank_);
+  const std::string key = transport::groupKey(store, rank_);
   Address bound;
   Fd listener = listenOn(options_.host.empty() ? chooseLocalHost() : options_.host, &bound);
   store.set("ddlcomm/addr/" + std::to_string(rank_), bound.toString());

@@ -39,8 +39,6 @@ class TcpTransport final : public Transport {
   void wait(Request& request, Deadline deadline) override;
   void poll(std::chrono::milliseconds timeout) override;
   void wakeup() override;
-  // How a wait polls its sockets before sleeping in epoll_wait.
-  void setSpin(SpinPolicy spin) { spin_ = spin; }
   void abort(ErrorKind kind, const std::string& reason) noexcept override;
   void throwIfBroken() const override;
   TransportStats stats() const override;
@@ -129,7 +127,6 @@ class TcpTransport final : public Transport {
   const int rank_;
   const int size_;
   const TcpOptions options_;
-  SpinPolicy spin_;
   std::vector<Connection> connections_;  // [peer * connectionsPerPeer + index]; own slots unused
   std::vector<PeerState> peers_;
   Fd epoll_;

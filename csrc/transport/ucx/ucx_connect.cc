@@ -13,7 +13,7 @@
 
 #include "common/env.h"
 #include "common/sha256.h"
-#include "transport/tcp/handshake.h"
+#include "transport/handshake.h"
 #include "transport/ucx/ucx_internal.h"
 #include "transport/ucx/ucx_transport.h"
 
@@ -210,7 +210,7 @@ void UcxTransport::establish(KeyValueStore& store, std::chrono::milliseconds con
   if (size_ == 1) return;
 
   const Deadline deadline = Clock::now() + connectTimeout;
-  const std::string key = tcp::groupKey(store, rank_);
+  const std::string key = transport::groupKey(store, rank_);
   ucp_address_t* address = nullptr;
   size_t addressBytes = 0;
   check(ucp_worker_get_address(worker_.get(), &address, &addressBytes), "ucp_worker_get_address");

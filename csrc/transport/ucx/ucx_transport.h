@@ -16,7 +16,7 @@
 // threshold per message.
 //
 // Trust: peers' worker addresses come from the store, and each endpoint's first message is
-// an HMAC of the group key (tcp/handshake.h groupKey, DDLCOMM_AUTH_KEY included) over the
+// an HMAC of the group key (transport/handshake.h groupKey, DDLCOMM_AUTH_KEY included) over the
 // pair of ranks; connect() returns only once every peer has proved the key, so no
 // collective data goes to a worker that cannot.
 #pragma once
@@ -53,8 +53,6 @@ class UcxTransport final : public Transport {
   void wait(Request& request, Deadline deadline) override;
   void poll(std::chrono::milliseconds timeout) override;
   void wakeup() override;
-  // How a wait polls before it blocks on the worker's event fd.
-  void setSpin(SpinPolicy spin) { spin_ = spin; }
   void abort(ErrorKind kind, const std::string& reason) noexcept override;
   void throwIfBroken() const override;
   // connectionsPerPeer: 1 per peer whose endpoint has not failed. bytesSent: header and
@@ -145,7 +143,6 @@ class UcxTransport final : public Transport {
 
   const int rank_;
   const int size_;
-  SpinPolicy spin_;
   Context context_;
   Worker worker_;
   int eventFd_ = -1;
