@@ -37,7 +37,7 @@ from .wire import Agreement, Wire, accumulate, aligned, all_gather_single, decod
 
 __all__ = [
     "compressed_all_reduce", "start_compressed_all_reduce", "server_chunks", "server_residual_numel",
-    "native_backend", "wire_bytes",
+    "native_backend", "reduce_scatter_wire_bytes", "wire_bytes",
 ]
 
 logger = logging.getLogger(__name__)
@@ -70,19 +70,9 @@ def _log_python_path(group_name: str) -> None:
                    "another layer?); compressed all-reduces run over standard collectives, more slowly", group_name)
 
 
-def _chunk_bounds(numel: int, n: int) -> list[int]:
-    # Same split as the native ring::Chunks: chunk i is [numel*i//n, numel*(i+1)//n).
-    return [numel * i // n for i in range(n + 1)]
-
-
-def _pieces(numel: int, n: int) -> list[tuple[int, int, list[int]]]:
-    # Same split as the native compressed all-reduce: (begin, end, chunk bounds relative to
-    # begin) of each piece.
-    step = _C.ProcessGroupDdlcomm.piece_elements
-    return [
-        (begin, min(begin + step, numel), _chunk_bounds(min(step, numel - begin), n))
-        for begin in range(0, numel, step)
-    ]
+# The layout and the traffic come from the C++ plan the native algorithm runs (compressed_allreduce.h):
+# the fallback cannot split differently, nor the statistics count differently.
+_pieces = _C.ProcessGroupDdlcomm.compressed_allreduce_pieces  # (numel, n): [(begin, end, chunk bounds)]
 
 
 def server_chunks(numel: int, rank: int, world_size: int) -> list[tuple[int, int]]:
@@ -93,22 +83,18 @@ def server_chunks(numel: int, rank: int, world_size: int) -> list[tuple[int, int
 
 def server_residual_numel(numel: int, rank: int, world_size: int) -> int:
     """Length of the server residual of `rank`: its chunk of every piece of the vector."""
-    return sum(end - begin for begin, end in server_chunks(numel, rank, world_size))
+    return _C.ProcessGroupDdlcomm.server_residual_numel(numel, rank, world_size)
 
 
 def wire_bytes(compressor: Compressor, numel: int, world_size: int, rank: int = 0) -> int:
     """Bytes `rank` sends for one compressed all-reduce of `numel` elements."""
-    n = world_size
-    if n == 1:
-        return 0
-    if compressor.format in _SPARSE:
-        return (n - 1) * compressor.compressed_nbytes(numel)
-    total = 0
-    for _, _, bounds in _pieces(numel, n):
-        chunk_bytes = [compressor.compressed_nbytes(bounds[i + 1] - bounds[i]) for i in range(n)]
-        # all-to-all of the worker payloads (all but its own chunk), then its server payload to every peer
-        total += sum(chunk_bytes) - chunk_bytes[rank] + (n - 1) * chunk_bytes[rank]
-    return total
+    return _C.ProcessGroupDdlcomm.compressed_allreduce_wire_bytes(compressor.config, numel, rank, world_size)
+
+
+def reduce_scatter_wire_bytes(compressor: Compressor, numel: int, world_size: int) -> int:
+    """Bytes each rank sends for one compressed reduce-scatter (``ddlcomm.fsdp``) of `numel`
+    output elements."""
+    return _C.ProcessGroupDdlcomm.compressed_reduce_scatter_wire_bytes(compressor.config, numel, world_size)
 
 
 def compressed_all_reduce(

@@ -57,10 +57,12 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
 from . import _C
 from .compressors import Compressor, all_finite
-from .compressed import compressed_all_reduce, native_backend, server_residual_numel, wire_bytes
+from .compressed import (compressed_all_reduce, native_backend, reduce_scatter_wire_bytes, server_residual_numel,
+                         wire_bytes)
 from .options import CompressionOptions, CompressionStats
 from .quantized_gather import AllGatherQuantization, QuantizedAllGather, quantize_all_gather  # re-exported
-from .wire import Agreement, Wire, accumulate, aligned
+from .wire import (Agreement, Wire, accumulate, aligned, call_stream, ring_all_reduce_bytes,
+                   ring_reduce_scatter_bytes)
 
 __all__ = ["FSDPCompressionState", "CompressedReduceScatter", "compress_gradients", "AllGatherQuantization",
            "QuantizedAllGather", "quantize_all_gather"]
@@ -225,11 +227,11 @@ class FSDPCompressionState(CompressionOptions):
         self.calls[name] = calls + 1
         index = self._index.setdefault(name, len(self._index))
         nbytes = input.numel() * input.element_size()
-        ring = (n - 1) * nbytes // n
+        ring = ring_reduce_scatter_bytes(nbytes, n)
         self.stats.bytes_uncompressed += ring
         flat = input.view(-1)
         if self.momentum or self.adam_betas is not None:
-            self._direction_step(name, output, flat, group, op, calls, calls * 65536 + index)
+            self._direction_step(name, output, flat, group, op, calls, call_stream(calls, index))
             return
         if self._uncompressed_reason(name, input, op, calls) is not None:
             self.stats.uncompressed_buckets += 1
@@ -245,7 +247,7 @@ class FSDPCompressionState(CompressionOptions):
         agreement = Agreement(flat, self.compressor, group, n, name not in self._verified, wire.device)
         self._verified.add(name)
         residual = self._memory(self.residuals, name, flat.numel(), flat.device) if self.error_feedback else None
-        stream = calls * 65536 + index
+        stream = call_stream(calls, index)
         backend = native_backend(group) if not flat.is_cuda else None
         if backend is not None:  # the same algorithm in C++, pipelined: encoding overlaps sending
             agreement.wait()
@@ -253,7 +255,7 @@ class FSDPCompressionState(CompressionOptions):
                                               op == dist.ReduceOp.AVG, stream).wait()
         else:
             self._reduce_scatter_over(group, output, flat, residual, op, stream, wire, agreement)
-        sent = (n - 1) * self.compressor.compressed_nbytes(m)
+        sent = reduce_scatter_wire_bytes(self.compressor, m, n)
         self.stats.compressed_buckets += 1
         self.stats.bytes_sent += sent
         self.stats.compressed_bytes_sent += sent
@@ -341,8 +343,9 @@ class FSDPCompressionState(CompressionOptions):
                 dist.all_reduce(reduced, group=g)
                 reduced.div_(g.size())
             if level == 0:  # the statistics compare the shard group's traffic with a reduce-scatter's
-                ring = (n - 1) * flat.numel() * flat.element_size() // n
-                sent = wire_bytes(self.compressor, flat.numel(), n, r) if compress else 2 * ring
+                nbytes = flat.numel() * flat.element_size()
+                ring = ring_reduce_scatter_bytes(nbytes, n)
+                sent = wire_bytes(self.compressor, flat.numel(), n, r) if compress else ring_all_reduce_bytes(nbytes, n)
                 self.stats.bytes_sent += sent
                 if compress:
                     self.stats.compressed_buckets += 1
@@ -386,7 +389,7 @@ class FSDPCompressionState(CompressionOptions):
         verify = ("replica", name) not in self._verified  # once per module, as for the reduce-scatter
         self._verified.add(("replica", name))
         compressed_all_reduce(flat, self.compressor, worker, server, group=group, average=True,
-                              stream=calls * 65536 + self._index.get(name, 0), verify=verify).wait()
+                              stream=call_stream(calls, self._index.get(name, 0)), verify=verify).wait()
 
 
 class CompressedReduceScatter(ReduceScatter):

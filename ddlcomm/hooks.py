@@ -47,6 +47,7 @@ from .compressed import start_compressed_all_reduce, wire_bytes
 from .feedback import FeedbackMemory, Signature
 from .optim import DirectionOptimizer
 from .options import CompressionOptions, CompressionStats
+from .wire import call_stream, ring_all_reduce_bytes
 
 __all__ = [
     "CompressionState",
@@ -355,7 +356,7 @@ def _reduce(state: CompressionState, buffer: torch.Tensor, params: list[torch.Te
     nbytes = buffer.numel() * buffer.element_size()
     reason = _uncompressed_reason(state, buffer, nbytes)
     rank, world = state._world()
-    ring = 2 * (world - 1) * nbytes // max(world, 1)
+    ring = ring_all_reduce_bytes(nbytes, world)
     state.stats.bytes_uncompressed += ring
     if reason is not None:
         state.stats.uncompressed_buckets += 1
@@ -438,12 +439,12 @@ def _compress(state: CompressionState, buffer: torch.Tensor, params: list[torch.
     state.stats.compressed_buckets += 1
     state.stats.bytes_sent += sent
     state.stats.compressed_bytes_sent += sent
-    state.stats.compressed_bytes_uncompressed += 2 * (world - 1) * nbytes // max(world, 1)
+    state.stats.compressed_bytes_uncompressed += ring_all_reduce_bytes(nbytes, world)
     # DDP has checked that every rank has the same buckets; the compressor is checked once.
     verify = signature not in state._verified
     state._verified.add(signature)
     raw, fut = start_compressed_all_reduce(buffer, state.compressor, worker, server, group=state.process_group,
-                                           average=True, stream=state.iter * 65536 + index, verify=verify)
+                                           average=True, stream=call_stream(state.iter, index), verify=verify)
     if directions:
         optimizer = state.optimizer
 

@@ -14,8 +14,8 @@ import torch.distributed as dist
 
 from .compressors import Compressor
 
-__all__ = ["COMPRESSIBLE_DTYPES", "Agreement", "Wire", "accumulate", "aligned", "all_gather_single",
-           "collectives_on_gpu", "decode"]
+__all__ = ["COMPRESSIBLE_DTYPES", "Agreement", "Wire", "accumulate", "aligned", "all_gather_single", "call_stream",
+           "collectives_on_gpu", "decode", "ring_all_reduce_bytes", "ring_reduce_scatter_bytes"]
 
 COMPRESSIBLE_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # torch 2.13 renamed all_gather_into_tensor (and deprecated the old name).
@@ -60,6 +60,24 @@ class Wire:
 
 def aligned(nbytes: int) -> int:
     return (nbytes + 3) // 4 * 4
+
+
+def call_stream(iteration: int, index: int) -> int:
+    """The randomness stream of the compressed call of bucket (or module) `index` in training
+    step `iteration`: fresh every step (ternary and random-k draw new randomness), distinct
+    for the first 65536 buckets of a step. The DDP hooks and ddlcomm.fsdp number them alike."""
+    return iteration * 65536 + index
+
+
+def ring_all_reduce_bytes(nbytes: int, world_size: int) -> int:
+    """Bytes each rank sends in a ring all-reduce of `nbytes`: the statistics' uncompressed
+    baseline."""
+    return 2 * (world_size - 1) * nbytes // max(world_size, 1)
+
+
+def ring_reduce_scatter_bytes(nbytes: int, world_size: int) -> int:
+    """Bytes each rank sends in a ring reduce-scatter of an `nbytes` input."""
+    return (world_size - 1) * nbytes // max(world_size, 1)
 
 
 def collectives_on_gpu(group: dist.ProcessGroup, device: torch.device) -> bool:

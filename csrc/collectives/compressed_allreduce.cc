@@ -46,14 +46,36 @@ void sparseAllreduce(Call& call, const CompressedAllreduceArgs& a) {
 }
 
 // One piece of the vector and where its payloads go in the scratch buffers.
-struct Piece {
-  size_t begin = 0;               // first element of the piece in the vector
-  ring::Chunks chunks{0, 1};      // its n chunks, relative to `begin`
+struct Piece : PieceSpan {
   std::vector<size_t> payloadAt;  // n + 1 offsets of its chunk payloads in `outgoing` / `gathered`
   size_t incomingAt = 0;          // offset of its n worker payloads of this rank's chunk
   size_t residualAt = 0;          // offset of this rank's chunk in the server residual
   size_t bytes(int i) const { return payloadAt[size_t(i) + 1] - payloadAt[size_t(i)]; }
 };
+
+// Every piece with its payload offsets; the totals size the scratch buffers.
+struct Plan {
+  std::vector<Piece> pieces;
+  size_t payloadTotal = 0, incomingTotal = 0, residualTotal = 0;
+};
+
+Plan planOf(const compress::Config& config, size_t count, int r, int n) {
+  Plan plan;
+  for (const PieceSpan& span : piecesOf(count, n)) {
+    Piece& piece = plan.pieces.emplace_back();
+    static_cast<PieceSpan&>(piece) = span;
+    piece.payloadAt.push_back(plan.payloadTotal);
+    for (int i = 0; i < n; ++i) {
+      plan.payloadTotal += compress::encodedBytes(config, piece.chunks.length(i));
+      piece.payloadAt.push_back(plan.payloadTotal);
+    }
+    piece.incomingAt = plan.incomingTotal;
+    plan.incomingTotal += size_t(n) * piece.bytes(r);
+    piece.residualAt = plan.residualTotal;
+    plan.residualTotal += piece.chunks.length(r);
+  }
+  return plan;
+}
 
 // Per piece: a worker payload leaves as soon as it is encoded, this rank's own chunk is
 // encoded last (so the others have that long to arrive), then the chunk is reduced and
@@ -65,26 +87,13 @@ void scatterReduceGather(Call& call, const CompressedAllreduceArgs& a) {
   const int n = call.comm().size(), r = call.comm().rank();
   Communicator& comm = call.comm();
   const size_t es = elementSize(a.dtype);
-  std::vector<Piece> pieces;
-  size_t payloadTotal = 0, incomingTotal = 0, residualTotal = 0;
-  for (size_t begin = 0; begin < a.count; begin += kPieceElements) {
-    Piece& piece = pieces.emplace_back();
-    piece.begin = begin;
-    piece.chunks = ring::Chunks{std::min(kPieceElements, a.count - begin), n};
-    piece.payloadAt.push_back(payloadTotal);
-    for (int i = 0; i < n; ++i) {
-      payloadTotal += compress::encodedBytes(a.config, piece.chunks.length(i));
-      piece.payloadAt.push_back(payloadTotal);
-    }
-    piece.incomingAt = incomingTotal;
-    incomingTotal += size_t(n) * piece.bytes(r);
-    piece.residualAt = residualTotal;
-    residualTotal += piece.chunks.length(r);
-  }
+  const Plan plan = planOf(a.config, a.count, r, n);
+  const std::vector<Piece>& pieces = plan.pieces;
+  const size_t payloadTotal = plan.payloadTotal;
   // Reduced payloads arrive in `gathered` while later worker payloads still leave `outgoing`.
   uint8_t* outgoing = reinterpret_cast<uint8_t*>(comm.scratch(2 * payloadTotal, 0));
   uint8_t* gathered = outgoing + payloadTotal;
-  uint8_t* incoming = reinterpret_cast<uint8_t*>(comm.scratch(incomingTotal, 1));
+  uint8_t* incoming = reinterpret_cast<uint8_t*>(comm.scratch(plan.incomingTotal, 1));
   char* data = static_cast<char*>(a.data);
   const float factor = a.average ? 1.f / float(n) : 1.f;
 
@@ -172,12 +181,30 @@ uint64_t encodeStream(uint64_t callStream, int rank, int phase, int chunk, int s
   return base + piece * 0x9e3779b97f4a7c15ull;
 }
 
+std::vector<PieceSpan> piecesOf(size_t count, int size) {
+  std::vector<PieceSpan> spans;
+  for (size_t begin = 0; begin < count; begin += kPieceElements) {
+    spans.push_back({begin, ring::Chunks{std::min(kPieceElements, count - begin), size}});
+  }
+  return spans;
+}
+
 size_t serverResidualLength(size_t count, int rank, int size) {
   size_t length = 0;
-  for (size_t begin = 0; begin < count; begin += kPieceElements) {
-    length += ring::Chunks{std::min(kPieceElements, count - begin), size}.length(rank);
-  }
+  for (const PieceSpan& span : piecesOf(count, size)) length += span.chunks.length(rank);
   return length;
+}
+
+size_t compressedAllreduceWireBytes(const compress::Config& config, size_t count, int rank, int size) {
+  if (count == 0 || size == 1) return 0;
+  if (compress::isSparse(config.format)) return size_t(size - 1) * compress::encodedBytes(config, count);
+  // Per piece: every worker payload but its own chunk's, then its server payload to each peer.
+  size_t total = 0;
+  for (const Piece& piece : planOf(config, count, rank, size).pieces) {
+    const size_t mine = piece.bytes(rank);
+    total += piece.payloadAt.back() - piece.payloadAt.front() - mine + size_t(size - 1) * mine;
+  }
+  return total;
 }
 
 void compressedAllreduce(Communicator& comm, const CompressedAllreduceArgs& a) {

@@ -4,7 +4,9 @@
 #pragma once
 
 #include <cstddef>
+#include <vector>
 
+#include "collectives/collectives.h"
 #include "collectives/communicator.h"
 #include "compress/compress.h"
 
@@ -24,17 +26,31 @@ struct CompressedAllreduceArgs {
 // Quantizers and casts reduce the vector in pieces of kPieceElements elements (the last
 // one shorter), each an independent scatter-reduce-gather over its own n chunks, so that one
 // piece's all-gather overlaps the next piece's encode. Part of what the result is: the
-// Python fallback splits the same way. Large, because each piece waits for the slowest rank;
+// Python fallback takes its split from piecesOf. Large, because each piece waits for the slowest rank;
 // still more than one for a 100 MB gradient, so that pieces overlap (measured in
 // docs/results/README.md, "Compressed all-reduce choices").
 constexpr size_t kPieceElements = size_t(1) << 24;
 
 // Randomness stream of one encode: distinct per call stream, rank, phase (0 worker,
-// 1 server), chunk and piece. The Python fallback over other backends uses the same formula.
+// 1 server), chunk and piece. The Python fallback over other backends calls this one.
 uint64_t encodeStream(uint64_t callStream, int rank, int phase, int chunk, int size, uint64_t piece);
+
+// One piece of the vector: its first element, and its n chunks relative to it.
+struct PieceSpan {
+  size_t begin = 0;
+  ring::Chunks chunks{0, 1};
+};
+
+// The pieces of `count` elements over `size` ranks, in order. The one layout: the native
+// algorithm, the Python fallback and the statistics (through _C) all take it from here.
+std::vector<PieceSpan> piecesOf(size_t count, int size);
 
 // Length of the server residual of `rank`: its chunk of every piece, in piece order.
 size_t serverResidualLength(size_t count, int rank, int size);
+
+// Payload bytes `rank` sends in one compressed all-reduce of `count` elements (frame
+// headers not included), from the same plan the algorithm sizes its messages with.
+size_t compressedAllreduceWireBytes(const compress::Config& config, size_t count, int rank, int size);
 
 // Quantizers and casts (1-bit, ternary, fp16, bf16), per piece: each rank encodes the
 // piece in n chunks with the worker residual; all-to-all sends chunk i to rank i, which

@@ -22,6 +22,10 @@ void store(const float* sum, float factor, void* out, size_t count) {
 
 }  // namespace
 
+size_t compressedReduceScatterWireBytes(const compress::Config& config, size_t count, int size) {
+  return count == 0 ? 0 : size_t(size - 1) * compress::encodedBytes(config, count);
+}
+
 void compressedReduceScatter(Communicator& comm, const CompressedReduceScatterArgs& a) {
   compress::checkFloatType(a.dtype, "the compressed reduce-scatter's tensor");
   comm.run(OpCode::CompressedReduceScatter, a.dtype, a.count, [&](Call& call) {

@@ -28,4 +28,7 @@ struct CompressedReduceScatterArgs {
 // order (decodeAccumulate), scales it for an average, and writes it out in `dtype`.
 void compressedReduceScatter(Communicator& comm, const CompressedReduceScatterArgs& args);
 
+// Payload bytes every rank sends in one compressed reduce-scatter of `count` output elements.
+size_t compressedReduceScatterWireBytes(const compress::Config& config, size_t count, int size);
+
 }  // namespace ddlcomm

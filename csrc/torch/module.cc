@@ -3,12 +3,40 @@
 #include <pybind11/stl.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <string>
+#include <tuple>
+#include <vector>
+
 #include "bindings/bindings.h"
 #include "collectives/compressed_allreduce.h"
+#include "collectives/compressed_reduce_scatter.h"
 #include "torch/backend.h"
 
 namespace py = pybind11;
 using ddlcomm::torch_glue::ProcessGroupDdlcomm;
+
+namespace {
+
+// The plan functions index chunks by rank: out of range they would read past the split.
+void checkRank(int rank, int size) {
+  if (size < 1 || rank < 0 || rank >= size) {
+    throw py::value_error("rank " + std::to_string(rank) + " of a group of " + std::to_string(size));
+  }
+}
+
+// (begin, end, the n + 1 chunk bounds relative to begin) of each piece.
+std::vector<std::tuple<size_t, size_t, std::vector<size_t>>> pieces(size_t count, int size) {
+  checkRank(0, size);
+  std::vector<std::tuple<size_t, size_t, std::vector<size_t>>> out;
+  for (const ddlcomm::PieceSpan& span : ddlcomm::piecesOf(count, size)) {
+    std::vector<size_t> bounds;
+    for (int i = 0; i <= size; ++i) bounds.push_back(span.chunks.begin(i));
+    out.emplace_back(span.begin, span.begin + span.chunks.total, std::move(bounds));
+  }
+  return out;
+}
+
+}  // namespace
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "ddlcomm native extension: the torch.distributed backend";
@@ -68,7 +96,34 @@ PYBIND11_MODULE(_C, m) {
                   py::arg("chunk"), py::arg("size"), py::arg("piece") = 0)
       .def_property_readonly_static(
           "piece_elements", [](py::object) { return ddlcomm::kPieceElements; },
-          "Elements per piece of a quantized or cast compressed all-reduce (the last one shorter).");
+          "Elements per piece of a quantized or cast compressed all-reduce (the last one shorter).")
+      .def_static("compressed_allreduce_pieces", &pieces, py::arg("numel"), py::arg("size"),
+                  "The pieces of a quantized or cast compressed all-reduce: (begin, end, chunk bounds relative "
+                  "to begin) each; chunk i of a piece goes to rank i.")
+      .def_static(
+          "server_residual_numel",
+          [](size_t numel, int rank, int size) {
+            checkRank(rank, size);
+            return ddlcomm::serverResidualLength(numel, rank, size);
+          },
+          py::arg("numel"), py::arg("rank"), py::arg("size"),
+          "Elements of the server residual of `rank`: its chunk of every piece.")
+      .def_static(
+          "compressed_allreduce_wire_bytes",
+          [](const ddlcomm::compress::Config& config, size_t numel, int rank, int size) {
+            checkRank(rank, size);
+            return ddlcomm::compressedAllreduceWireBytes(config, numel, rank, size);
+          },
+          py::arg("config"), py::arg("numel"), py::arg("rank"), py::arg("size"),
+          "Payload bytes `rank` sends in one compressed all-reduce of `numel` elements.")
+      .def_static(
+          "compressed_reduce_scatter_wire_bytes",
+          [](const ddlcomm::compress::Config& config, size_t numel, int size) {
+            checkRank(0, size);
+            return ddlcomm::compressedReduceScatterWireBytes(config, numel, size);
+          },
+          py::arg("config"), py::arg("numel"), py::arg("size"),
+          "Payload bytes each rank sends in one compressed reduce-scatter of `numel` output elements.");
   ddlcomm::bindings::bindCompression(m);
   ddlcomm::bindings::bindCudaCompression(m);
   ddlcomm::bindings::bindTransport(m);

@@ -26,8 +26,8 @@ from torch.nn.parallel import DistributedDataParallel
 import ddlcomm  # noqa: F401
 from ddlcomm.bench import init_ranks
 from ddlcomm import compressors, fsdp, hooks
-from ddlcomm.compressed import compressed_all_reduce, server_residual_numel, wire_bytes
-from ddlcomm.wire import Agreement, Wire
+from ddlcomm.compressed import compressed_all_reduce, reduce_scatter_wire_bytes, server_residual_numel, wire_bytes
+from ddlcomm.wire import Agreement, Wire, ring_all_reduce_bytes, ring_reduce_scatter_bytes
 
 COMPRESSORS = {
     "fp16": compressors.FP16,
@@ -57,7 +57,7 @@ def timed(call, repeats: int) -> float:
 def allreduce_bench(gloo, numel: int, repeats: int) -> None:
     rank, n = dist.get_rank(), dist.get_world_size()
     grad = torch.randn(numel, generator=torch.Generator().manual_seed(rank))
-    fp32_bytes = 2 * (n - 1) * numel * 4 // n
+    fp32_bytes = ring_all_reduce_bytes(numel * 4, n)
     base = timed(lambda: dist.all_reduce(grad, group=gloo), repeats)
     report(kind="allreduce", method="gloo fp32", seconds=base, speedup=1.0, wire_bytes=fp32_bytes, numel=numel, ranks=n)
     t = timed(lambda: dist.all_reduce(grad), repeats)
@@ -90,14 +90,14 @@ def reduce_scatter_bench(gloo, numel: int, repeats: int) -> None:
     m = numel // n
     grad = torch.randn(n * m, generator=torch.Generator().manual_seed(rank))
     out = torch.empty(m)
-    fp32_bytes = (n - 1) * m * 4
+    fp32_bytes = ring_reduce_scatter_bytes(n * m * 4, n)
     base = timed(lambda: dist.reduce_scatter_tensor(out, grad, group=gloo), repeats)
     report(kind="reduce_scatter", method="gloo fp32", seconds=base, speedup=1.0, wire_bytes=fp32_bytes)
     t = timed(lambda: dist.reduce_scatter_tensor(out, grad), repeats)
     report(kind="reduce_scatter", method="ddlcomm fp32", seconds=t, speedup=base / t, wire_bytes=fp32_bytes)
     for name in ("1-bit", "ternary"):
         comp = COMPRESSORS[name]()
-        wire = (n - 1) * comp.compressed_nbytes(m)
+        wire = reduce_scatter_wire_bytes(comp, m, n)
         paths = (("native", dist.group.WORLD, False), ("python, ddlcomm all-to-all", dist.group.WORLD, True),
                  ("python, gloo all-to-all", gloo, True))
         for label, group, python in paths:
@@ -129,7 +129,7 @@ def ddp_bench(gloo, width: int, depth: int, iters: int, batch: int) -> None:
     x = torch.randn(batch, width, generator=torch.Generator().manual_seed(rank))
     y = torch.randint(0, 10, (batch,), generator=torch.Generator().manual_seed(rank))
     grad_bytes = params * 4
-    fp32_wire = 2 * (n - 1) * grad_bytes // n
+    fp32_wire = ring_all_reduce_bytes(grad_bytes, n)
 
     # PyTorch's PowerSGD hook runs over the ddlcomm group: over gloo (shared or a fresh
     # group) gloo aborted here with "Received data size doesn't match expected size".

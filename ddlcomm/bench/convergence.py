@@ -47,6 +47,7 @@ import ddlcomm  # noqa: F401  (registers the backend)
 from ddlcomm.bench import init_ranks
 from ddlcomm import compressors, fsdp, hooks, optim
 from ddlcomm.bench.tasks import Task, lr_lambda, make_task
+from ddlcomm.wire import ring_all_reduce_bytes
 
 START_COMPRESS_ITER = 10
 OPTIMIZERS = ("sgd", "adamw")
@@ -134,7 +135,7 @@ class _Traffic:
         n = dist.get_world_size()
 
         def counting(tensor, *args, **kwargs):
-            self.bytes += 2 * (n - 1) * tensor.numel() * tensor.element_size() // n
+            self.bytes += ring_all_reduce_bytes(tensor.numel() * tensor.element_size(), n)
             return self._all_reduce(tensor, *args, **kwargs)
 
         dist.all_reduce = counting
@@ -147,7 +148,7 @@ class _Traffic:
 def _plain_bytes(model: torch.nn.Module, steps: int) -> int:
     n = dist.get_world_size()
     numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    return steps * (2 * (n - 1) * numel * 4 // n)
+    return steps * ring_all_reduce_bytes(numel * 4, n)
 
 
 def applies(method: Method, sharding: str) -> bool:
