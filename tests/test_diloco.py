@@ -1,0 +1,28 @@
+"""Outer steps (ddlcomm.diloco): run on every rank by tests/workers/diloco.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from harness import assert_all_ok, launch
+
+
+@pytest.mark.parametrize("backend", ["ddlcomm", "gloo"])
+def test_float32_outer_steps_match_a_direct_implementation(backend: str) -> None:
+    # Two ranks: a sum of two is the same in any order, so the reference's per-parameter
+    # all-reduces and DiLoCo's flat one agree to the bit (AdamW would amplify a rounding difference).
+    assert_all_ok(launch("diloco", "matches_reference", 2, timeout=120, args=(backend,)))
+
+
+@pytest.mark.parametrize("backend,name", [("ddlcomm", "onebit"), ("ddlcomm", "topk"), ("gloo", "ternary")])
+def test_error_feedback_conserves_the_pseudo_gradient(backend: str, name: str) -> None:
+    assert_all_ok(launch("diloco", "conservation", 4, timeout=120, args=(backend, name)))
+
+
+@pytest.mark.parametrize("backend,name", [("ddlcomm", "ternary"), ("ddlcomm", "none"), ("gloo", "onebit")])
+def test_replicas_agree_and_resume_is_exact(backend: str, name: str) -> None:
+    assert_all_ok(launch("diloco", "resume", 2, timeout=120, args=(backend, name)))
+
+
+def test_bad_arguments_and_non_finite_pseudo_gradients_are_refused() -> None:
+    assert_all_ok(launch("diloco", "errors", 2, timeout=120))

@@ -1,0 +1,206 @@
+"""ddlcomm.diloco on every rank (tests/test_diloco.py): the outer step against a direct
+implementation, error-feedback conservation across outer steps, bitwise-equal replicas, exact
+resume, and the errors."""
+
+from __future__ import annotations
+
+import io
+
+import torch
+import torch.distributed as dist
+
+from common import init, run
+from ddlcomm import compressors
+from ddlcomm.diloco import DiLoCo
+
+COMPRESSORS = {
+    "none": lambda: None,
+    "onebit": lambda: compressors.OneBit(block_size=64),
+    "ternary": lambda: compressors.Ternary(block_size=64, stochastic=True, seed=3),
+    "topk": lambda: compressors.TopK(ratio=0.05),
+}
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.BatchNorm1d(64), torch.nn.ReLU(),
+                               torch.nn.Linear(64, 4))
+
+
+def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randn(32, 16, generator=g)
+    return x, (x[:, :4].sum(1) > 0).long() + (x[:, 4] > 0).long()
+
+
+def _inner_step(model: torch.nn.Module, opt: torch.optim.Optimizer, rank: int, step: int) -> None:
+    x, y = _batch(rank, step)
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _flat(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([t.detach().reshape(-1).float() for t in [*model.parameters(), *model.buffers()]
+                      if t.is_floating_point()])
+
+
+def _assert_replicas_equal(model: torch.nn.Module, what: str) -> None:
+    mine = _flat(model)
+    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, mine)
+    for r, other in enumerate(everyone):
+        assert torch.equal(other, mine), f"{what}: rank {r}'s replica differs from rank {dist.get_rank()}'s"
+
+
+def matches_reference(backend: str) -> None:
+    """Float32 outer steps (compressor=None) equal DiLoCo written out with torch alone: the
+    mean pseudo-gradient per parameter, torch's Nesterov SGD on float32 global weights, the
+    replica set to them, BatchNorm's statistics averaged."""
+    rank, n = init(backend)
+    model, reference = _model(), _model()
+    inner = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    ref_inner = torch.optim.AdamW(reference.parameters(), lr=3e-3)
+    diloco = DiLoCo(model, inner, sync_every=5, outer_lr=0.7, outer_momentum=0.9)
+    globals_ = [p.detach().clone() for p in reference.parameters()]
+    outer = torch.optim.SGD(globals_, lr=0.7, momentum=0.9, nesterov=True)
+    for step in range(20):
+        _inner_step(model, inner, rank, step)
+        _inner_step(reference, ref_inner, rank, step)
+        synced = diloco.step()
+        assert synced == ((step + 1) % 5 == 0)
+        if synced:
+            with torch.no_grad():
+                for g, p in zip(globals_, reference.parameters()):
+                    g.grad = g - p
+                    dist.all_reduce(g.grad)
+                    g.grad /= n
+                outer.step()
+                for g, p in zip(globals_, reference.parameters()):
+                    p.copy_(g)
+                for b in reference.buffers():
+                    if b.is_floating_point():
+                        dist.all_reduce(b)
+                        b /= n
+            torch.testing.assert_close(_flat(model), _flat(reference), rtol=0, atol=0,
+                                       msg=lambda m: f"outer step {diloco.outer_steps}: {m}")
+            _assert_replicas_equal(model, f"outer step {diloco.outer_steps}")
+    assert diloco.outer_steps == 4 and diloco.inner_steps == 20
+    # float32 every 5 steps: a fifth of what DDP sends in float32 at every step
+    assert abs(diloco.stats.ratio - 5.0) < 1e-9, diloco.stats
+
+
+def conservation(backend: str, name: str) -> None:
+    """With outer_lr 1 and no momentum the global weights move by exactly the averaged
+    pseudo-gradient A_t; error feedback loses nothing across outer steps:
+    sum_t A_t = sum_t mean_r(D_t,r) + mean_r(w_0,r - w_T,r) + (s_0 - s_T), the server residuals
+    laid out at the positions each rank reduces. D_t,r is computed here (float64, gloo)."""
+    rank, n = init(backend)
+    gloo = dist.new_group(backend="gloo")
+    model = _model()
+    inner = torch.optim.SGD(model.parameters(), lr=0.05)
+    diloco = DiLoCo(model, inner, sync_every=3, compressor=COMPRESSORS[name](), outer_lr=1.0, outer_momentum=0.0)
+    params = lambda: torch.cat([p.detach().reshape(-1).double() for p in model.parameters()])  # noqa: E731
+    start = diloco.state_dict()
+    global_ = params()
+    applied = torch.zeros_like(global_)
+    true = torch.zeros_like(global_)
+    for step in range(12):
+        _inner_step(model, inner, rank, step)
+        if (step + 1) % 3 == 0:
+            d = global_ - params()
+            dist.all_reduce(d, group=gloo)
+            true += d / n
+        before = global_
+        if diloco.step():
+            global_ = params()
+            applied += before - global_
+    end = diloco.state_dict()
+    worker = (start["worker_residual"] - end["worker_residual"]).double()
+    dist.all_reduce(worker, group=gloo)
+    expected = true + worker / n
+    if end["server_residual"] is not None:
+        numel = global_.numel()
+        server = torch.zeros(numel, dtype=torch.float64)
+        begin, stop = numel * rank // n, numel * (rank + 1) // n  # one piece: chunk `rank`
+        server[begin:stop] = (start["server_residual"] - end["server_residual"]).double()
+        dist.all_reduce(server, group=gloo)
+        expected += server
+    scale = float(true.abs().max()) + float(worker.abs().max()) / n
+    torch.testing.assert_close(applied, expected, rtol=0, atol=1e-5 * scale,
+                               msg=lambda m: f"{name} on {backend}: error feedback lost something: {m}")
+    assert float((applied - true).abs().max()) > 1e-4 * scale or name == "none", "the compressor changed nothing?"
+
+
+def resume(backend: str, name: str) -> None:
+    """Replicas bitwise equal after every outer step; a run saved between outer steps and
+    resumed into new objects continues bit for bit as the uninterrupted one."""
+    rank, _ = init(backend)
+
+    def build() -> tuple[torch.nn.Module, torch.optim.Optimizer, DiLoCo]:
+        model = _model()
+        inner = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
+        return model, inner, DiLoCo(model, inner, sync_every=4, compressor=COMPRESSORS[name]())
+
+    model, inner, diloco = build()
+    saved = None
+    for step in range(16):
+        _inner_step(model, inner, rank, step)
+        if diloco.step():
+            _assert_replicas_equal(model, f"{name}, outer step {diloco.outer_steps}")
+        if step == 9:  # between outer steps: the replica differs from the global weights
+            buffer = io.BytesIO()
+            torch.save({"model": model.state_dict(), "inner": inner.state_dict(), "diloco": diloco.state_dict()}, buffer)
+            saved = buffer.getvalue()
+    uninterrupted = _flat(model)
+    model, inner, diloco = build()
+    state = torch.load(io.BytesIO(saved), weights_only=True)
+    model.load_state_dict(state["model"])
+    inner.load_state_dict(state["inner"])
+    diloco.load_state_dict(state["diloco"])
+    for step in range(10, 16):
+        _inner_step(model, inner, rank, step)
+        diloco.step()
+    assert torch.equal(_flat(model), uninterrupted), f"{name}: the resumed run differs from the uninterrupted one"
+    assert diloco.outer_steps == 4
+
+
+def errors() -> None:
+    """Bad arguments and states are refused with the reason; a non-finite pseudo-gradient on
+    one rank raises on every rank and leaves the global weights alone."""
+    rank, n = init()
+    model = _model()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    for bad, kind, text in ((dict(sync_every=0), ValueError, "sync_every"),
+                            (dict(compressor="onebit"), TypeError, "compressor")):
+        try:
+            DiLoCo(model, inner, **bad)
+        except kind as e:
+            assert text in str(e), e
+        else:
+            raise AssertionError(f"{bad} was accepted")
+    diloco = DiLoCo(model, inner, sync_every=2, compressor=compressors.OneBit())
+    state = diloco.state_dict()
+    other = DiLoCo(model, inner, sync_every=3, compressor=compressors.OneBit())
+    try:
+        other.load_state_dict(state)
+    except ValueError as e:
+        assert "sync_every" in str(e), e
+    else:
+        raise AssertionError("a state of another schedule was loaded")
+    before = _flat(model)
+    if rank == n - 1:
+        with torch.no_grad():
+            next(model.parameters())[0, 0] = float("nan")
+    try:
+        diloco.sync()
+    except RuntimeError as e:
+        assert "not finite" in str(e) and f"rank {rank}" in str(e), e
+    else:
+        raise AssertionError("a non-finite pseudo-gradient was applied")
+    if rank != n - 1:
+        assert torch.equal(_flat(model), before), "the replica moved after a refused outer step"
+
+
+if __name__ == "__main__":
+    run({"matches_reference": matches_reference, "conservation": conservation, "resume": resume, "errors": errors})
