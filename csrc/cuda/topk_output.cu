@@ -6,18 +6,27 @@
 namespace ddlcomm::gpu::detail::topk {
 namespace {
 
-// Per tile (one warp each): keys > T and keys == T.
-template <typename Src>
-__global__ __launch_bounds__(kThreads) void tileCountKernel(Src src, const TopkState* st, Gate gate,
-                                                            uint64_t numTiles, uint32_t* greater, uint32_t* equal) {
-  if (!gate.pass(st)) return;
-  const uint32_t T = st->final.prefix;
+// Calls fn(tile, start, count, lane) for each tile this warp owns: one warp per tile, the
+// grid striding over them, as both per-tile passes below need the same tiles.
+template <typename Src, typename Fn>
+__device__ __forceinline__ void forEachWarpTile(const Src& src, uint64_t numTiles, Fn&& fn) {
   const int lane = threadIdx.x % kWarpSize;
   const uint64_t warpStride = uint64_t(gridDim.x) * kWarpsPerCta;
   for (uint64_t b = uint64_t(blockIdx.x) * kWarpsPerCta + threadIdx.x / kWarpSize; b < numTiles; b += warpStride) {
     uint64_t start;
     uint32_t count;
     src.tile(b, start, count);
+    fn(b, start, count, lane);
+  }
+}
+
+// Per tile (one warp each): keys > T and keys == T.
+template <typename Src>
+__global__ __launch_bounds__(kThreads) void tileCountKernel(Src src, const TopkState* st, Gate gate,
+                                                            uint64_t numTiles, uint32_t* greater, uint32_t* equal) {
+  if (!gate.pass(st)) return;
+  const uint32_t T = st->final.prefix;
+  forEachWarpTile(src, numTiles, [&](uint64_t b, uint64_t start, uint32_t count, int lane) {
     uint32_t gt = 0, eq = 0;
     for (uint32_t off = lane; off < count; off += kWarpSize) {
       const uint32_t key = src.key(start + off);
@@ -30,7 +39,7 @@ __global__ __launch_bounds__(kThreads) void tileCountKernel(Src src, const TopkS
       greater[b] = gt;
       equal[b] = eq;
     }
-  }
+  });
 }
 
 // One CTA: turns per-tile (greater, equal) into (output offset, ties before the tile); the
@@ -87,12 +96,7 @@ __global__ __launch_bounds__(kThreads) void tileWriteKernel(Src src, const TopkS
   if (!gate.pass(st)) return;
   const uint32_t T = st->final.prefix;
   const uint64_t ties = st->final.rank;
-  const int lane = threadIdx.x % kWarpSize;
-  const uint64_t warpStride = uint64_t(gridDim.x) * kWarpsPerCta;
-  for (uint64_t b = uint64_t(blockIdx.x) * kWarpsPerCta + threadIdx.x / kWarpSize; b < numTiles; b += warpStride) {
-    uint64_t start;
-    uint32_t count;
-    src.tile(b, start, count);
+  forEachWarpTile(src, numTiles, [&](uint64_t b, uint64_t start, uint32_t count, int lane) {
     uint64_t eqSeen = tiesBefore[b], pos = offsets[b];
     for (uint32_t off0 = 0; off0 < count; off0 += kWarpSize) {
       const uint32_t off = off0 + lane;
@@ -115,7 +119,7 @@ __global__ __launch_bounds__(kThreads) void tileWriteKernel(Src src, const TopkS
       eqSeen += __popc(eqMask);
       pos += __popc(selMask);
     }
-  }
+  });
 }
 
 }  // namespace
