@@ -7,6 +7,10 @@ itself (the ``torch.backends`` entry point in ``ddlcomm_autoload``), so this is 
     import torch.distributed as dist
     dist.init_process_group("ddlcomm")          # or "cpu:ddlcomm"
 
+A group's transport is ``DDLCOMM_TRANSPORT`` (auto by default), or its own ``pg_options``::
+
+    dist.new_group(backend="ddlcomm", pg_options=ddlcomm.Options(transport="shm"))
+
 Launch with ``torchrun`` like any other backend. ``ProcessGroupDdlcomm`` is the backend class
 torch creates for a group (``help(ddlcomm.ProcessGroupDdlcomm)`` lists its methods); the
 compressors are in ``ddlcomm.compressors``, the DDP hooks in ``ddlcomm.hooks`` with their
@@ -43,17 +47,23 @@ except ImportError:
         "which makes it importable as it is."
     ) from None
 
-# ProcessGroupDdlcomm is public but not listed: help(ddlcomm) would print its ~250 lines of
-# inherited c10d methods.
+# ProcessGroupDdlcomm and Options are public but not listed: help(ddlcomm) would print their
+# inherited c10d methods (the module docstring names both, for help() on them).
 __all__ = ["BACKEND_NAME", "all_reduce_", "is_available", "transports"]
 
 __version__ = importlib.metadata.version("ddlcomm")  # pyproject.toml's version, as installed
 BACKEND_NAME = "ddlcomm"
 ProcessGroupDdlcomm = _C.ProcessGroupDdlcomm
+Options = ProcessGroupDdlcomm.Options  # pg_options of a ddlcomm group
 
 
 def _create_backend(dist_backend_opts: Any, backend_options: Any = None) -> ProcessGroupDdlcomm:
-    """Backend creator called by torch.distributed (extended API)."""
+    """Backend creator called by torch.distributed (extended API); `backend_options` is the
+    ``pg_options`` of ``init_process_group``/``new_group``."""
+    if backend_options is not None and not isinstance(backend_options, Options):
+        kind = type(backend_options)
+        raise TypeError(f"a ddlcomm group takes pg_options=ddlcomm.Options(...) or None, not {kind.__module__}."
+                        f"{kind.__qualname__}")
     global _made_groups
     _made_groups = True
     opts = dist_backend_opts
@@ -65,6 +75,7 @@ def _create_backend(dist_backend_opts: Any, backend_options: Any = None) -> Proc
         timeout,
         [int(r) for r in opts.global_ranks_in_group],
         str(opts.group_id),
+        backend_options,
     )
     _set_default_backend_type(sys._getframe(1).f_locals.get("pg"))
     return backend
@@ -81,9 +92,10 @@ def _set_default_backend_type(pg: Any) -> None:
 
 
 def transports() -> list[str]:
-    """The transports this build can use, as named by ``DDLCOMM_TRANSPORT``: ``tcp`` and ``shm``
-    always, ``ucx`` when UCX was found (pkg-config) when ddlcomm was built. ``auto``, the
-    default, picks among them per pair of ranks (docs/transports.md)."""
+    """The transports this build can use, as named by ``DDLCOMM_TRANSPORT`` and
+    ``ddlcomm.Options(transport=)``: ``tcp`` and ``shm`` always, ``ucx`` when UCX was found
+    (pkg-config) when ddlcomm was built. ``auto``, the default, picks among them per pair of
+    ranks (docs/transports.md)."""
     return list(_C._transports())
 
 

@@ -119,8 +119,14 @@ void DdlcommWork::complete(std::exception_ptr error) {
 
 ProcessGroupDdlcomm::ProcessGroupDdlcomm(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                                          std::chrono::milliseconds timeout, std::vector<int64_t> globalRanks,
-                                         std::string groupName)
-    : Backend(rank, size), store_(attemptStore(store)), timeoutMs_(timeout.count()) {
+                                         std::string groupName, const c10::intrusive_ptr<Options>& options)
+    : Backend(rank, size),
+      options_(options ? c10::make_intrusive<Options>(*options) : c10::make_intrusive<Options>()),
+      store_(attemptStore(store)),
+      timeoutMs_(timeout.count()) {
+  options_->timeout = timeout;
+  options_->group_name = groupName;
+  options_->global_ranks_in_group.assign(globalRanks.begin(), globalRanks.end());
   prefix_ = c10::str("[ddlcomm rank ", rank, "/", size);
   if (!globalRanks.empty() && size_t(rank) < globalRanks.size() && globalRanks[size_t(rank)] != rank) {
     prefix_ += c10::str(" of group '", groupName, "', global rank ", globalRanks[size_t(rank)]);
@@ -130,7 +136,7 @@ ProcessGroupDdlcomm::ProcessGroupDdlcomm(const c10::intrusive_ptr<c10d::Store>& 
   auto kv = std::make_shared<StoreAdapter>(store_);
   try {
     // Every setting is read before connecting: a bad value fails at once, not after the peers joined.
-    auto transportOptions = TransportOptions::fromEnvironment(timeout);
+    auto transportOptions = TransportOptions::resolve(options_->transport, timeout);
     auto collectiveOptions = CollectiveOptions::fromEnvironment(timeout);
     inlineBytes_ = size_t(envInteger("DDLCOMM_INLINE_BYTES", int64_t(inlineBytes_), 0));
     compress::configuredThreads();  // read again by every compressed call

@@ -19,6 +19,7 @@
 #include "collectives/executor.h"
 #include "compress/compress.h"
 #include "torch/device_staging.h"
+#include "transport/connect.h"
 
 namespace ddlcomm::torch_glue {
 
@@ -76,13 +77,26 @@ struct ProfilerContext {
 
 class ProcessGroupDdlcomm : public c10d::Backend {
  public:
+  // ProcessGroupDdlcomm.Options, the pg_options of a ddlcomm group, as ProcessGroupNCCL's: c10d's
+  // fields plus what this group asks of its transport over the environment.
+  struct Options : c10d::Backend::Options {
+    explicit Options(std::chrono::milliseconds timeout = kBackendDefaultTimeout)
+        : c10d::Backend::Options("ddlcomm", timeout) {}
+    TransportRequest transport;
+  };
+
+  // `options` (may be null) is copied: the caller's object stays as it was. `timeout` wins over
+  // its timeout, as for NCCL (torch passes the group's timeout= here).
   ProcessGroupDdlcomm(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
-                      std::chrono::milliseconds timeout, std::vector<int64_t> globalRanks, std::string groupName);
+                      std::chrono::milliseconds timeout, std::vector<int64_t> globalRanks, std::string groupName,
+                      const c10::intrusive_ptr<Options>& options = {});
   ~ProcessGroupDdlcomm() override;
 
   const std::string getBackendName() const override { return "ddlcomm"; }
   bool supportsCoalescing() const override { return true; }
-  c10::intrusive_ptr<Options> getBackendOptions() override;
+  // A copy of the options the group was created with (group name and ranks filled in), with
+  // the timeout of the next operations.
+  c10::intrusive_ptr<c10d::Backend::Options> getBackendOptions() override;
   // Operations issued after this call use `timeout`.
   void setTimeout(std::chrono::milliseconds timeout) override;
   // Between the two, every operation runs as issued; endCoalescing returns one Work that
@@ -192,6 +206,7 @@ class ProcessGroupDdlcomm : public c10d::Backend {
   void trackCoalesced(const c10::intrusive_ptr<c10d::Work>& work);
 
   std::unique_ptr<Executor> executor_;
+  c10::intrusive_ptr<Options> options_;  // as created, never changed: the timeout is timeoutMs_
   c10::intrusive_ptr<c10d::Store> store_;  // monitoredBarrier's rendezvous
   std::atomic<int64_t> timeoutMs_;
   uint64_t monitoredBarriers_ = 0;  // calls so far: the key of the next one

@@ -99,7 +99,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDdlcomm::throughHost(
 }
 
 c10::intrusive_ptr<c10d::Backend::Options> ProcessGroupDdlcomm::getBackendOptions() {
-  return c10::make_intrusive<Options>("ddlcomm", std::chrono::milliseconds(timeoutMs_.load()));
+  // A copy: the caller may change it (split_group deep-copies it for the child), the group not.
+  auto copy = c10::make_intrusive<Options>(*options_);
+  copy->timeout = std::chrono::milliseconds(timeoutMs_.load());
+  return copy;
 }
 
 void ProcessGroupDdlcomm::setTimeout(std::chrono::milliseconds timeout) {

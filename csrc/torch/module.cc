@@ -3,6 +3,8 @@
 #include <pybind11/stl.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <map>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -10,10 +12,13 @@
 #include "bindings/bindings.h"
 #include "collectives/compressed_allreduce.h"
 #include "collectives/compressed_reduce_scatter.h"
+#include "common/error.h"
 #include "torch/backend.h"
 
 namespace py = pybind11;
 using ddlcomm::torch_glue::ProcessGroupDdlcomm;
+using Options = ProcessGroupDdlcomm::Options;
+using SpinMicros = std::map<std::string, int64_t>;
 
 namespace {
 
@@ -36,22 +41,85 @@ std::vector<std::tuple<size_t, size_t, std::vector<size_t>>> pieces(size_t count
   return out;
 }
 
+// Options are checked where they are written, so a bad value fails there rather than at init.
+ddlcomm::TransportRequest checkedRequest(std::optional<std::string> name, SpinMicros spin) {
+  ddlcomm::TransportRequest request{std::move(name), std::move(spin)};
+  try {
+    ddlcomm::checkTransportRequest(request);
+  } catch (const ddlcomm::Error& e) {
+    throw py::value_error(e.what());
+  }
+  return request;
+}
+
+constexpr const char* kOptionsDoc = R"(pg_options of a ddlcomm group (also ddlcomm.Options)::
+
+    dist.new_group(backend="ddlcomm", pg_options=ddlcomm.Options(transport="shm"))
+
+transport: "auto", "tcp", "shm" or "ucx" (ddlcomm.transports() lists this build's), or None
+    (the default) for DDLCOMM_TRANSPORT, else auto. It wins over DDLCOMM_TRANSPORT.
+spin_us: {transport name: microseconds} a waiting rank polls before it sleeps, over
+    DDLCOMM_<NAME>_SPIN_US (assign a whole dict: the attribute returns a copy).
+
+Bad values raise ValueError when set. The group's timeout is init_process_group's or
+new_group's timeout=, as for NCCL: _timeout is not read. A group's options property returns a
+copy of the options it was created with, with its timeout, group name and ranks.)";
+
+void bindOptions(py::class_<ProcessGroupDdlcomm, c10d::Backend, c10::intrusive_ptr<ProcessGroupDdlcomm>>& pg) {
+  py::class_<Options, c10d::Backend::Options, c10::intrusive_ptr<Options>>(pg, "Options", kOptionsDoc)
+      .def(py::init([](std::optional<std::string> transport, SpinMicros spin) {
+             auto options = c10::make_intrusive<Options>();
+             options->transport = checkedRequest(std::move(transport), std::move(spin));
+             return options;
+           }),
+           py::arg("transport") = py::none(), py::arg("spin_us") = py::dict())
+      .def_property(
+          "transport", [](const Options& o) { return o.transport.name; },
+          [](Options& o, std::optional<std::string> name) {
+            o.transport = checkedRequest(std::move(name), o.transport.spinMicros);
+          })
+      .def_property(
+          "spin_us", [](const Options& o) { return o.transport.spinMicros; },
+          [](Options& o, SpinMicros spin) { o.transport = checkedRequest(o.transport.name, std::move(spin)); })
+      // torch's split_group deep-copies the parent's options; c10d's own Options do not copy.
+      .def("__copy__", [](const Options& o) { return c10::make_intrusive<Options>(o); })
+      .def("__deepcopy__", [](const Options& o, const py::dict&) { return c10::make_intrusive<Options>(o); },
+           py::arg("memo"))
+      .def(py::pickle(
+          [](const Options& o) { return py::make_tuple(o.transport.name, o.transport.spinMicros, o.timeout); },
+          [](const py::tuple& state) {
+            if (state.size() != 3) throw py::value_error("ddlcomm.Options: not a pickled ddlcomm.Options");
+            auto options = c10::make_intrusive<Options>(state[2].cast<std::chrono::milliseconds>());
+            options->transport =
+                checkedRequest(state[0].cast<std::optional<std::string>>(), state[1].cast<SpinMicros>());
+            return options;
+          }))
+      .def("__repr__", [](const Options& o) {
+        return "ddlcomm.Options(transport=" + std::string(py::repr(py::cast(o.transport.name))) +
+               ", spin_us=" + std::string(py::repr(py::cast(o.transport.spinMicros))) + ")";
+      });
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "ddlcomm native extension: the torch.distributed backend";
-  py::class_<ProcessGroupDdlcomm, c10d::Backend, c10::intrusive_ptr<ProcessGroupDdlcomm>>(m, "ProcessGroupDdlcomm")
-      .def(py::init([](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
-                       std::chrono::milliseconds timeout, std::vector<int64_t> globalRanks, std::string groupName) {
-             return c10::make_intrusive<ProcessGroupDdlcomm>(store, rank, size, timeout, std::move(globalRanks),
-                                                             std::move(groupName));
-           }),
-           py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout"),
-           py::arg("global_ranks") = std::vector<int64_t>{}, py::arg("group_name") = "",
-           py::call_guard<py::gil_scoped_release>())
+  py::class_<ProcessGroupDdlcomm, c10d::Backend, c10::intrusive_ptr<ProcessGroupDdlcomm>> pg(m, "ProcessGroupDdlcomm");
+  bindOptions(pg);  // first: the constructor's signature names the class
+  pg.def(py::init([](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                     std::chrono::milliseconds timeout, std::vector<int64_t> globalRanks, std::string groupName,
+                     std::optional<c10::intrusive_ptr<Options>> options) {
+           return c10::make_intrusive<ProcessGroupDdlcomm>(store, rank, size, timeout, std::move(globalRanks),
+                                                           std::move(groupName),
+                                                           options ? *options : c10::intrusive_ptr<Options>());
+         }),
+         py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout"),
+         py::arg("global_ranks") = std::vector<int64_t>{}, py::arg("group_name") = "",
+         py::arg("options") = py::none(), py::call_guard<py::gil_scoped_release>())
       .def("__repr__", &ProcessGroupDdlcomm::describe)
       .def_property_readonly("options", &ProcessGroupDdlcomm::getBackendOptions,
-                             "Backend.Options: the backend name and the timeout of the next operations.")
+                             "ddlcomm.Options the group was created with (a copy), with the timeout of the next "
+                             "operations.")
       .def("all_reduce_", &ProcessGroupDdlcomm::allreduceNow, py::arg("tensor"), py::arg("op"),
            py::call_guard<py::gil_scoped_release>(),
            "dist.all_reduce(tensor, op) without c10d's dispatch: blocking, in place (ddlcomm.all_reduce_).")

@@ -64,15 +64,15 @@ class Setup {
 };
 
 // One row of the transport table, as NCCL's: the choice walks the table, asking each built
-// entry whether it applies to the group under DDLCOMM_TRANSPORT.
+// entry whether it applies to the group under its choice (Options.transport, DDLCOMM_TRANSPORT).
 struct TransportEntry {
   enum Role {
     Network,  // connects every pair of ranks; the last network entry that applies is taken
     Layer,    // wraps the network for the ranks it can reach itself
   };
-  const char* name;  // DDLCOMM_TRANSPORT value, listed by ddlcomm.transports()
+  const char* name;  // the choice's value, listed by ddlcomm.transports()
   bool built;
-  const char* notBuilt;  // why `built` is false: the error when DDLCOMM_TRANSPORT names it
+  const char* notBuilt;  // why `built` is false: the error when a choice names it
   Role role;
   // A waiting rank spins a little before it sleeps: waking from a sleep costs more than a
   // small message takes. Where this host's ranks outnumber its cores a long spin holds the
@@ -151,32 +151,54 @@ const TransportEntry* findTransport(const std::string& name) {
   return nullptr;
 }
 
-// "auto, tcp, shm or ucx": every name the table knows, built or not.
-std::string choices() {
-  std::string list = "auto";
+// "auto, tcp, shm or ucx": every name the table knows, built or not (`withAuto` false: without auto).
+std::string choices(bool withAuto = true) {
+  std::string list = withAuto ? "auto" : "";
   const size_t n = std::size(kTransports);
-  for (size_t i = 0; i < n; ++i) list += std::string(i + 1 == n ? " or " : ", ") + kTransports[i].name;
+  for (size_t i = 0; i < n; ++i) {
+    if (!list.empty()) list += i + 1 == n ? " or " : ", ";
+    list += kTransports[i].name;
+  }
   return list;
+}
+
+// The one check of a transport's name, whether from the environment or a group's options:
+// `what` names the setting, `unset` what leaving it out means.
+void checkChoice(const std::string& name, const std::string& what, const char* unset) {
+  const TransportEntry* e = findTransport(name);
+  DDLCOMM_CHECK(e || name == "auto", ErrorKind::InvalidArgument, what, "='", name, "' is invalid: expected ",
+                choices(), " (or ", unset, ")");
+  DDLCOMM_CHECK(!e || e->built, ErrorKind::InvalidArgument, what, "='", name, "', but ", e ? e->notBuilt : "");
 }
 
 }  // namespace
 
-TransportOptions TransportOptions::fromEnvironment(std::chrono::milliseconds connectTimeout) {
+void checkTransportRequest(const TransportRequest& request) {
+  const std::string source = "ddlcomm.Options";  // as Python names the options that carry a request
+  if (request.name) checkChoice(*request.name, source + ".transport", "None for DDLCOMM_TRANSPORT, else auto");
+  for (const auto& [name, micros] : request.spinMicros) {
+    // Any name of the table, as DDLCOMM_UCX_SPIN_US is accepted by a build without UCX.
+    DDLCOMM_CHECK(findTransport(name), ErrorKind::InvalidArgument, source, ".spin_us['", name,
+                  "'] is invalid: expected a key among ", choices(false));
+    DDLCOMM_CHECK(micros >= 0 && micros <= 1000000, ErrorKind::InvalidArgument, source, ".spin_us['", name,
+                  "']=", micros, " is invalid: expected microseconds from 0 to 1000000");
+  }
+}
+
+TransportOptions TransportOptions::resolve(const TransportRequest& request, std::chrono::milliseconds connectTimeout) {
+  checkTransportRequest(request);
   TransportOptions o;
   o.connectTimeout = connectTimeout;
   if (const char* name = envString("DDLCOMM_TRANSPORT")) {
-    const TransportEntry* e = findTransport(name);
-    DDLCOMM_CHECK(e || std::string(name) == "auto", ErrorKind::InvalidArgument,
-                  "environment variable DDLCOMM_TRANSPORT='", name, "' is invalid: expected ", choices(),
-                  " (or unset for auto)");
-    DDLCOMM_CHECK(!e || e->built, ErrorKind::InvalidArgument, "DDLCOMM_TRANSPORT=", name, ", but ",
-                  e ? e->notBuilt : "");
+    checkChoice(name, "environment variable DDLCOMM_TRANSPORT", "unset for auto");
     o.choice = name;
   }
+  if (request.name) o.choice = *request.name;  // the group's own choice wins
   for (const TransportEntry& e : kTransports) {
     const int64_t micros = envInteger(e.spinVariable, -1, 0, 1000000);
     if (micros >= 0) o.spin[e.name] = std::chrono::microseconds(micros);
   }
+  for (const auto& [name, micros] : request.spinMicros) o.spin[name] = std::chrono::microseconds(micros);
   return o;
 }
 

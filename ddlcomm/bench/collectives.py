@@ -4,8 +4,8 @@ Run under torchrun, e.g.::
 
     torchrun --standalone --nproc-per-node 4 -m ddlcomm.bench.collectives --ops all_reduce
 
-Every transport gets its own ddlcomm group (DDLCOMM_TRANSPORT is read when a group is
-created), so gloo, tcp, shm and ucx (in a build with UCX; its own transports as UCX_TLS
+Every transport gets its own ddlcomm group (pg_options=ddlcomm.Options(transport=...)),
+so gloo, tcp, shm and ucx (in a build with UCX; its own transports as UCX_TLS
 says) are measured side by side. With shm, "shm-direct" is its all-reduce called through
 ddlcomm.all_reduce_, which skips c10d's dispatch as DeepSpeed's call does. With --deepspeed,
 DeepSpeed's shared-memory all-reduce is measured too (DS_ACCELERATOR=cpu
@@ -30,7 +30,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-import ddlcomm  # noqa: F401
+import ddlcomm
 from ddlcomm.bench import init_ranks
 
 OPS = ["all_reduce", "all_gather", "reduce_scatter", "broadcast", "send_recv"]
@@ -209,19 +209,8 @@ def memcpy_gbps(nbytes: int) -> float:
 
 
 def ddlcomm_groups(names: list[str]) -> dict:
-    """One ddlcomm group per transport name, created with DDLCOMM_TRANSPORT set to it."""
-    groups = {}
-    saved = os.environ.get("DDLCOMM_TRANSPORT")
-    try:
-        for name in names:
-            os.environ["DDLCOMM_TRANSPORT"] = name
-            groups[name] = dist.new_group(backend="ddlcomm")
-    finally:
-        if saved is None:
-            os.environ.pop("DDLCOMM_TRANSPORT", None)
-        else:
-            os.environ["DDLCOMM_TRANSPORT"] = saved
-    return groups
+    """One ddlcomm group per transport name, each asking for its transport in its pg_options."""
+    return {name: dist.new_group(backend="ddlcomm", pg_options=ddlcomm.Options(transport=name)) for name in names}
 
 
 def transport_list(text: str) -> list[str]:

@@ -119,7 +119,7 @@ def shm_refused_across_hosts() -> None:
     try:
         init(timeout_s=30)
     except ValueError as e:
-        assert "DDLCOMM_TRANSPORT=shm needs every rank on this host" in str(e), e
+        assert "transport shm (DDLCOMM_TRANSPORT or ddlcomm.Options) needs every rank on this host" in str(e), e
         print(f"rank {os.environ['RANK']}: {str(e)[:300]}")
         return
     raise AssertionError("init succeeded")

@@ -31,8 +31,8 @@ std::unique_ptr<Transport> ShmTransport::layer(std::unique_ptr<Transport> networ
     }
   }
   DDLCOMM_CHECK(!options.required || elsewhere.empty(), ErrorKind::InvalidArgument,
-                "DDLCOMM_TRANSPORT=shm needs every rank on this host, but ", elsewhere,
-                " (use DDLCOMM_TRANSPORT=auto to mix shared memory and the network)");
+                "transport shm (DDLCOMM_TRANSPORT or ddlcomm.Options) needs every rank on this host, but ", elsewhere,
+                " (use transport auto to mix shared memory and the network)");
   if (local.size() == 1) return network;
 
   std::unique_ptr<ShmTransport> t(new ShmTransport(std::move(network), options));
@@ -99,7 +99,7 @@ std::unique_ptr<Transport> ShmTransport::layer(std::unique_ptr<Transport> networ
   // Every peer that could map this rank's region has: nobody can open it any more.
   t->own_.closeFd();
   if (!problem.empty() || t->peers_.size() + 1 < local.size()) {
-    DDLCOMM_CHECK(!options.required, ErrorKind::System, "DDLCOMM_TRANSPORT=shm: ",
+    DDLCOMM_CHECK(!options.required, ErrorKind::System, "transport shm: ",
                   problem.empty() ? "a peer could not map this rank's shared memory" : problem);
     note(rank, problem.empty() ? "a local peer could not map this rank's shared memory; using the network with it"
                                : problem + "; using the network with it");
