@@ -25,7 +25,7 @@ native compressed all-reduce runs; on gloo or nccl groups the same algorithm run
 standard collectives with bitwise the same result (``ddlcomm.compressed``).
 
 Error-feedback memory (a worker and a server residual per bucket) is keyed by the bucket's
-parameters (``ddlcomm.feedback``). ``state_dict()`` / ``load_state_dict()`` carry it through
+parameters (``ddlcomm.ddp_memory``). ``state_dict()`` / ``load_state_dict()`` carry it through
 a checkpoint, one per rank, and a resumed run trains bit for bit like an uninterrupted one:
 the first iteration after a load is reduced in the saved bucket layout (a fresh DDP wrapper
 starts in another one), and a changed layout (``bucket_cap_mb``) takes its memory parameter
@@ -44,7 +44,7 @@ import torch.distributed as dist
 
 from .compressors import BF16, FP16, Compressor, OneBit, RandomK, Ternary, TopK, has_cuda
 from .compressed import start_compressed_all_reduce, wire_bytes
-from .feedback import FeedbackMemory, Signature
+from .ddp_memory import FeedbackMemory, Signature
 from .optim import DirectionOptimizer
 from .options import CompressionOptions, CompressionStats
 from .wire import call_stream, ring_all_reduce_bytes
@@ -64,7 +64,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 # 2: server residuals follow the piecewise compressed all-reduce (ddlcomm.compressed).
-# 3: memory keyed by the bucket's parameters (ddlcomm.feedback), with layout, rank and world size.
+# 3: memory keyed by the bucket's parameters (ddlcomm.ddp_memory), with layout, rank and world size.
 _STATE_VERSION = 3
 # A new DDP wrapper rebuilds its buckets after its first iteration, its second with static_graph.
 _REPLAY_ITERATIONS = 2

@@ -318,3 +318,45 @@ def test_the_old_compress_module_is_an_alias_that_warns() -> None:
     assert old.OneBit is compressors.OneBit and old.__all__ == compressors.__all__
     saved = pickle.dumps(compressors.TopK(ratio=0.05), protocol=0).replace(b"ddlcomm.compressors", b"ddlcomm.compress")
     assert pickle.loads(saved) == compressors.TopK(ratio=0.05)
+
+
+def test_the_old_feedback_module_is_an_alias_that_warns() -> None:
+    """ddlcomm.feedback was renamed ddlcomm.ddp_memory (it holds the DDP hooks' memory only);
+    the old path works for one release (CHANGELOG.md), with a FutureWarning, and old pickles
+    (class paths ddlcomm.feedback.X) load."""
+    import importlib
+    import pickle
+
+    import ddlcomm.ddp_memory as ddp_memory
+
+    sys.modules.pop("ddlcomm.feedback", None)
+    with pytest.warns(FutureWarning, match="ddlcomm.ddp_memory"):
+        old = importlib.import_module("ddlcomm.feedback")
+    assert old.FeedbackMemory is ddp_memory.FeedbackMemory and old.Signature is ddp_memory.Signature
+    assert old.__all__ == ddp_memory.__all__
+    saved = pickle.dumps(ddp_memory.FeedbackMemory(), protocol=0).replace(b"ddlcomm.ddp_memory", b"ddlcomm.feedback")
+    assert type(pickle.loads(saved)) is ddp_memory.FeedbackMemory
+
+
+@pytest.mark.parametrize("name", ["compressed", "fsdp_step", "time_to_accuracy"])
+def test_the_old_slownet_driver_modules_are_aliases_that_warn(name: str) -> None:
+    """The emulated network's drivers ddlcomm.bench.slownet.X (X also the name of the worker
+    each runs) were renamed run_X; the old paths work for one release (CHANGELOG.md), with a
+    FutureWarning."""
+    import importlib
+
+    new = importlib.import_module(f"ddlcomm.bench.slownet.run_{name}")
+    sys.modules.pop(f"ddlcomm.bench.slownet.{name}", None)
+    with pytest.warns(FutureWarning, match=f"ddlcomm.bench.slownet.run_{name}"):
+        old = importlib.import_module(f"ddlcomm.bench.slownet.{name}")
+    assert old.main is new.main
+
+
+def test_the_old_slownet_driver_command_warns_and_runs_the_new_one(tmp_path: Path) -> None:
+    """``python -m ddlcomm.bench.slownet.compressed`` warns, naming the new module, and runs it
+    (its --help is the new module's; no root needed)."""
+    result = subprocess.run([sys.executable, "-m", "ddlcomm.bench.slownet.compressed", "--help"], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "FutureWarning" in result.stderr and "ddlcomm.bench.slownet.run_compressed" in result.stderr, result.stderr
+    assert "usage:" in result.stdout and "python -m ddlcomm.bench.slownet.run_compressed" in result.stdout, result.stdout

@@ -24,7 +24,7 @@ def _print_accuracy(results) -> None:
 def test_fsdp2_keeps_accuracy_on_the_convergence_task() -> None:
     """The convergence benchmark's MLP (2 ranks of 64, 300 steps, SGD momentum 0.9 at lr 0.4
     and AdamW at 3e-3: the rates best for plain all-reduce), seeds 0 and 1. The configurations
-    docs/fsdp.md recommends (1-bit and ternary with 8-bit all-gathers and SGD's momentum in the
+    docs/fsdp.md recommends (1-bit with 8-bit all-gathers and SGD's momentum in the
     communication; 1-bit and ternary with AdamW) must stay within 1.5 points of FSDP2 (more
     than three standard deviations of the difference of two 2-seed means,
     tests/test_convergence.py). The control shows the task can tell: 1-bit on gradients with
@@ -32,7 +32,7 @@ def test_fsdp2_keeps_accuracy_on_the_convergence_task() -> None:
     import json
     import statistics
 
-    checked = {"sgd": ("1-bit + 8-bit all-gather", "ternary + 8-bit all-gather"), "adamw": ("1-bit", "ternary")}
+    checked = {"sgd": ("1-bit + 8-bit all-gather",), "adamw": ("1-bit", "ternary")}
     runs = [f"{opt}:{name}" for opt, names in checked.items() for name in ("all-reduce", *names)]
     runs.append("sgd:1-bit on gradients (no optimizer=)")
     results = launch("convergence", "quality", 2, timeout=600, args=(";".join(runs), "0,1", "fsdp"))

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ddlcomm.compressed import server_chunks, server_residual_numel
-from ddlcomm.feedback import FeedbackMemory
+from ddlcomm.ddp_memory import FeedbackMemory
 from harness import assert_all_ok, launch
 
 

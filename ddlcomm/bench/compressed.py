@@ -1,6 +1,6 @@
 """Compressed all-reduce and DDP hooks, timed on whatever network the ranks run on.
 
-Launched once per rank (env:// rendezvous), normally by ``ddlcomm.bench.slownet.compressed``
+Launched once per rank (env:// rendezvous), normally by ``ddlcomm.bench.slownet.run_compressed``
 inside emulated hosts. Rank 0 prints one JSON line per measurement (prefix ``RESULT``).
 
 (a) all-reduce of a 100 MB float32 gradient: gloo fp32, ddlcomm fp32, and the compressed

@@ -1,6 +1,6 @@
 """FSDP2 step time of a >= 100M-parameter model, timed on whatever network the ranks run on.
 
-Launched once per rank (env:// rendezvous), normally by ``ddlcomm.bench.slownet.fsdp_step``
+Launched once per rank (env:// rendezvous), normally by ``ddlcomm.bench.slownet.run_fsdp_step``
 inside the emulated hosts of ``ddlcomm.bench.slownet``. Rank 0 prints one ``RESULT {json}``
 line per method: the seconds per training step (the slowest rank's) and the bytes each rank
 put on the wire in one step. Those are counted by the kernel (``/proc/net/dev``, every

@@ -1,14 +1,18 @@
 """Time to accuracy: train with each method and record the metric against wall-clock time.
 
 Launched once per rank (env:// rendezvous), normally by
-``ddlcomm.bench.slownet.time_to_accuracy`` inside the emulated hosts of
+``ddlcomm.bench.slownet.run_time_to_accuracy`` inside the emulated hosts of
 ``ddlcomm.bench.slownet``. Rank 0 prints one ``RESULT {json}`` line per method: the seconds
 per step and the curve of (training seconds, step, metric), evaluated every
 ``--eval-every`` steps with the clock stopped.
 
 Methods: DDP on gloo (fp32, and PyTorch's fp16_compress_hook), PyTorch's PowerSGD hook
 (rank 4; on the ddlcomm group, where gloo's all-reduce of its factors failed in
-ddlcomm.bench.slownet.compressed), and the ddlcomm hooks with their ``ddlcomm.optim`` optimizer.
+ddlcomm.bench.slownet.run_compressed), the ddlcomm hooks with their ``ddlcomm.optim`` optimizer, and outer steps
+(``ddlcomm.diloco.DiLoCo``: no DDP; each rank steps its replica with torch's optimizer and the
+pseudo-gradient is averaged every ``--sync-every`` steps, in float32 or compressed). For
+DiLoCo, ``--eval-every`` should be a multiple of ``--sync-every`` so that the evaluated
+weights are the synchronized ones.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import ddlcomm  # noqa: F401  (registers the backend)
 from ddlcomm.bench import init_ranks
 from ddlcomm import compressors, hooks, optim
 from ddlcomm.bench.tasks import lr_lambda, make_task
+from ddlcomm.diloco import DiLoCo
 
 START_COMPRESS_ITER = 10
 COMPRESSORS = {
@@ -34,19 +39,25 @@ COMPRESSORS = {
     "ddlcomm top-k 1%": lambda: compressors.TopK(ratio=0.01, approximate=True),
     "ddlcomm random-k 10%": lambda: compressors.RandomK(ratio=0.1),
 }
-METHODS = ["gloo fp32", "gloo fp16_compress_hook", "PowerSGD rank 4 (torch hook)", *COMPRESSORS]
+# Outer steps on the ddlcomm group: None is float32.
+OUTER = {"DiLoCo fp32": None, "DiLoCo ternary": compressors.Ternary, "DiLoCo 1-bit": compressors.OneBit}
+METHODS = ["gloo fp32", "gloo fp16_compress_hook", "PowerSGD rank 4 (torch hook)", *COMPRESSORS, *OUTER]
 
 
-def run(task, method: str, opt_name: str, gloo: dist.ProcessGroup, eval_every: int) -> dict:
+def run(task, method: str, opt_name: str, gloo: dist.ProcessGroup, eval_every: int, outer: dict) -> dict:
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = task.model()
     group = gloo if method.startswith("gloo") else None
-    ddp = DistributedDataParallel(model, process_group=group)
+    ddp = model if method in OUTER else DistributedDataParallel(model, process_group=group)
     family = optim if method in COMPRESSORS else torch.optim
     lr = task.lr[opt_name]
     opt = family.SGD(model.parameters(), lr=lr, momentum=0.9) if opt_name == "sgd" else family.AdamW(model.parameters(), lr=lr)
-    if method in COMPRESSORS:
+    diloco = None
+    if method in OUTER:
+        make = OUTER[method]
+        diloco = DiLoCo(model, opt, compressor=make() if make else None, **outer)
+    elif method in COMPRESSORS:
         state = hooks.CompressionState(compressor=COMPRESSORS[method](), start_compress_iter=START_COMPRESS_ITER,
                                        optimizer=opt)
         ddp.register_comm_hook(state, hooks.compressed_hook)
@@ -67,6 +78,8 @@ def run(task, method: str, opt_name: str, gloo: dist.ProcessGroup, eval_every: i
         opt.zero_grad()
         task.loss(ddp, x, y).backward()
         opt.step()
+        if diloco is not None:
+            diloco.step()
         schedule.step()
         clock += time.perf_counter() - start
         if step % eval_every == 0 or step == task.steps:
@@ -75,7 +88,11 @@ def run(task, method: str, opt_name: str, gloo: dist.ProcessGroup, eval_every: i
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=gloo)
             curve.append((float(elapsed), step, task.evaluate(model)))
             dist.barrier(group=gloo)
-    return {"method": method, "optimizer": opt_name, "seconds_per_step": curve[-1][0] / task.steps, "curve": curve}
+    result = {"method": method, "optimizer": opt_name, "seconds_per_step": curve[-1][0] / task.steps, "curve": curve}
+    if diloco is not None:
+        result["outer"] = outer
+        result["traffic_reduction"] = diloco.stats.ratio
+    return result
 
 
 def main() -> None:
@@ -88,6 +105,9 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=None, help="override the task's learning rate")
     parser.add_argument("--eval-every", type=int, default=20, help="steps between evaluations of the curve")
     parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated names from METHODS")
+    parser.add_argument("--sync-every", type=int, default=10, help="DiLoCo: inner steps between outer steps")
+    parser.add_argument("--outer-lr", type=float, default=0.7, help="DiLoCo: the outer SGD's learning rate")
+    parser.add_argument("--outer-momentum", type=float, default=0.5, help="DiLoCo: the outer Nesterov momentum")
     args = parser.parse_args()
     init_ranks("ddlcomm")
     gloo = dist.new_group(backend="gloo")
@@ -98,7 +118,8 @@ def main() -> None:
         task.lr[args.optimizer] = args.lr
     params = sum(p.numel() for p in task.model().parameters())
     for method in args.methods.split(","):
-        result = run(task, method, args.optimizer, gloo, args.eval_every)
+        outer = {"sync_every": args.sync_every, "outer_lr": args.outer_lr, "outer_momentum": args.outer_momentum}
+        result = run(task, method, args.optimizer, gloo, args.eval_every, outer)
         result.update(options, task=task.name, metric=task.metric, params=params, steps=task.steps,
                       lr=task.lr[args.optimizer])
         if dist.get_rank() == 0:

@@ -75,6 +75,5 @@ std::string comparePayloads(const std::vector<uint8_t>& got, const std::vector<u
 
 // The test groups, one file each.
 void testCompression(const Options& opt, std::mt19937_64& rng, cudaStream_t s);  // test_compression.cc
-void testReduce(const Options& opt, std::mt19937_64& rng, cudaStream_t s);       // test_reduce.cc
 
 }  // namespace ddlcomm::cuda_test

@@ -1,6 +1,5 @@
-// GPU test of csrc/cuda against host references: the scalar contract model (reference.cc),
-// ddlcomm::reduceInto / divideBy (csrc/reduce), and, when csrc/compress/*.cc exists, the CPU
-// compressors themselves (DDLCOMM_TEST_CPU_COMPRESS). Host code only: it calls the launchers
+// GPU test of csrc/cuda against host references: the scalar contract model (reference.cc)
+// and, when csrc/compress/*.cc exists, the CPU compressors themselves (DDLCOMM_TEST_CPU_COMPRESS). Host code only: it calls the launchers
 // of cuda_kernels.h and the CUDA runtime, so it also runs on the CPU emulator (tests/cuda/emu).
 //
 //   test_cuda_kernels [--quick] [--large] [--sizes=0,1,255] [--seed=N] [--filter=text] [--verbose]
@@ -9,8 +8,8 @@
 // Made for compute-sanitizer too: every buffer is an exact-size cudaMalloc, outputs are
 // poisoned before each call and checked completely afterwards.
 //
-// One file per group: test_compression.cc (encoders and decoders), test_reduce.cc (reductions),
-// this one (argument checks, 64-bit indexing, main); harness.{h,cc} holds what they share.
+// test_compression.cc holds the encoders' and decoders' group, this file the argument checks,
+// 64-bit indexing and main; harness.{h,cc} holds what they share.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -26,9 +25,7 @@
 #include "common/half.h"
 #include "compress/compress.h"
 #include "cuda/cuda_kernels.h"
-#include "cuda/reduce_kernels.h"
 #include "harness.h"
-#include "reduce/reduce.h"
 #include "reference.h"
 
 using namespace ddlcomm;
@@ -78,31 +75,12 @@ void testErrors(cudaStream_t s) {
               [&] { gpu::decodeCuda(info, pay.as(), bytes + 1, DataType::Float32, x.ptr, n, s); });
   expectError("decode: int output", ErrorKind::UnsupportedType,
               [&] { gpu::decodeCuda(info, pay.as(), bytes, DataType::Int32, x.ptr, n, s); });
-  expectError("reduce: AVG on int32", ErrorKind::UnsupportedType,
-              [&] { gpu::reduceCuda(ReduceOp::Avg, DataType::Int32, x.ptr, x.ptr, 1, s); });
-  expectError("divide: int8", ErrorKind::UnsupportedType, [&] { gpu::divideCuda(DataType::Int8, x.ptr, 1, 2.0, s); });
 }
 
 // ---- more than 2^31 elements: 64-bit indexing ---------------------------------------------------
 void testLarge(std::mt19937_64& rng, cudaStream_t s) {
   const size_t n = (size_t(1) << 31) + 77;
   std::printf("large: n = %zu\n", n);
-  {  // int8 sum over 2^31 + 77 bytes, compared completely.
-    std::vector<uint8_t> a(n), b(n);
-    for (size_t i = 0; i < n; ++i) {
-      a[i] = uint8_t(i * 2654435761u >> 13);
-      b[i] = uint8_t(i * 40503u + 7);
-    }
-    DeviceBuffer da(n), db(n);
-    da.upload(a.data(), n);
-    db.upload(b.data(), n);
-    gpu::reduceCuda(ReduceOp::Sum, DataType::Int8, da.ptr, db.ptr, n, s);
-    DDLCOMM_CUDA_CHECK(cudaStreamSynchronize(s));
-    std::vector<uint8_t> got(n);
-    da.download(got.data(), n);
-    reduceInto(ReduceOp::Sum, DataType::Int8, a.data(), b.data(), n);
-    checkArrays("large: reduce SUM int8", got.data(), a.data(), n, DataType::Int8);
-  }
   {  // 1-bit encode of bfloat16 x with a residual; selected blocks checked against the model.
     Config c;
     c.twoScales = true;
@@ -213,7 +191,6 @@ int main(int argc, char** argv) {
   try {
     testErrors(s);
     testCompression(opt, rng, s);
-    testReduce(opt, rng, s);
     if (opt.large) testLarge(rng, s);
   } catch (const std::exception& e) {
     check(false, "unexpected exception", e.what());

@@ -45,7 +45,8 @@ def time_to_accuracy_curves(task_name: str, opt_name: str) -> None:
     task = make_task(task_name, width=64, batch=8, steps=14)
     records = []
     for method in time_to_accuracy.METHODS:
-        record = time_to_accuracy.run(task, method, opt_name, gloo, eval_every=7)
+        outer = {"sync_every": 7, "outer_lr": 0.7, "outer_momentum": 0.5}  # DiLoCo: evaluated after each outer step
+        record = time_to_accuracy.run(task, method, opt_name, gloo, eval_every=7, outer=outer)
         records.append(dict(record, task=task_name, rate="loopback", metric=task.metric))
     if rank == 0:
         print("RESULTS " + json.dumps(records), flush=True)

@@ -90,13 +90,19 @@ def matches_reference(backend: str) -> None:
     assert abs(diloco.stats.ratio - 5.0) < 1e-9, diloco.stats
 
 
-def conservation(backend: str, name: str) -> None:
-    """With outer_lr 1 and no momentum the global weights move by exactly the averaged
+def conservation(backend: str, names: str) -> None:
+    """For each compressor of ``names`` (comma-separated): with outer_lr 1 and no momentum the global weights move by exactly the averaged
     pseudo-gradient A_t; error feedback loses nothing across outer steps:
     sum_t A_t = sum_t mean_r(D_t,r) + mean_r(w_0,r - w_T,r) + (s_0 - s_T), the server residuals
     laid out at the positions each rank reduces. D_t,r is computed here (float64, gloo)."""
     rank, n = init(backend)
     gloo = dist.new_group(backend="gloo")
+    for name in names.split(","):
+        _conservation(name, rank, n, gloo)
+
+
+def _conservation(name: str, rank: int, n: int, gloo: dist.ProcessGroup) -> None:
+    backend = dist.get_backend()
     model = _model()
     inner = torch.optim.SGD(model.parameters(), lr=0.05)
     diloco = DiLoCo(model, inner, sync_every=3, compressor=COMPRESSORS[name](), outer_lr=1.0, outer_momentum=0.0)
@@ -132,11 +138,16 @@ def conservation(backend: str, name: str) -> None:
     assert float((applied - true).abs().max()) > 1e-4 * scale or name == "none", "the compressor changed nothing?"
 
 
-def resume(backend: str, name: str) -> None:
-    """Replicas bitwise equal after every outer step; a run saved between outer steps and
-    resumed into new objects continues bit for bit as the uninterrupted one."""
+def resume(backend: str, names: str) -> None:
+    """For each compressor of ``names`` (comma-separated): replicas bitwise equal after every
+    outer step; a run saved between outer steps and resumed into new objects continues bit for
+    bit as the uninterrupted one."""
     rank, _ = init(backend)
+    for name in names.split(","):
+        _resume(name, rank)
 
+
+def _resume(name: str, rank: int) -> None:
     def build() -> tuple[torch.nn.Module, torch.optim.Optimizer, DiLoCo]:
         model = _model()
         inner = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)

@@ -30,10 +30,12 @@ The parts, one concept each:
 * ``launch``: running a command on every rank (``run_ranks``);
 * ``cli``: the command line (``__main__``).
 
-The benchmarks that run on it, each the ``ddlcomm.bench`` worker of the same name on 4
-emulated hosts (``driver`` holds what they share): ``compressed`` (compressed all-reduce
-and DDP hooks), ``fsdp_step`` (FSDP2 steps) and ``time_to_accuracy``, e.g.
-``sudo python -m ddlcomm.bench.slownet.fsdp_step --rates 1gbit,10gbit --out docs/results``.
+The benchmark drivers that run on it, ``run_X`` running the ``ddlcomm.bench.X`` worker on 4
+emulated hosts (``driver`` holds what they share): ``run_compressed`` (compressed all-reduce
+and DDP hooks), ``run_fsdp_step`` (FSDP2 steps) and ``run_time_to_accuracy``, e.g.
+``sudo python -m ddlcomm.bench.slownet.run_fsdp_step --rates 1gbit,10gbit --out docs/results``.
+Their old names (``compressed``, ``fsdp_step``, ``time_to_accuracy``, the workers' names) still
+run them for one release and warn.
 
 Needs root and iproute2 (``ip``, ``tc``), plus iptables for delay/loss without netem. The
 emulation's modules use the standard library only (importing the package imports ddlcomm,

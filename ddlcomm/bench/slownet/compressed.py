@@ -1,105 +1,21 @@
-"""Compressed all-reduce and DDP hooks on an emulated slow network, 4 ranks, one run.
+"""The old name of :mod:`ddlcomm.bench.slownet.run_compressed` (renamed: the driver
+had the name of the worker it runs, ``ddlcomm.bench.compressed``). Kept for one release;
+running or importing it warns."""
 
-    sudo python -m ddlcomm.bench.slownet.compressed --rates 1gbit,10gbit --out results
+import warnings
+from typing import Any
 
-For each link rate it builds the emulated cluster of ddlcomm.bench.slownet (one network
-namespace per rank, a bridge, every link shaped with tc), runs
-``python -m ddlcomm.bench.compressed`` on every rank, prints the tables, and writes
-``slownet.json`` and ``slownet.png`` (time vs link bandwidth) into --out.
-Needs root and iproute2; exits non-zero with the reason when namespaces are unavailable.
-"""
+from . import run_compressed
 
-from __future__ import annotations
-
-import json
-import sys
-from pathlib import Path
-
-from .driver import bench_parser, collect_results, require_slownet, save_figure, worker_args
-from .network import SlowNet
+warnings.warn("ddlcomm.bench.slownet.compressed is now ddlcomm.bench.slownet.run_compressed; "
+              "the old name goes in the next release",
+              FutureWarning, stacklevel=1 if __name__ == "__main__" else 2)
 
 
-def run_rate(rate: str, ranks: int, extra: list[str], timeout: float) -> list[dict]:
-    with SlowNet(ranks=ranks, rate=rate) as net:
-        results = collect_results(net, [sys.executable, "-m", "ddlcomm.bench.compressed", *extra], timeout, rate)
-    for record in results:
-        record["rate"] = rate
-        print(f"  [{rate}] {record['kind']:<9} {record['method']:<26} {record['seconds']:8.3f} s  "
-              f"{record['speedup']:6.2f}x", flush=True)
-    return results
-
-
-def table(results: list[dict], kind: str) -> str:
-    rates = sorted({r["rate"] for r in results}, key=lambda r: float(r.rstrip("gbitm") or 0))
-    methods = list(dict.fromkeys(r["method"] for r in results if r["kind"] == kind))
-    lines = [f"| {kind} | " + " | ".join(f"{rate}: s (speed-up vs first)" for rate in rates) + " | bytes on the wire per rank |",
-             "| --- |" + " --- |" * (len(rates) + 1)]
-    for m in methods:
-        cells = []
-        wire = ""
-        for rate in rates:
-            rec = next((r for r in results if r["kind"] == kind and r["method"] == m and r["rate"] == rate), None)
-            cells.append(f"{rec['seconds']:.3f} ({rec['speedup']:.1f}x)" if rec else "-")
-            if rec and rec.get("wire_bytes") is not None:
-                wire = f"{rec['wire_bytes'] / 1e6:.1f} MB"
-        lines.append(f"| {m} | " + " | ".join(cells) + f" | {wire or 'n/a'} |")
-    return "\n".join(lines)
-
-
-def plot(results: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    def gbits(rate: str) -> float:
-        value = float(rate.rstrip("gbitm"))
-        return value if rate.endswith("gbit") else value / 1000
-
-    # Titles from what ran (--numel, --width/--depth, --ranks); a kind that did not run
-    # (--skip-ddp) gets no panel.
-    first = {kind: next((r for r in results if r["kind"] == kind), None) for kind in ("allreduce", "ddp")}
-    panels = []
-    if first["allreduce"]:
-        r = first["allreduce"]
-        panels.append(("allreduce", f"all-reduce of {r.get('numel', 0) * 4 / 1e6:.0f} MB float32, "
-                                    f"{r.get('ranks', '?')} ranks"))
-    if first["ddp"]:
-        panels.append(("ddp", f"DDP iteration, {first['ddp'].get('params', 0) / 1e6:.1f}M-parameter model"))
-    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.5), squeeze=False)
-    for ax, (kind, title) in zip(axes[0], panels):
-        for method in dict.fromkeys(r["method"] for r in results if r["kind"] == kind):
-            points = sorted((gbits(r["rate"]), r["seconds"]) for r in results if r["kind"] == kind and r["method"] == method)
-            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=method)
-        ax.set_xscale("log")
-        ax.set_yscale("log")
-        ax.set_xlabel("link bandwidth (Gbit/s)")
-        ax.set_ylabel("seconds")
-        ax.set_title(title)
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7)
-    save_figure(fig, path)
-
-
-def main() -> None:
-    parser = bench_parser(__doc__, "results", 1500, worker="ddlcomm.bench.compressed")
-    parser.add_argument("--ranks", type=int, default=4, help="ranks, one emulated host each")
-    args = parser.parse_args()
-    require_slownet("ddlcomm.bench.slownet.compressed")
-    extra = worker_args(args)
-    results: list[dict] = []
-    for rate in args.rates.split(","):
-        results += run_rate(rate, args.ranks, extra, args.timeout)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "slownet.json").write_text(json.dumps(results, indent=1))
-    print()
-    print(table(results, "allreduce"))
-    print()
-    print(table(results, "ddp"))
-    plot(results, out / "slownet.png")
-    print(f"\nwrote {out / 'slownet.json'} and {out / 'slownet.png'}")
+def __getattr__(name: str) -> Any:
+    # Everything the driver has (report, main, ...).
+    return getattr(run_compressed, name)
 
 
 if __name__ == "__main__":
-    main()
+    run_compressed.main()

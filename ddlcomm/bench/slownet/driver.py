@@ -1,5 +1,5 @@
-"""What the benchmark drivers of the emulated network (compressed, fsdp_step,
-time_to_accuracy) share: their options, the check that namespaces work here, running a
+"""What the benchmark drivers of the emulated network (run_compressed, run_fsdp_step,
+run_time_to_accuracy) share: their options, the check that namespaces work here, running a
 ``ddlcomm.bench`` worker on every rank and collecting rank 0's ``RESULT {json}`` lines, and
 saving a figure."""
 

@@ -1,162 +1,21 @@
-"""Time to accuracy on an emulated slow network: 4 ranks, each a host of ddlcomm.bench.slownet.
+"""The old name of :mod:`ddlcomm.bench.slownet.run_time_to_accuracy` (renamed: the driver
+had the name of the worker it runs, ``ddlcomm.bench.time_to_accuracy``). Kept for one release;
+running or importing it warns."""
 
-    sudo python -m ddlcomm.bench.slownet.time_to_accuracy --rates 1gbit,10gbit --out docs/results
+import warnings
+from typing import Any
 
-For each link rate and each task (the CNN with SGD and the transformer language model with
-AdamW, from ddlcomm.bench.tasks, sized so that communication matters) it runs
-``python -m ddlcomm.bench.time_to_accuracy`` on every rank, then reports for each method the
-training time until the metric reaches a target: within 0.5 points of gloo fp32's final
-accuracy or 1% of its final loss, and a looser 1 point / 2%. Writes ``time_to_accuracy.json``,
-``time_to_accuracy.md`` and ``time_to_accuracy.png`` (metric against wall time) into --out.
-Needs root and iproute2; exits non-zero with the reason when namespaces are unavailable.
-"""
+from . import run_time_to_accuracy
 
-from __future__ import annotations
-
-import json
-import sys
-from pathlib import Path
-
-from .driver import bench_parser, collect_results, require_slownet, save_figure
-from .network import SlowNet
-
-# (task, optimizer, worker options): the CNN's first linear layer is wide (8.4M parameters,
-# nearly all in that layer, as in VGG-style networks) so that a step at 1 Gbit/s is mostly
-# communication; lr 0.03 is the better of 0.03 and 0.1 for it with gloo fp32. The language
-# model is the convergence benchmark's.
-RUNS = [
-    ("cnn", "sgd", ["--width", "8192", "--batch", "16", "--lr", "0.03", "--steps", "300", "--eval-every", "20"]),
-    ("lm", "adamw", ["--steps", "300", "--eval-every", "30"]),
-]
+warnings.warn("ddlcomm.bench.slownet.time_to_accuracy is now ddlcomm.bench.slownet.run_time_to_accuracy; "
+              "the old name goes in the next release",
+              FutureWarning, stacklevel=1 if __name__ == "__main__" else 2)
 
 
-def run_rate(rate: str, runs: list, methods: str, timeout: float) -> list[dict]:
-    results: list[dict] = []
-    with SlowNet(ranks=4, rate=rate) as net:
-        for task, opt_name, options in runs:
-            argv = [sys.executable, "-m", "ddlcomm.bench.time_to_accuracy", "--task", task, "--optimizer", opt_name,
-                    "--methods", methods, *options]
-            for record in collect_results(net, argv, timeout, f"{task} at {rate}"):
-                record["rate"] = rate
-                results.append(record)
-                print(f"  [{rate}] {task:<4} {record['method']:<30} {record['seconds_per_step']:.3f} s/step, "
-                      f"final {record['curve'][-1][2]:.3f}", flush=True)
-    return results
-
-
-def time_to_target(record: dict, target: float, higher: bool) -> float | None:
-    for seconds, _, metric in record["curve"]:
-        if (metric >= target) if higher else (metric <= target):
-            return seconds
-    return None
-
-
-def summarise(results: list[dict], points: float = 0.5, loss_pct: float = 1.0) -> tuple[str, dict]:
-    """Markdown tables of seconds per step and time to the target: ``points`` below gloo fp32's
-    final accuracy, or ``loss_pct`` percent above its final loss."""
-    lines, summary = [], {}
-    for task in dict.fromkeys(r["task"] for r in results):
-        rates = list(dict.fromkeys(r["rate"] for r in results if r["task"] == task))
-        higher = next(r for r in results if r["task"] == task)["metric"] == "accuracy"
-        lines += [f"| {task} | " + " | ".join(f"{rate}: s/step | {rate}: time to target (speed-up vs gloo fp32)" for rate in rates)
-                  + " | final metric |", "| --- |" + " --- | --- |" * len(rates) + " --- |"]
-        targets = {}
-        for rate in rates:
-            base = next(r for r in results if r["task"] == task and r["rate"] == rate and r["method"] == "gloo fp32")
-            final = base["curve"][-1][2]
-            targets[rate] = final - points if higher else final * (1 + loss_pct / 100)
-        for method in dict.fromkeys(r["method"] for r in results if r["task"] == task):
-            cells, finals = [], []
-            for rate in rates:
-                rec = next((r for r in results if r["task"] == task and r["rate"] == rate and r["method"] == method), None)
-                if rec is None:
-                    cells.append("- | -")
-                    continue
-                base = next(r for r in results if r["task"] == task and r["rate"] == rate and r["method"] == "gloo fp32")
-                t, t0 = time_to_target(rec, targets[rate], higher), time_to_target(base, targets[rate], higher)
-                summary[(task, rate, method)] = t
-                speed = f"{t:.1f} s ({t0 / t:.2f}x)" if t and t0 else ("not reached" if t is None else f"{t:.1f} s")
-                cells.append(f"{rec['seconds_per_step']:.3f} | {speed}")
-                finals.append(f"{rec['curve'][-1][2]:.3f}")
-            lines.append(f"| {method} | " + " | ".join(cells) + f" | {' / '.join(finals)} |")
-        target_text = ", ".join(f"{rate}: {'>=' if higher else '<='} {targets[rate]:.3f}" for rate in rates)
-        rule = f"{points:g} points below" if higher else f"{loss_pct:g}% above"
-        lines += [f"\nTarget ({task}, {rule} gloo fp32's final figure): {target_text}.\n"]
-    return "\n".join(lines), summary
-
-
-def report(results: list[dict]) -> str:
-    """Both targets: the goal's (0.5 points / 1%), which one seed's noise can decide, and a
-    looser one (1 point / 2%) that every method reaches."""
-    runs = {(r["task"], r["rate"]) for r in results}
-    missing = sorted(runs - {(r["task"], r["rate"]) for r in results if r["method"] == "gloo fp32"})
-    if missing:
-        return (f"no 'gloo fp32' run for {missing}: the targets are set from it (run it too, or merge the "
-                f"records into a saved time_to_accuracy.json and --render that)")
-    strict, _ = summarise(results, 0.5, 1.0)
-    loose, _ = summarise(results, 1.0, 2.0)
-    return f"{strict}\n\n{loose}"
-
-
-def plot(results: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    panels = list(dict.fromkeys((r["task"], r["rate"]) for r in results))
-    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.2), squeeze=False)
-    for ax, (task, rate) in zip(axes[0], panels):
-        for rec in (r for r in results if r["task"] == task and r["rate"] == rate):
-            ax.plot([c[0] for c in rec["curve"]], [c[2] for c in rec["curve"]], marker=".", label=rec["method"])
-        metric = next(r for r in results if r["task"] == task)["metric"]
-        ax.set_title(f"{task}, 4 ranks, {rate}")
-        ax.set_xlabel("training seconds")
-        ax.set_ylabel("test accuracy %" if metric == "accuracy" else "validation loss")
-        if metric == "accuracy":
-            ax.set_ylim(80, 100)
-        else:  # from the best final loss to a quarter above it: the curves' ends are what differ
-            best = min(r["curve"][-1][2] for r in results if r["task"] == task and r["rate"] == rate)
-            ax.set_ylim(best * 0.98, best * 1.25)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    save_figure(fig, path)
-
-
-def main() -> None:
-    parser = bench_parser(__doc__, "docs/results", 3600)
-    parser.add_argument("--tasks", default="cnn,lm", help="comma-separated tasks of ddlcomm.bench.tasks")
-    parser.add_argument("--methods", default=None, help="passed to the worker (default: all)")
-    parser.add_argument("--render", default=None, metavar="JSON",
-                        help="rewrite the .md and .png beside a saved time_to_accuracy.json, print the tables and exit")
-    args = parser.parse_args()
-    if args.render:
-        saved = Path(args.render)
-        results = json.loads(saved.read_text())
-        write_report(results, saved.parent)
-        return
-    require_slownet("ddlcomm.bench.slownet.time_to_accuracy")
-    from ddlcomm.bench.time_to_accuracy import METHODS
-
-    methods = args.methods or ",".join(METHODS)
-    runs = [r for r in RUNS if r[0] in args.tasks.split(",")]
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    results: list[dict] = []
-    for rate in args.rates.split(","):
-        results += run_rate(rate, runs, methods, args.timeout)
-        # Saved after each rate: an interrupted run keeps what it measured (--render reads it).
-        (out / "time_to_accuracy.json").write_text(json.dumps(results, indent=1))
-    write_report(results, out)
-
-
-def write_report(results: list[dict], out: Path) -> None:
-    text = report(results)
-    (out / "time_to_accuracy.md").write_text(text + "\n")
-    plot(results, out / "time_to_accuracy.png")
-    print("\n" + text)
-    print(f"wrote {out / 'time_to_accuracy.md'} and .png")
+def __getattr__(name: str) -> Any:
+    # Everything the driver has (report, main, ...).
+    return getattr(run_time_to_accuracy, name)
 
 
 if __name__ == "__main__":
-    main()
+    run_time_to_accuracy.main()
