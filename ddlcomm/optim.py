@@ -29,7 +29,8 @@ afterwards:
   batch ``n`` times smaller than the one Adam normalises by, which made the averaged steps
   too short, and its variance part is scaled back to the full batch's (the hooks pass
   ``n = 1`` for random-k, which measured better without it). The moments differ between
-  ranks; the parameters do not.
+  ranks; the parameters do not. ``ddlcomm.moments`` holds this rule, which ``ddlcomm.fsdp``
+  applies too.
 
 Compressors that only round (``FP16``, ``BF16``) need none of this: through them the hooks
 average the gradient itself and the optimizer takes torch's step, so Adam is Adam on the
@@ -51,6 +52,7 @@ from typing import Any, Optional
 import torch
 
 from .compressors import all_finite
+from .moments import normalised_step, update_first, update_second
 
 __all__ = ["SGD", "Adam", "AdamW", "DirectionOptimizer"]
 
@@ -243,18 +245,12 @@ class _AdamDirections(DirectionOptimizer):
             # Leave the moments alone; the non-finite gradient goes out as it is, so the average
             # is non-finite on every rank (GradScaler skips the step).
             return
-        step = float(state["step"]) + 1
-        state["exp_avg"].lerp_(grad, 1 - beta1)
-        state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-        second = state["exp_avg_sq"]
+        update_first(state["exp_avg"], grad, beta1)
+        second = update_second(state["exp_avg_sq"], grad, beta2)
         if group["amsgrad"]:
             second = torch.maximum(state["max_exp_avg_sq"], second, out=state["max_exp_avg_sq"])
-        first = torch.div(state["exp_avg"], 1 - beta1**step, out=grad)
-        # The variance part of this rank's second moment is that of a batch `ranks` times
-        # smaller than the average's: scale it back (with one rank, Adam's own).
-        squared = first * first
-        denom = (second / (1 - beta2**step)).sub_(squared).clamp_(min=0.0).div_(ranks).add_(squared)
-        first.div_(denom.sqrt_().add_(group["eps"]))
+        normalised_step(state["exp_avg"], second, float(state["step"]) + 1, beta1, beta2, group["eps"], ranks,
+                        out=grad)
 
     def _apply(self, param, direction, group):
         self.state[param]["step"] += 1

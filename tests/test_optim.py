@@ -189,3 +189,22 @@ def test_signatures_are_torchs() -> None:
     for ours, theirs in ((optim.SGD, torch.optim.SGD), (optim.Adam, torch.optim.Adam), (optim.AdamW, torch.optim.AdamW)):
         assert inspect.signature(ours) == inspect.signature(theirs), ours
     assert "betas" in inspect.signature(optim.AdamW).parameters
+
+
+def test_adams_normalised_step_scales_the_variance_and_is_bounded() -> None:
+    """ddlcomm.moments, the rule of ddlcomm.optim's Adam and of ddlcomm.fsdp's adam_betas=:
+    m / sqrt(m^2 + (v - m^2) / ranks), so never more than 1 in size, even where v < m^2."""
+    from ddlcomm.moments import normalised_step
+
+    m = torch.tensor([0.3, -0.3, 0.5, 0.0, 2.0])
+    v = torch.tensor([0.25, 0.09, 0.0, 0.0, 16.0])
+    late = 10_000  # the bias corrections are 1
+    one = normalised_step(m, v, late, 0.9, 0.99, 0.0, ranks=1)
+    torch.testing.assert_close(one, torch.tensor([0.6, -1.0, 1.0, float("nan"), 0.5]), equal_nan=True)
+    four = normalised_step(m, v, late, 0.9, 0.99, 1e-8, ranks=4)
+    expected = m / ((m**2 + (v - m**2).clamp(min=0) / 4).sqrt() + 1e-8)
+    torch.testing.assert_close(four, expected)
+    assert float(four.abs().max()) <= 1.0 and float(four[0]) > float(one[0])
+    # At step 1 the bias corrections divide m by 1 - beta1 and v by 1 - beta2.
+    first = normalised_step(m * 0.1, v * 0.01, 1, 0.9, 0.99, 0.0, ranks=1)
+    torch.testing.assert_close(first[:3], torch.tensor([0.3 / 0.5, -1.0, 1.0]))
