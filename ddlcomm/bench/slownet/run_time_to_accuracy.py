@@ -132,6 +132,7 @@ def main() -> None:
     parser.add_argument("--methods", default=None, help="passed to the worker (default: all)")
     parser.add_argument("--delay", default="0", help="one-way delay of every link (tc syntax, e.g. 20ms)")
     parser.add_argument("--sync-every", type=int, default=None, help="passed to the worker (DiLoCo's inner steps)")
+    parser.add_argument("--steps", type=int, default=None, help="passed to the worker instead of each task's steps")
     parser.add_argument("--render", default=None, metavar="JSON",
                         help="rewrite the .md and .png beside a saved time_to_accuracy.json, print the tables and exit")
     args = parser.parse_args()
@@ -150,6 +151,7 @@ def main() -> None:
     results: list[dict] = []
     for rate in args.rates.split(","):
         extra = [] if args.sync_every is None else ["--sync-every", str(args.sync_every)]
+        extra += [] if args.steps is None else ["--steps", str(args.steps)]
         results += run_rate(rate, args.delay, runs, methods, args.timeout, extra)
         # Saved after each rate: an interrupted run keeps what it measured (--render reads it).
         (out / "time_to_accuracy.json").write_text(json.dumps(results, indent=1))
