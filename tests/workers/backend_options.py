@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 import ddlcomm
-from common import assert_equal, ddlcomm_stats, init, make_input, reference, run
+from common import assert_equal, check_rank_sum, ddlcomm_stats, init, make_input, reference, run
 
 CPU = torch.device("cpu")
 SIZES = (1, 1000, 70_000, 1_000_003)  # up to 4 MB: past the shared-memory windows
@@ -107,18 +107,15 @@ def options_round_trip() -> None:
     asked.transport = "tcp"
     second = dist.new_group(backend="ddlcomm", pg_options=asked)
     assert transport_of(second) == "tcp" and second._get_backend(CPU).options.transport == "tcp"
-    rank, n = dist.get_rank(), dist.get_world_size()
     for group in (world, child, second):
-        x = torch.full((5000,), float(rank + 1))
-        dist.all_reduce(x, group=group)
-        assert_equal(x, torch.full_like(x, n * (n + 1) / 2), "all_reduce")
+        check_rank_sum(5000, "all_reduce", group)
 
 
 def bad_options() -> None:
     """pg_options of another backend raise TypeError, an unknown transport ValueError naming the
     valid ones, both before anything connects; a bad DDLCOMM_TRANSPORT is still refused under
     an option. The ranks go on to make groups afterwards."""
-    rank, n = init()
+    init()
     assert dist.group.WORLD._get_backend(CPU).options.transport is None  # no pg_options: the environment's
     try:
         dist.new_group(backend="ddlcomm", pg_options=dist.ProcessGroupGloo._Options())
@@ -143,9 +140,7 @@ def bad_options() -> None:
             os.environ["DDLCOMM_TRANSPORT"] = saved
     group = dist.new_group(backend="ddlcomm", pg_options=ddlcomm.Options(transport="tcp"))
     for g in (dist.group.WORLD, group):
-        x = torch.full((1000,), float(rank + 1))
-        dist.all_reduce(x, group=g)
-        assert_equal(x, torch.full_like(x, n * (n + 1) / 2), "all_reduce after the refusals")
+        check_rank_sum(1000, "all_reduce after the refusals", g)
 
 
 if __name__ == "__main__":

@@ -108,6 +108,15 @@ def assert_equal(actual: torch.Tensor, expected: torch.Tensor, what: str) -> Non
                          f"{a[shown].tolist()} expected {e[shown].tolist()}")
 
 
+def check_rank_sum(numel: int, what: str, group=None) -> None:
+    """all_reduce of every rank's ``rank + 1`` in ``numel`` float32 elements on ``group``: each
+    element must be ``n (n + 1) / 2``."""
+    n = dist.get_world_size(group)
+    x = torch.full((numel,), float(dist.get_rank(group) + 1))
+    dist.all_reduce(x, group=group)
+    assert_equal(x, torch.full_like(x, n * (n + 1) / 2), what)
+
+
 def rss_bytes() -> int:
     """The resident set size of this process."""
     with open("/proc/self/statm") as f:

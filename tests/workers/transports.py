@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from common import assert_equal, ddlcomm_stats, init, run
+from common import assert_equal, check_rank_sum, ddlcomm_stats, init, run
 
 
 def memfd_links() -> list[str]:
@@ -53,9 +53,7 @@ def shared_memory_used() -> None:
     GLOO = dist.new_group(backend="gloo")
     before = ddlcomm_stats()
     assert before["shared_memory_peers"] == n - 1, before
-    big = torch.full((4 << 20,), float(rank + 1))
-    dist.all_reduce(big)
-    assert_equal(big, torch.full_like(big, n * (n + 1) / 2), "all_reduce 16 MiB")
+    check_rank_sum(4 << 20, "all_reduce 16 MiB")
     block = torch.arange(1 << 18, dtype=torch.float32) if rank == 0 else torch.zeros(1 << 18)
     dist.broadcast(block, 0)
     assert_equal(block, torch.arange(1 << 18, dtype=torch.float32), "broadcast 1 MiB")
@@ -138,9 +136,7 @@ def spin_choice() -> None:
     assert stats["spin_us"] == expected_network, (n, oversubscribed, stats)
     if stats["shared_memory_peers"]:
         assert stats["shared_memory_spin_us"] == expected_shm, (n, oversubscribed, stats)
-    t = torch.full((1024,), float(rank + 1))
-    dist.all_reduce(t)
-    assert_equal(t, torch.full_like(t, n * (n + 1) / 2), "all_reduce 4 KiB")
+    check_rank_sum(1024, "all_reduce 4 KiB")
 
 
 if __name__ == "__main__":

@@ -1,21 +1,6 @@
-"""The old name of :mod:`ddlcomm.bench.slownet.run_fsdp_step` (renamed: the driver
-had the name of the worker it runs, ``ddlcomm.bench.fsdp_step``). Kept for one release;
-running or importing it warns."""
+"""The old name of :mod:`ddlcomm.bench.slownet.run_fsdp_step` (renamed: the driver had the name of
+the worker it runs, ``ddlcomm.bench.fsdp_step``). Kept for one release; running or importing it warns."""
 
-import warnings
-from typing import Any
+from .driver import renamed
 
-from . import run_fsdp_step
-
-warnings.warn("ddlcomm.bench.slownet.fsdp_step is now ddlcomm.bench.slownet.run_fsdp_step; "
-              "the old name goes in the next release",
-              FutureWarning, stacklevel=1 if __name__ == "__main__" else 2)
-
-
-def __getattr__(name: str) -> Any:
-    # Everything the driver has (report, main, ...).
-    return getattr(run_fsdp_step, name)
-
-
-if __name__ == "__main__":
-    run_fsdp_step.main()
+renamed(globals(), "run_fsdp_step")

@@ -118,9 +118,9 @@ def plot(results: list[dict], path: Path) -> None:
         ax.set_ylabel("test accuracy %" if metric == "accuracy" else "validation loss")
         if metric == "accuracy":
             ax.set_ylim(80, 100)
-        else:  # from the best final loss to a quarter above it: the curves' ends are what differ
-            best = min(r["curve"][-1][2] for r in results if r["task"] == task and r["rate"] == rate)
-            ax.set_ylim(best * 0.98, best * 1.25)
+        else:  # from the best final loss to a quarter above it (or above the worst final one)
+            finals = [r["curve"][-1][2] for r in results if r["task"] == task and r["rate"] == rate]
+            ax.set_ylim(min(finals) * 0.98, max(min(finals) * 1.25, max(finals) * 1.08))
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     save_figure(fig, path)
