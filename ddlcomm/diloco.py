@@ -19,11 +19,22 @@ The compressed average is bitwise the same on every rank (``ddlcomm.compressed``
 replicas are bitwise equal after every outer step. The residual each rank keeps carries what
 compression left out into the next outer step; with ``outer_momentum=0`` that memory is the
 only one, as SparseLoCo (arXiv 2508.15706) uses it. Floating-point buffers (BatchNorm's
-running statistics) are averaged uncompressed at each outer step.
+running statistics) are averaged uncompressed at each outer step (of the first fragment).
+
+Streaming (Streaming DiLoCo, arXiv 2501.18512): with ``fragments=F`` the parameters are cut
+into F contiguous parts of about equal size, and part ``k`` takes its outer step at inner
+steps ``(k + 1) * sync_every / F`` (mod ``sync_every``), so the network carries 1/F of the
+model at a time, F times as often. With ``overlap_steps=d`` a fragment's average travels
+while the next ``d`` inner steps compute and is applied ``d`` steps late: the fragment's
+global weights take the outer step, and the replica keeps what its own inner steps added to
+the fragment since it was sent (``local = global + (local - local_at_send)``). The global
+weights stay bitwise equal on every rank; the replicas differ by those ``d`` steps, as they
+do between outer steps anyway.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -36,7 +47,33 @@ from .wire import ring_all_reduce_bytes
 
 __all__ = ["DiLoCo"]
 
-_STATE_VERSION = 1
+_STATE_VERSION = 2  # 2: fragments, overlap_steps and the syncs in flight
+
+
+@dataclass
+class _Fragment:
+    """A contiguous run of the model's parameters that takes its outer step on its own."""
+
+    index: int
+    first: int  # its parameters are DiLoCo._params[first:last]
+    last: int
+    begin: int  # its elements in the flat vector of all parameters
+    end: int
+    server: slice  # its server residual in DiLoCo's flat one
+    phase: int  # inner steps (mod sync_every) at which it syncs
+    sent_bytes: int
+    syncs: int = 0
+
+
+@dataclass
+class _InFlight:
+    """A fragment's average on the wire: applied at inner step ``due``."""
+
+    fragment: _Fragment
+    due: int
+    delta: torch.Tensor  # the pseudo-gradient, then (after wait()) its average
+    snapshot: Optional[torch.Tensor]  # the replica's fragment when sent (overlap only)
+    future: Any  # the collective's Future or Work; None once waited
 
 
 class DiLoCo:
@@ -51,21 +88,31 @@ class DiLoCo:
         outer_lr, outer_momentum, nesterov: the outer ``torch.optim.SGD`` (DiLoCo: 0.7, 0.9,
             Nesterov).
         error_feedback: keep what the compressor left out for the next outer step.
+        fragments: parts of the model that sync at staggered steps (Streaming DiLoCo; 1: the
+            whole model at once).
+        overlap_steps: inner steps a fragment's average may travel before it is applied
+            (0: ``step()`` waits for it; less than ``sync_every``).
         process_group: the group of replicas (default: the world).
 
     Attributes:
         outer_optimizer: the ``torch.optim.SGD`` over the global weights.
         stats: bytes this rank sent, against a plain ring all-reduce of the gradient at
             every inner step (DDP in float32): ``stats.ratio`` is the traffic saved.
-        inner_steps, outer_steps: counted by ``step()``.
+        fragment_parameters: the parameters of each fragment, in schedule order.
+        inner_steps, outer_steps: counted by ``step()`` (an outer step per fragment).
     """
 
     def __init__(self, model: torch.nn.Module, inner_optimizer: torch.optim.Optimizer, *, sync_every: int = 100,
                  compressor: Optional[Compressor] = None, outer_lr: float = 0.7, outer_momentum: float = 0.9,
-                 nesterov: bool = True, error_feedback: bool = True,
+                 nesterov: bool = True, error_feedback: bool = True, fragments: int = 1, overlap_steps: int = 0,
                  process_group: Optional[dist.ProcessGroup] = None) -> None:
-        if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
-            raise ValueError(f"sync_every must be a positive integer, got {sync_every!r}")
+        for name, value, low in (("sync_every", sync_every, 1), ("fragments", fragments, 1),
+                                 ("overlap_steps", overlap_steps, 0)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+        if overlap_steps >= sync_every:
+            raise ValueError(f"overlap_steps ({overlap_steps}) must be less than sync_every ({sync_every}): a "
+                             f"fragment's average must arrive before its next outer step")
         if compressor is not None and not isinstance(compressor, Compressor):
             raise TypeError(f"compressor must be a ddlcomm.compressors compressor or None, got "
                             f"{type(compressor).__name__}")
@@ -82,6 +129,9 @@ class DiLoCo:
             raise ValueError("DiLoCo: the model has no parameters that require gradients")
         if len({p.device for p in self._params}) != 1:
             raise ValueError("DiLoCo: the model's parameters must be on one device")
+        if fragments > len(self._params):
+            raise ValueError(f"DiLoCo: {fragments} fragments for {len(self._params)} parameters")
+        self.overlap_steps = overlap_steps
         self._buffers = [b for b in model.buffers() if b.is_floating_point()]
         with torch.no_grad():
             for t in self._params + self._buffers:
@@ -91,60 +141,139 @@ class DiLoCo:
             self._globals = [p.detach().to(torch.float32, copy=True) for p in self._params]
         self.outer_optimizer = torch.optim.SGD(self._globals, lr=outer_lr, momentum=outer_momentum,
                                                nesterov=nesterov and outer_momentum > 0)
-        numel = sum(p.numel() for p in self._params)
         rank, n = dist.get_rank(self._group()), dist.get_world_size(self._group())
+        sizes = [p.numel() for p in self._params]
+        numel = sum(sizes)
         device = self._params[0].device
-        self._worker = torch.zeros(numel, device=device) if self.error_feedback else None
         sparse = compressor is not None and compressor.is_sparse
-        self._server = (torch.zeros(server_residual_numel(numel, rank, n), device=device)
+        self._fragments = self._split(sizes, fragments, sync_every, rank, n)
+        # One flat residual each, the fragments' in order (one fragment: the same layout as
+        # a single compressed all-reduce of every parameter).
+        self._worker = torch.zeros(numel, device=device) if self.error_feedback else None
+        self._server = (torch.zeros(self._fragments[-1].server.stop, device=device)
                         if self.error_feedback and not sparse else None)
+        self.fragment_parameters = [self._params[f.first:f.last] for f in self._fragments]
+        self._in_flight: list[_InFlight] = []
         self._plain_bytes = ring_all_reduce_bytes(numel * 4, n)  # DDP's float32 all-reduce
-        self._sent_bytes = wire_bytes(compressor, numel, n, rank) if compressor is not None else self._plain_bytes
         self.stats = CompressionStats()
         self.inner_steps = 0
         self.outer_steps = 0
+
+    def _split(self, sizes: list[int], fragments: int, sync_every: int, rank: int, n: int) -> list[_Fragment]:
+        """Contiguous runs of parameters of about equal size, fragment k syncing at phase
+        (k + 1) * sync_every / fragments."""
+        total, cuts, running = sum(sizes), [0], 0
+        for i, size in enumerate(sizes):
+            running += size
+            # Cut once the run reaches its share, leaving a parameter for each later fragment.
+            left = len(sizes) - i - 1
+            if len(cuts) < fragments and running * fragments >= total * len(cuts) and left >= fragments - len(cuts):
+                cuts.append(i + 1)
+        while len(cuts) < fragments:  # huge last parameters: one fragment each
+            cuts.append(cuts[-1] + 1)
+        cuts.append(len(sizes))
+        out, begin, server = [], 0, 0
+        for k in range(fragments):
+            count = sum(sizes[cuts[k]:cuts[k + 1]])
+            sent = (wire_bytes(self.compressor, count, n, rank) if self.compressor is not None
+                    else ring_all_reduce_bytes(count * 4, n))
+            residual = server_residual_numel(count, rank, n)
+            out.append(_Fragment(k, cuts[k], cuts[k + 1], begin, begin + count, slice(server, server + residual),
+                                 (k + 1) * sync_every // fragments % sync_every, sent))
+            begin, server = begin + count, server + residual
+        return out
 
     def _group(self) -> dist.ProcessGroup:
         return self.process_group or dist.group.WORLD
 
     def step(self) -> bool:
-        """Counts an inner step (call it after ``inner_optimizer.step()``); every
-        ``sync_every``-th call takes the outer step. Returns whether it did."""
+        """Counts an inner step (call it after ``inner_optimizer.step()``): applies the averages
+        due now and starts the syncs this step begins (every ``sync_every``-th call for the
+        whole model, staggered with ``fragments``). Returns whether an outer step was applied."""
         self.inner_steps += 1
         self.stats.bytes_uncompressed += self._plain_bytes
-        if self.inner_steps % self.sync_every:
-            return False
-        self.sync()
-        return True
+        applied = self._finish(lambda flight: flight.due <= self.inner_steps)
+        for fragment in self._fragments:
+            if self.inner_steps % self.sync_every == fragment.phase:
+                self._start(fragment, self.overlap_steps)
+                applied |= self._finish(lambda flight: flight.due <= self.inner_steps)
+        return applied
 
     @torch.no_grad()
     def sync(self) -> None:
-        """The outer step now: average the pseudo-gradient, step the global weights, and set
-        the replica to them."""
-        delta = torch.cat([(g - p.to(torch.float32)).reshape(-1) for g, p in zip(self._globals, self._params)])
+        """Every fragment's outer step now (after those in flight): the replica ends on the
+        global weights."""
+        self._finish(lambda flight: True)
+        for fragment in self._fragments:
+            self._start(fragment, 0)
+            self._finish(lambda flight: True)
+
+    def _slice(self, fragment: _Fragment) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        return self._globals[fragment.first:fragment.last], self._params[fragment.first:fragment.last]
+
+    @torch.no_grad()
+    def _start(self, fragment: _Fragment, overlap: int) -> None:
+        """Sends the fragment's pseudo-gradient (global minus local weights) to be averaged."""
+        globals_, params = self._slice(fragment)
+        delta = torch.cat([(g - p.to(torch.float32)).reshape(-1) for g, p in zip(globals_, params)])
+        snapshot = torch.cat([p.detach().reshape(-1).to(torch.float32) for p in params]) if overlap else None
         group = self._group()
         if self.compressor is None:
-            dist.all_reduce(delta, group=group)
-            delta.div_(dist.get_world_size(group))
+            future = dist.all_reduce(delta, group=group, async_op=True)
         else:
-            compressed_all_reduce(delta, self.compressor, self._worker, self._server, group=self.process_group,
-                                  average=True, stream=self.outer_steps).wait()
-        self.stats.bytes_sent += self._sent_bytes
+            # Its own randomness per fragment and sync; with one fragment, the outer step's number.
+            stream = fragment.syncs * len(self._fragments) + fragment.index
+            worker = None if self._worker is None else self._worker[fragment.begin:fragment.end]
+            server = None if self._server is None else self._server[fragment.server]
+            future = compressed_all_reduce(delta, self.compressor, worker, server,
+                                           group=self.process_group, average=True, stream=stream)
+        fragment.syncs += 1
+        self.stats.bytes_sent += fragment.sent_bytes
+        self._in_flight.append(_InFlight(fragment, self.inner_steps + overlap, delta, snapshot, future))
+
+    def _wait(self, flight: _InFlight) -> torch.Tensor:
+        """The fragment's average (waiting for it once)."""
+        if flight.future is not None:
+            flight.future.wait()
+            flight.future = None
+            if self.compressor is None:
+                flight.delta.div_(dist.get_world_size(self._group()))
+        return flight.delta
+
+    @torch.no_grad()
+    def _finish(self, due) -> bool:
+        """Applies the averages in flight that ``due`` selects, in the order they were sent."""
+        ready = [flight for flight in self._in_flight if due(flight)]
+        self._in_flight = [flight for flight in self._in_flight if not due(flight)]
+        for flight in ready:
+            self._apply(flight)
+        return bool(ready)
+
+    def _apply(self, flight: _InFlight) -> None:
+        delta, fragment, group = self._wait(flight), flight.fragment, self._group()
         if not bool(torch.isfinite(delta).all()):
             # The average is the same on every rank, so every rank raises here.
             raise RuntimeError(f"DiLoCo: the averaged pseudo-gradient of outer step {self.outer_steps} is not finite "
                                f"(rank {dist.get_rank(group)}); the global weights were left unchanged")
+        globals_, params = self._slice(fragment)
         offset = 0
-        for g in self._globals:
+        for g in globals_:
             g.grad = delta[offset : offset + g.numel()].view_as(g)
             offset += g.numel()
-        self.outer_optimizer.step()
-        for g, p in zip(self._globals, self._params):
-            p.copy_(g)
+        self.outer_optimizer.step()  # the parameters without a gradient (other fragments) stay
+        offset = 0
+        for g, p in zip(globals_, params):
+            if flight.snapshot is None:
+                p.copy_(g)
+            else:  # keep what the inner steps added while the average travelled
+                since = p.detach().to(torch.float32) - flight.snapshot[offset : offset + p.numel()].view_as(p)
+                p.copy_(g + since)
+            offset += p.numel()
             g.grad = None
-        for b in self._buffers:
-            dist.all_reduce(b, group=group)
-            b.div_(dist.get_world_size(group))
+        if fragment.index == 0:
+            for b in self._buffers:
+                dist.all_reduce(b, group=group)
+                b.div_(dist.get_world_size(group))
         self.outer_steps += 1
 
     def state_dict(self) -> dict[str, Any]:
@@ -156,6 +285,11 @@ class DiLoCo:
             "rank": dist.get_rank(self._group()),
             "world_size": dist.get_world_size(self._group()),
             "sync_every": self.sync_every,
+            "fragments": len(self._fragments),
+            "overlap_steps": self.overlap_steps,
+            "fragment_syncs": [f.syncs for f in self._fragments],
+            "in_flight": [{"fragment": f.fragment.index, "due": f.due, "average": self._wait(f).clone(),
+                           "snapshot": None if f.snapshot is None else f.snapshot.clone()} for f in self._in_flight],
             "inner_steps": self.inner_steps,
             "outer_steps": self.outer_steps,
             "globals": [g.clone() for g in self._globals],
@@ -170,10 +304,12 @@ class DiLoCo:
         world size, schedule or model."""
         if int(state.get("version", 0)) != _STATE_VERSION:
             raise ValueError(f"DiLoCo: state version {state.get('version')!r}, expected {_STATE_VERSION}")
-        here = (dist.get_rank(self._group()), dist.get_world_size(self._group()), self.sync_every)
-        saved = (state["rank"], state["world_size"], state["sync_every"])
+        here = (dist.get_rank(self._group()), dist.get_world_size(self._group()), self.sync_every,
+                len(self._fragments), self.overlap_steps)
+        saved = (state["rank"], state["world_size"], state["sync_every"], state["fragments"], state["overlap_steps"])
         if here != saved:
-            raise ValueError(f"DiLoCo: state saved as (rank, world size, sync_every) {saved}, loaded as {here}")
+            raise ValueError(f"DiLoCo: state saved as (rank, world size, sync_every, fragments, overlap_steps) "
+                             f"{saved}, loaded as {here}")
         shapes = [g.shape for g in self._globals]
         if [g.shape for g in state["globals"]] != shapes:
             raise ValueError("DiLoCo: the saved global weights do not match this model's parameters")
@@ -187,4 +323,9 @@ class DiLoCo:
             g.copy_(saved_g)
         self.outer_optimizer.load_state_dict(state["outer_optimizer"])
         self.inner_steps, self.outer_steps = int(state["inner_steps"]), int(state["outer_steps"])
+        for fragment, syncs in zip(self._fragments, state["fragment_syncs"]):
+            fragment.syncs = int(syncs)
+        self._in_flight = [_InFlight(self._fragments[f["fragment"]], int(f["due"]), f["average"].clone(),
+                                     None if f["snapshot"] is None else f["snapshot"].clone(), None)
+                           for f in state["in_flight"]]
         self.stats = CompressionStats(**state["stats"])

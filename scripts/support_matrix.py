@@ -122,18 +122,20 @@ def _rank(rank: int, backend: str, store_path: str, queue) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import ddlcomm  # noqa: F401
 
-    dist.init_process_group(backend, store=dist.FileStore(store_path, WORLD), rank=rank, world_size=WORLD)
+    store = dist.FileStore(store_path, WORLD)
     cells = {}
-    for dtype in DTYPES:
+    for index, dtype in enumerate(DTYPES):
+        # A fresh group per dtype: a call refused on one rank only can leave the other's
+        # connection mid-collective (gloo then fails a later call, even a barrier, at random).
+        dist.init_process_group(backend, store=dist.PrefixStore(f"dtype{index}", store), rank=rank, world_size=WORLD)
         for name in REDUCING:
             for op in OPS:
                 cells[(name, op, str(dtype))] = _probe(lambda: _reducing(name, op, dtype, rank))
         for name in MOVING:
             cells[(name, "", str(dtype))] = _probe(lambda: _moving(name, dtype, rank))
-        dist.barrier()  # a refused call on one rank only must not leave the other mid-collective
+        dist.destroy_process_group()
     if rank == 0:
         queue.put(cells)
-    dist.destroy_process_group()
 
 
 def probe(backend: str) -> dict:

@@ -19,4 +19,4 @@ ninja -C build/cuda-emu
 # libFuzzer with ASan/UBSan on the frame and payload parsers, ~30 s per target (docs/fuzzing.md).
 bash scripts/fuzz.sh 30
 echo "== pytest"
-exec .venv/bin/pytest -q --durations=15 "$@"
+exec .venv/bin/pytest -q --durations=40 "$@"

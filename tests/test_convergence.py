@@ -73,7 +73,7 @@ def test_time_to_accuracy_benchmark_runs_every_method() -> None:
         assert steps == [0, 7, 14], r
         assert seconds[0] == 0.0 and seconds[1] < seconds[2] and r["seconds_per_step"] > 0, r
         assert all(math.isfinite(c[2]) and 0.0 <= c[2] <= 100.0 for c in r["curve"]), r
-        if r["method"].startswith("DiLoCo"):  # two outer steps in 14 steps: float32 DDP would send 7x more
+        if "DiLoCo" in r["method"]:  # two outer steps in 14 steps: float32 DDP would send 7x more
             assert r["traffic_reduction"] >= 7 * (0.99 if r["method"] == "DiLoCo fp32" else 1.5), r
     text, reached = summarise(records)
     assert reached[("cnn", "loopback", "gloo fp32")] is not None, text  # its own final figure

@@ -19,9 +19,13 @@ def test_error_feedback_conserves_the_pseudo_gradient(backend: str, names: str) 
     assert_all_ok(launch("diloco", "conservation", 4, timeout=120, args=(backend, names)))
 
 
-@pytest.mark.parametrize("backend,names", [("ddlcomm", "ternary,none"), ("gloo", "onebit")])
+@pytest.mark.parametrize("backend,names", [("ddlcomm", "ternary,none,ternary+stream"), ("gloo", "onebit+stream")])
 def test_replicas_agree_and_resume_is_exact(backend: str, names: str) -> None:
     assert_all_ok(launch("diloco", "resume", 2, timeout=120, args=(backend, names)))
+
+
+def test_streamed_outer_steps_match_a_direct_implementation() -> None:
+    assert_all_ok(launch("diloco", "streaming_matches_reference", 2, timeout=120, args=("ddlcomm",)))
 
 
 def test_bad_arguments_and_non_finite_pseudo_gradients_are_refused() -> None:

@@ -10,7 +10,8 @@ Methods: DDP on gloo (fp32, and PyTorch's fp16_compress_hook), PyTorch's PowerSG
 (rank 4; on the ddlcomm group, where gloo's all-reduce of its factors failed in
 ddlcomm.bench.slownet.run_compressed), the ddlcomm hooks with their ``ddlcomm.optim`` optimizer, and outer steps
 (``ddlcomm.diloco.DiLoCo``: no DDP; each rank steps its replica with torch's optimizer and the
-pseudo-gradient is averaged every ``--sync-every`` steps, in float32 or compressed). For
+pseudo-gradient is averaged every ``--sync-every`` steps, in float32 or compressed; streamed:
+a quarter of the model at a time, each applied two inner steps late). For
 DiLoCo, ``--eval-every`` should be a multiple of ``--sync-every`` so that the evaluated
 weights are the synchronized ones.
 """
@@ -39,8 +40,14 @@ COMPRESSORS = {
     "ddlcomm top-k 1%": lambda: compressors.TopK(ratio=0.01, approximate=True),
     "ddlcomm random-k 10%": lambda: compressors.RandomK(ratio=0.1),
 }
-# Outer steps on the ddlcomm group: None is float32.
-OUTER = {"DiLoCo fp32": None, "DiLoCo ternary": compressors.Ternary, "DiLoCo 1-bit": compressors.OneBit}
+# Outer steps on the ddlcomm group: (compressor, None for float32; DiLoCo's other options).
+OUTER = {
+    "DiLoCo fp32": (None, {}),
+    "DiLoCo ternary": (compressors.Ternary, {}),
+    "DiLoCo 1-bit": (compressors.OneBit, {}),
+    "Streaming DiLoCo ternary (4 fragments, 2-step overlap)": (compressors.Ternary,
+                                                                {"fragments": 4, "overlap_steps": 2}),
+}
 METHODS = ["gloo fp32", "gloo fp16_compress_hook", "PowerSGD rank 4 (torch hook)", *COMPRESSORS, *OUTER]
 
 
@@ -55,8 +62,8 @@ def run(task, method: str, opt_name: str, gloo: dist.ProcessGroup, eval_every: i
     opt = family.SGD(model.parameters(), lr=lr, momentum=0.9) if opt_name == "sgd" else family.AdamW(model.parameters(), lr=lr)
     diloco = None
     if method in OUTER:
-        make = OUTER[method]
-        diloco = DiLoCo(model, opt, compressor=make() if make else None, **outer)
+        make, options = OUTER[method]
+        diloco = DiLoCo(model, opt, compressor=make() if make else None, **outer, **options)
     elif method in COMPRESSORS:
         state = hooks.CompressionState(compressor=COMPRESSORS[method](), start_compress_iter=START_COMPRESS_ITER,
                                        optimizer=opt)

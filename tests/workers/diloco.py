@@ -90,11 +90,71 @@ def matches_reference(backend: str) -> None:
     assert abs(diloco.stats.ratio - 5.0) < 1e-9, diloco.stats
 
 
+def streaming_matches_reference(backend: str) -> None:
+    """Streaming (2 fragments, every 4 steps, applied 1 step late), float32, against the schedule
+    and the update written out with torch alone: fragment k sends at inner steps t with
+    t % 4 == (k + 1) * 4 // 2 % 4, its average moves its global weights one step later, and the
+    replica keeps what its inner step added meanwhile. Global weights bitwise equal everywhere."""
+    rank, n = init(backend)
+    model, reference = _model(), _model()
+    inner = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    ref_inner = torch.optim.AdamW(reference.parameters(), lr=3e-3)
+    diloco = DiLoCo(model, inner, sync_every=4, fragments=2, overlap_steps=1, outer_lr=0.7, outer_momentum=0.9)
+    positions = {id(p): i for i, p in enumerate(model.parameters())}
+    fragments = [[positions[id(p)] for p in part] for part in diloco.fragment_parameters]
+    assert sorted(i for part in fragments for i in part) == list(range(len(positions))), fragments
+    assert all(part == list(range(part[0], part[-1] + 1)) for part in fragments), f"not contiguous: {fragments}"
+    params = list(reference.parameters())
+    globals_ = [p.detach().clone() for p in params]
+    outer = torch.optim.SGD(globals_, lr=0.7, momentum=0.9, nesterov=True)
+    in_flight = []  # (fragment, due step, averages, the replica's parameters when sent)
+    for step in range(17):
+        t = step + 1
+        _inner_step(model, inner, rank, step)
+        _inner_step(reference, ref_inner, rank, step)
+        applied = diloco.step()
+        with torch.no_grad():
+            due = [f for f in in_flight if f[1] <= t]
+            in_flight = [f for f in in_flight if f[1] > t]
+            for k, _, averages, sent in due:
+                for i, average in zip(fragments[k], averages):
+                    globals_[i].grad = average
+                outer.step()
+                for i, before in zip(fragments[k], sent):
+                    params[i].copy_(globals_[i] + (params[i] - before))
+                    globals_[i].grad = None
+                if k == 0:
+                    for b in reference.buffers():
+                        if b.is_floating_point():
+                            dist.all_reduce(b)
+                            b /= n
+            for k in range(2):
+                if t % 4 == (k + 1) * 4 // 2 % 4:
+                    averages = [globals_[i] - params[i] for i in fragments[k]]
+                    for a in averages:
+                        dist.all_reduce(a)
+                        a /= n
+                    in_flight.append((k, t + 1, averages, [params[i].clone() for i in fragments[k]]))
+        assert applied == bool(due), (t, applied, due)
+        torch.testing.assert_close(_flat(model), _flat(reference), rtol=0, atol=0, msg=lambda m: f"step {t}: {m}")
+        _assert_globals_equal(diloco, f"step {t}")
+    # Fragment 0 applied at steps 3, 7, 11, 15; fragment 1 at 5, 9, 13, 17.
+    assert diloco.outer_steps == 8, diloco.outer_steps
+
+
+def _assert_globals_equal(diloco: DiLoCo, what: str) -> None:
+    mine = torch.cat([g.reshape(-1) for g in diloco.state_dict()["globals"]])
+    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, mine)
+    assert all(torch.equal(other, mine) for other in everyone), f"{what}: the global weights differ between ranks"
+
+
 def conservation(backend: str, names: str) -> None:
-    """For each compressor of ``names`` (comma-separated): with outer_lr 1 and no momentum the global weights move by exactly the averaged
-    pseudo-gradient A_t; error feedback loses nothing across outer steps:
-    sum_t A_t = sum_t mean_r(D_t,r) + mean_r(w_0,r - w_T,r) + (s_0 - s_T), the server residuals
-    laid out at the positions each rank reduces. D_t,r is computed here (float64, gloo)."""
+    """For each compressor of ``names`` (comma-separated): with outer_lr 1 and no momentum the
+    global weights move by exactly the averaged pseudo-gradient A_t; error feedback loses nothing
+    across outer steps: sum_t A_t = sum_t mean_r(D_t,r) + mean_r(w_0,r - w_T,r) + (s_0 - s_T), the
+    server residuals laid out at the positions each rank reduces. D_t,r is computed here (float64,
+    gloo)."""
     rank, n = init(backend)
     gloo = dist.new_group(backend="gloo")
     for name in names.split(","):
@@ -148,17 +208,23 @@ def resume(backend: str, names: str) -> None:
 
 
 def _resume(name: str, rank: int) -> None:
+    # "+stream": 2 fragments applied 1 step late; at step 9 fragment 0's average is in flight.
+    name, streaming = name.removesuffix("+stream"), name.endswith("+stream")
+    options = {"fragments": 2, "overlap_steps": 1} if streaming else {}
+
     def build() -> tuple[torch.nn.Module, torch.optim.Optimizer, DiLoCo]:
         model = _model()
         inner = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
-        return model, inner, DiLoCo(model, inner, sync_every=4, compressor=COMPRESSORS[name]())
+        return model, inner, DiLoCo(model, inner, sync_every=4, compressor=COMPRESSORS[name](), **options)
 
     model, inner, diloco = build()
     saved = None
     for step in range(16):
         _inner_step(model, inner, rank, step)
         if diloco.step():
-            _assert_replicas_equal(model, f"{name}, outer step {diloco.outer_steps}")
+            _assert_globals_equal(diloco, f"{name}, outer step {diloco.outer_steps}")
+            if not streaming:
+                _assert_replicas_equal(model, f"{name}, outer step {diloco.outer_steps}")
         if step == 9:  # between outer steps: the replica differs from the global weights
             buffer = io.BytesIO()
             torch.save({"model": model.state_dict(), "inner": inner.state_dict(), "diloco": diloco.state_dict()}, buffer)
@@ -173,7 +239,7 @@ def _resume(name: str, rank: int) -> None:
         _inner_step(model, inner, rank, step)
         diloco.step()
     assert torch.equal(_flat(model), uninterrupted), f"{name}: the resumed run differs from the uninterrupted one"
-    assert diloco.outer_steps == 4
+    assert diloco.outer_steps == (7 if streaming else 4), diloco.outer_steps
 
 
 def errors() -> None:
@@ -183,7 +249,10 @@ def errors() -> None:
     model = _model()
     inner = torch.optim.SGD(model.parameters(), lr=0.1)
     for bad, kind, text in ((dict(sync_every=0), ValueError, "sync_every"),
-                            (dict(compressor="onebit"), TypeError, "compressor")):
+                            (dict(compressor="onebit"), TypeError, "compressor"),
+                            (dict(sync_every=4, overlap_steps=4), ValueError, "overlap_steps (4) must be less than"),
+                            (dict(fragments=7), ValueError, "7 fragments for 6 parameters"),
+                            (dict(fragments=True), ValueError, "fragments must be an integer")):
         try:
             DiLoCo(model, inner, **bad)
         except kind as e:
@@ -214,4 +283,5 @@ def errors() -> None:
 
 
 if __name__ == "__main__":
-    run({"matches_reference": matches_reference, "conservation": conservation, "resume": resume, "errors": errors})
+    run({"matches_reference": matches_reference, "streaming_matches_reference": streaming_matches_reference,
+         "conservation": conservation, "resume": resume, "errors": errors})
