@@ -37,14 +37,16 @@ only payloads cross PCIe (``ddlcomm.compressed``). Non-finite gradients come out
 
 import logging
 import math
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
+from . import clipping
 from .compressors import BF16, FP16, Compressor, OneBit, RandomK, Ternary, TopK, has_cuda
 from .compressed import start_compressed_all_reduce, wire_bytes
 from .ddp_memory import FeedbackMemory, Signature
+from .hook_checkpoint import HookCheckpoint
 from .optim import DirectionOptimizer
 from .options import CompressionOptions, CompressionStats
 from .wire import call_stream, ring_all_reduce_bytes
@@ -63,14 +65,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-# 2: server residuals follow the piecewise compressed all-reduce (ddlcomm.compressed).
-# 3: memory keyed by the bucket's parameters (ddlcomm.ddp_memory), with layout, rank and world size.
-_STATE_VERSION = 3
-# A new DDP wrapper rebuilds its buckets after its first iteration, its second with static_graph.
-_REPLAY_ITERATIONS = 2
-
-
-class CompressionState(CompressionOptions):
+class CompressionState(CompressionOptions, HookCheckpoint):
     """State of a compressed DDP communication hook.
 
     Args:
@@ -100,11 +95,20 @@ class CompressionState(CompressionOptions):
             with FP16/BF16 or without ``optimizer=`` (with a lossy compressor and
             ``optimizer=``, ``.grad`` holds averaged directions and ``step()`` refuses a
             rewritten one).
+        max_grad_norm: clip as ``torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)``
+            would on the average gradient, for a lossy compressor with ``optimizer=`` (where
+            ``.grad`` holds directions and ``clip_grad_norm_`` is refused). The norm of the
+            average gradient is exact in uncompressed iterations (the warm-up) and estimated
+            from a sketch, to about 1-3%, in compressed ones (``ddlcomm.clipping``); the
+            iteration's buckets are then reduced after backward() rather than during it. With
+            FP16/BF16 or without ``optimizer=``, call ``clip_grad_norm_`` as usual.
 
     Attributes:
         stats: a ``CompressionStats``: bytes sent against a plain ring all-reduce's, and
             buckets compressed and not (``stats.ratio``, ``stats.compression_ratio``).
         iter: iterations run (the warm-up ends when it reaches ``start_compress_iter``).
+        grad_norm: with ``max_grad_norm``, the last iteration's norm of the average gradient
+            before clipping (what ``clip_grad_norm_`` returns), a tensor; else None.
         compressor, optimizer, model, process_group: as given.
 
     The first iteration logs, at INFO level, the compressor and when compression starts.
@@ -123,6 +127,7 @@ class CompressionState(CompressionOptions):
         model: Optional[torch.nn.Module] = None,
         momentum: float = 0.0,
         clip_norm: Optional[float] = None,
+        max_grad_norm: Optional[float] = None,
     ) -> None:
         super().__init__(compressor if compressor is not None else OneBit(), start_compress_iter,
                          min_compression_bytes, error_feedback, momentum)
@@ -144,18 +149,27 @@ class CompressionState(CompressionOptions):
         if optimizer is not None and momentum:
             raise ValueError("momentum= is DGC's local momentum for an optimizer without one; with optimizer= "
                              "the optimizer's own momentum is what the hook compresses")
+        if max_grad_norm is not None and not (0 < max_grad_norm < math.inf):
+            raise ValueError(f"max_grad_norm must be positive and finite, got {max_grad_norm}")
+        if max_grad_norm is not None and (optimizer is None or isinstance(compressor, (FP16, BF16))):
+            raise ValueError("max_grad_norm= clips for a lossy compressor with optimizer=, where .grad holds update "
+                             "directions; here .grad holds the average gradient: call "
+                             "torch.nn.utils.clip_grad_norm_ between backward() and step() (after "
+                             "GradScaler.unscale_) as usual")
         if model is not None and not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         self.process_group = process_group
         self.optimizer = optimizer
         self.model = model
         self.clip_norm = clip_norm
+        self.max_grad_norm = max_grad_norm
+        self.grad_norm: Optional[torch.Tensor] = None
         self.iter = 0
         self.memory = FeedbackMemory()
         self._keys: dict[torch.Tensor, str] = {}  # parameter -> its key in the memory
         self._verified: set[Signature] = set()  # buckets whose agreement across ranks was checked
         self._saved_world: Optional[tuple[int, int]] = None  # (rank, world size) a loaded state was made under
-        self._replay: list = []  # buckets of this iteration, while replaying (see _replay_iteration)
+        self._held: list = []  # this iteration's buckets so far (see _whole_iteration)
         self._replay_left = 0  # iterations after a load that are reduced in the saved layout
         self._inflight: list[torch.futures.Future] = []  # this iteration's communication
         self._detached: tuple[str, ...] = ()  # attributes that were set when pickled
@@ -172,9 +186,6 @@ class CompressionState(CompressionOptions):
     def _world(self) -> tuple[int, int]:
         group = self.process_group or dist.group.WORLD
         return dist.get_rank(group), dist.get_world_size(group)
-
-    def _key_scheme(self) -> str:
-        return "names" if self.model is not None else "optimizer" if self.optimizer is not None else "process"
 
     def _signature(self, params: list[torch.Tensor], numel: int, index: int) -> tuple[Signature, list[int]]:
         """The keys of a bucket's parameters, and their sizes."""
@@ -199,99 +210,6 @@ class CompressionState(CompressionOptions):
             return {p: f"param_groups.{i}" for i, p in enumerate(params)}
         return dict(self._keys)
 
-    def _check_attached(self) -> None:
-        missing = [name for name in self._detached if getattr(self, name) is None]
-        if missing:
-            # Residuals of update directions applied to gradients, or keys that no longer name
-            # parameters, would train worse without saying so.
-            what = "ddlcomm.optim optimizer" if missing[0] == "optimizer" else "model"
-            raise RuntimeError(f"ddlcomm hook: this CompressionState was pickled with {' and '.join(missing)}= and "
-                               f"loaded without; set state.{missing[0]} (to the loaded {what}) before training")
-        self._detached = ()
-
-    def _check_world(self) -> None:
-        if self._saved_world is None:
-            return
-        rank, world = self._world()
-        saved_rank, saved_world = self._saved_world
-        if (rank, world) != (saved_rank, saved_world):
-            raise ValueError(f"ddlcomm hook: this state was saved by rank {saved_rank} of {saved_world} and is loaded "
-                             f"on rank {rank} of {world}. Error-feedback memory is per rank: each rank must load the "
-                             f"state_dict() it saved itself; to change the world size, start a fresh CompressionState")
-        self.memory.check_server_sizes(rank, world)
-        self._saved_world = None
-
-    def state_dict(self) -> dict[str, Any]:
-        """Everything this rank needs to resume exactly: iteration, error-feedback memory keyed
-        by parameter, the bucket layout, statistics, and the rank and world size it belongs to.
-
-        Each rank saves and loads its own: the memory differs between ranks.
-        """
-        if self.memory and self._key_scheme() == "process":
-            raise ValueError("ddlcomm hook: state_dict() needs CompressionState(model=...) or optimizer=: the "
-                             "error-feedback memory is saved against parameter names (or optimizer positions), "
-                             "so that it comes back to the same parameters whatever DDP's bucket layout")
-        rank, world = self._world() if dist.is_initialized() else (None, None)
-        return {
-            "version": _STATE_VERSION,
-            "rank": rank,
-            "world_size": world,
-            "keys": self._key_scheme(),
-            "iter": self.iter,
-            "stats": vars(self.stats).copy(),
-            **self.memory.state_dict(),
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restores what ``state_dict`` returned on this rank (tensors are copied).
-
-        Raises ValueError for a state saved by another rank or world size (checked here when
-        the process group exists, else on first use) or for another model. States from
-        versions before 3 (memory keyed by bucket index) keep their iteration and statistics;
-        their error-feedback memory restarts from zero (logged). A newer version is refused.
-        """
-        version = int(state.get("version", 1))
-        if version > _STATE_VERSION:
-            raise ValueError(f"hook state version {version} is newer than this ddlcomm's ({_STATE_VERSION})")
-        self.iter = int(state["iter"])
-        self.stats = CompressionStats(**state.get("stats", {}))
-        self.memory = FeedbackMemory()
-        self._replay, self._replay_left = [], 0
-        self._saved_world = None
-        if version < 3:
-            logger.warning("ddlcomm hook: the state is from version %d, whose error-feedback memory was keyed by "
-                           "bucket index; it restarts from zero", version)
-            return
-        if state["keys"] != "process" and self._key_scheme() != state["keys"]:
-            want = "model=" if state["keys"] == "names" else "optimizer="
-            raise ValueError(f"ddlcomm hook: the state's memory is keyed by {state['keys']}; construct this "
-                             f"CompressionState with {want} as well")
-        self.memory.load_state_dict(state)
-        if state["rank"] is not None:
-            self._saved_world = (int(state["rank"]), int(state["world_size"]))
-            if dist.is_initialized():
-                self._check_world()
-        self._replay_left = _REPLAY_ITERATIONS if self.memory.layout else 0
-
-    def __getstate__(self) -> dict[str, Any]:
-        # Process groups do not pickle, and the model and optimizer are saved by their owner
-        # (the hook refuses to run until they are set again); the rest does (torch.save of a
-        # whole state).
-        if self.memory and self._key_scheme() == "process":
-            self.state_dict()  # raises the reason
-        state = {k: v for k, v in self.__dict__.items()
-                 if k not in ("process_group", "optimizer", "model", "_keys", "_inflight")}
-        state["_detached"] = tuple(n for n in ("optimizer", "model") if getattr(self, n) is not None) + self._detached
-        if dist.is_initialized() and self._saved_world is None:
-            state["_saved_world"] = self._world()
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self.process_group = self.optimizer = self.model = None
-        self._keys, self._inflight = {}, []
-        self._replay, self._replay_left = [], _REPLAY_ITERATIONS if self.memory.layout else 0  # as after a load
-
 
 def compressed_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Averages ``bucket`` over the ranks through ``state.compressor``: the gradients, or with a
@@ -302,38 +220,37 @@ def compressed_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.f
         logger.info("ddlcomm hook: %r%s from iteration %d (the first %d uncompressed)", state.compressor,
                     " averaging update directions" if state.averages_directions else "", state.start_compress_iter,
                     state.start_compress_iter)
-    if state._replay_left:
-        return _replay_iteration(state, bucket)
+    if state._replay_left or state.max_grad_norm is not None:
+        return _whole_iteration(state, bucket)
     return _reduce(state, bucket.buffer(), bucket.parameters(), bucket.index(), bucket.is_last())
 
 
-def _replay_iteration(state: CompressionState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """An iteration right after a load: collects every bucket, then reduces them in the saved
+def _whole_iteration(state: CompressionState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Collects every bucket of the iteration, then reduces them: with ``max_grad_norm``, so that
+    the norm over all of them is known before any is clipped; right after a load, in the saved
     layout (the one the uninterrupted run used), so a resumed run trains exactly like it. A new
     DDP wrapper rebuilds its buckets after its first iteration (its second with static_graph);
     a layout still different after that (another bucket_cap_mb) takes its memory parameter by
     parameter instead (FeedbackMemory)."""
     done: torch.futures.Future = torch.futures.Future()
-    state._replay.append((bucket.buffer(), bucket.parameters(), done))
+    state._held.append((bucket.buffer(), bucket.parameters(), done))
     if not bucket.is_last():
         return done
-    buckets, state._replay = state._replay, []
+    buckets, state._held = state._held, []
     try:
-        current = [state._signature(params, buffer.numel(), i)[0] for i, (buffer, params, _) in enumerate(buckets)]
+        groups = [(buffer, params) for buffer, params, _ in buckets]
         views = {}
-        for signature, (buffer, params, _) in zip(current, buckets):
-            if len(signature) == len(params):
-                views.update(zip(signature, zip(params, _gradients(buffer, params))))
-        saved = state.memory.layout
-        state._replay_left = 0 if current == saved else state._replay_left - 1
-        if current == saved or sorted(k for s in saved for k in s) != sorted(views):
-            groups = [(buffer, params) for buffer, params, _ in buckets]
-        else:
-            groups = [(torch.cat([views[k][1].reshape(-1) for k in signature]), [views[k][0] for k in signature])
-                      for signature in saved]
-        futures = [_reduce(state, buffer, params, i, i == len(groups) - 1) for i, (buffer, params) in enumerate(groups)]
-        for (buffer, params), fut in zip(groups, futures):
-            result = fut.wait()
+        if state._replay_left:
+            current = [state._signature(params, buffer.numel(), i)[0] for i, (buffer, params) in enumerate(groups)]
+            for signature, (buffer, params) in zip(current, groups):
+                if len(signature) == len(params):
+                    views.update(zip(signature, zip(params, _gradients(buffer, params))))
+            saved = state.memory.layout
+            state._replay_left = 0 if current == saved else state._replay_left - 1
+            if current != saved and sorted(k for s in saved for k in s) == sorted(views):
+                groups = [(torch.cat([views[k][1].reshape(-1) for k in signature]), [views[k][0] for k in signature])
+                          for signature in saved]
+        for (buffer, params), result in zip(groups, _reduce_all(state, groups)):
             if buffer is not result:
                 buffer.copy_(result)
             if not any(buffer is b for b, _, _ in buckets):  # a saved bucket: back to the current ones
@@ -346,6 +263,22 @@ def _replay_iteration(state: CompressionState, bucket: dist.GradBucket) -> torch
     for buffer, _, fut in buckets:
         fut.set_result(buffer)
     return done
+
+
+def _reduce_all(state: CompressionState, groups: list[tuple[torch.Tensor, list[torch.Tensor]]]) -> list[torch.Tensor]:
+    """Reduces one iteration's buckets in order and returns their averages, clipped first with
+    ``max_grad_norm`` (``ddlcomm.clipping.clip_iteration``)."""
+    def reduce_all() -> list[torch.Tensor]:
+        futures = [_reduce(state, buffer, params, i, i == len(groups) - 1) for i, (buffer, params) in enumerate(groups)]
+        return [fut.wait() for fut in futures]
+
+    if state.max_grad_norm is None:
+        return reduce_all()
+    compressed = any(_uncompressed_reason(state, b, b.numel() * b.element_size()) is None for b, _ in groups)
+    results, state.grad_norm, sent = clipping.clip_iteration([b for b, _ in groups], reduce_all, state.max_grad_norm,
+                                                             compressed, state.iter, state.process_group)
+    state.stats.bytes_sent += sent
+    return results
 
 
 def _reduce(state: CompressionState, buffer: torch.Tensor, params: list[torch.Tensor], index: int,

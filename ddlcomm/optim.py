@@ -41,7 +41,8 @@ ordinary torch update from the averaged gradient. The update does not depend on 
 learning rate, so schedulers work unchanged. After a lossy compressed step ``.grad`` holds
 the averaged direction, not a gradient: ``clip_grad_norm_`` or ``GradScaler.unscale_``
 between ``backward()`` and ``step()`` would act on the wrong quantity, and ``step()`` raises
-if anything changed it.
+if anything changed it; the hook's ``max_grad_norm=`` clips as ``clip_grad_norm_`` would
+(``ddlcomm.clipping``).
 """
 
 from __future__ import annotations
@@ -119,9 +120,11 @@ class DirectionOptimizer:
             raise RuntimeError(
                 f"{name}: .grad of {changed} parameter(s) changed between backward() and step(). With a lossy "
                 f"compressor and optimizer=, .grad holds the averaged update direction, not a gradient: "
-                f"torch.nn.utils.clip_grad_norm_ and GradScaler would scale the wrong quantity. Clip or use "
-                f"GradScaler with FP16() or BF16() (which average the gradient itself) or with a hook that has "
-                f"no optimizer=; for mixed precision, torch.autocast(dtype=torch.bfloat16) needs no GradScaler")
+                f"torch.nn.utils.clip_grad_norm_ and GradScaler would scale the wrong quantity. To clip, pass "
+                f"max_grad_norm= to the hook's CompressionState instead (it clips the average gradient as "
+                f"clip_grad_norm_ does); GradScaler works with FP16() or BF16() (which average the gradient "
+                f"itself) or a hook without optimizer=; for mixed precision, torch.autocast(dtype=torch.bfloat16) "
+                f"needs no GradScaler")
 
     @torch.no_grad()
     def step(self, closure=None):  # type: ignore[override]

@@ -23,6 +23,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -163,9 +164,14 @@ class RankResult:
     seconds: float
 
 
-def launch(
-    worker: str,
-    scenario: str,
+def launch(worker: str, scenario: str, world_size: int, args: tuple[str, ...] = (), **options: Any) -> list[RankResult]:
+    """Runs `tests/workers/<worker>.py <scenario> [args]` on `world_size` ranks; returns per-rank
+    results (``options``: those of ``launch_script``)."""
+    return launch_script(WORKERS / f"{worker}.py", world_size, args=(scenario, *args), **options)
+
+
+def launch_script(
+    script: Path,
     world_size: int,
     timeout: float = 120.0,
     env: dict[str, str] | None = None,
@@ -173,8 +179,9 @@ def launch(
     args: tuple[str, ...] = (),
     rank_prefix: dict[int, list[str]] | None = None,
 ) -> list[RankResult]:
-    """Runs `tests/workers/<worker>.py <scenario> [args]` on `world_size` ranks; returns per-rank
-    results. `rank_prefix` puts a command in front of some ranks (e.g. nsenter)."""
+    """Runs `script [args]` on `world_size` ranks, with the environment torchrun gives them
+    (MASTER_ADDR/PORT, RANK, WORLD_SIZE, LOCAL_RANK); forked from the zygote where it can be.
+    `rank_prefix` puts a command in front of some ranks (e.g. nsenter)."""
     from torch.distributed import TCPStore
 
     store = TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
@@ -194,7 +201,7 @@ def launch(
             )
             rank_environment.update(env or {})
             rank_environment.update((rank_env or {}).get(rank, {}))
-            argv = [str(WORKERS / f"{worker}.py"), scenario, *args]
+            argv = [str(script), *args]
             zygote = None if (rank_prefix or {}).get(rank) else _zygote_for(rank_environment)
             if zygote is not None:
                 procs.append(zygote.spawn(argv, rank_environment, cwd, os.path.join(cwd, f"rank{rank}.out")))

@@ -1,8 +1,11 @@
 """The documentation runs as written.
 
 * Every ```python block of README.md and docs/*.md is a complete program, and runs: blocks
-  that use torch.distributed on 2 ranks under torchrun (``python -m torch.distributed.run
-  --standalone --nproc-per-node 2``), the others in a plain interpreter. Each block runs in
+  that use torch.distributed on 2 ranks, README.md's under torchrun (``python -m
+  torch.distributed.run --standalone --nproc-per-node 2``, as a newcomer runs them), the other
+  docs' with the environment torchrun gives, forked from the tests' zygote (tests/harness.py:
+  a torchrun start costs ~7 s on 2 cores; exit under torchrun is tested by tests/test_exit.py),
+  the others in a plain interpreter. Each block runs in
   an empty temporary directory, so it may write files there. A new block is picked up
   automatically. A fragment that cannot run on its own (a signature, an excerpt) does not
   belong in a ```python block: fence it as ```text, or indent it.
@@ -24,6 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from harness import launch_script
 
 ROOT = Path(__file__).resolve().parents[1]
 # Documents whose python blocks must run (docs/results/ holds measurement reports, not guides).
@@ -113,6 +118,11 @@ def run_block(block: Block, timeout: float = SNIPPET_TIMEOUT_S) -> subprocess.Co
     with tempfile.TemporaryDirectory(prefix="ddlcomm-doc-") as cwd:
         script = Path(cwd) / "snippet.py"
         script.write_text(block.source, encoding="utf-8")
+        if distributed and block.doc.name != "README.md":
+            ranks = launch_script(script, 2, timeout=timeout, env=env)
+            output = "\n".join(f"--- rank {r.rank} (exit {r.returncode})\n{r.output}" for r in ranks)
+            return subprocess.CompletedProcess(["2 ranks:", script.name], next((r.returncode for r in ranks
+                                                                                if r.returncode), 0), output, "")
         if distributed:
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                    script.name]
