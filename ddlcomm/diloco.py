@@ -30,6 +30,14 @@ global weights take the outer step, and the replica keeps what its own inner ste
 the fragment since it was sent (``local = global + (local - local_at_send)``). The global
 weights stay bitwise equal on every rank; the replicas differ by those ``d`` steps, as they
 do between outer steps anyway.
+
+Two levels: several ranks may train one replica together (DDP over a host's shared memory,
+exactly), and only the outer step crosses hosts. ``replica_groups(ranks_per_replica)`` makes
+the groups; with ``replica_group=`` each of a replica's ``L`` ranks syncs its own contiguous
+1/L of the pseudo-gradient over ``process_group``, the group of the ranks that hold the same
+index in the other replicas, so that all of a host's ranks (and NICs) share the outer
+traffic; the parts are then gathered inside the replica, and every rank takes the same outer
+step. Whole-model outer steps only (``fragments=1``, ``overlap_steps=0``).
 """
 
 from __future__ import annotations
@@ -45,7 +53,7 @@ from .compressors import Compressor
 from .options import CompressionStats
 from .wire import ring_all_reduce_bytes
 
-__all__ = ["DiLoCo"]
+__all__ = ["DiLoCo", "replica_groups"]
 
 _STATE_VERSION = 2  # 2: fragments, overlap_steps and the syncs in flight
 
@@ -92,7 +100,10 @@ class DiLoCo:
             whole model at once).
         overlap_steps: inner steps a fragment's average may travel before it is applied
             (0: ``step()`` waits for it; less than ``sync_every``).
-        process_group: the group of replicas (default: the world).
+        process_group: the group of replicas (default: the world); with ``replica_group``,
+            the ranks that hold this rank's index in every replica.
+        replica_group: the ranks that train this rank's replica together (their parameters
+            equal after every inner step, as DDP keeps them); None: this rank alone.
 
     Attributes:
         outer_optimizer: the ``torch.optim.SGD`` over the global weights.
@@ -105,7 +116,8 @@ class DiLoCo:
     def __init__(self, model: torch.nn.Module, inner_optimizer: torch.optim.Optimizer, *, sync_every: int = 100,
                  compressor: Optional[Compressor] = None, outer_lr: float = 0.7, outer_momentum: float = 0.9,
                  nesterov: bool = True, error_feedback: bool = True, fragments: int = 1, overlap_steps: int = 0,
-                 process_group: Optional[dist.ProcessGroup] = None) -> None:
+                 process_group: Optional[dist.ProcessGroup] = None,
+                 replica_group: Optional[dist.ProcessGroup] = None) -> None:
         for name, value, low in (("sync_every", sync_every, 1), ("fragments", fragments, 1),
                                  ("overlap_steps", overlap_steps, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
@@ -116,6 +128,10 @@ class DiLoCo:
         if compressor is not None and not isinstance(compressor, Compressor):
             raise TypeError(f"compressor must be a ddlcomm.compressors compressor or None, got "
                             f"{type(compressor).__name__}")
+        if replica_group is not None and (fragments != 1 or overlap_steps != 0 or process_group is None):
+            raise ValueError("DiLoCo: replica_group= needs process_group= (the ranks of this index in every "
+                             "replica: replica_groups() makes both) and whole-model outer steps (fragments=1, "
+                             "overlap_steps=0)")
         if not isinstance(inner_optimizer, torch.optim.Optimizer):
             raise TypeError(f"inner_optimizer must be a torch.optim.Optimizer, got {type(inner_optimizer).__name__}")
         self.model = model
@@ -132,10 +148,18 @@ class DiLoCo:
         if fragments > len(self._params):
             raise ValueError(f"DiLoCo: {fragments} fragments for {len(self._params)} parameters")
         self.overlap_steps = overlap_steps
+        self.replica_group = replica_group
+        # (this rank's index in its replica, the replica's ranks): the part of the
+        # pseudo-gradient it syncs
+        self._part = ((dist.get_rank(replica_group), dist.get_world_size(replica_group)) if replica_group is not None
+                      else (0, 1))
         self._buffers = [b for b in model.buffers() if b.is_floating_point()]
         with torch.no_grad():
+            self._check_parts()
             for t in self._params + self._buffers:
                 dist.broadcast(t, src=dist.get_global_rank(self._group(), 0), group=process_group)
+                if replica_group is not None:
+                    dist.broadcast(t, src=dist.get_global_rank(replica_group, 0), group=replica_group)
             # The global weights, in float32 whatever the replica's dtype: the outer step
             # accumulates small pseudo-gradients into them.
             self._globals = [p.detach().to(torch.float32, copy=True) for p in self._params]
@@ -143,18 +167,18 @@ class DiLoCo:
                                                nesterov=nesterov and outer_momentum > 0)
         rank, n = dist.get_rank(self._group()), dist.get_world_size(self._group())
         sizes = [p.numel() for p in self._params]
-        numel = sum(sizes)
         device = self._params[0].device
         sparse = compressor is not None and compressor.is_sparse
         self._fragments = self._split(sizes, fragments, sync_every, rank, n)
+        synced = self._fragments[-1].end  # elements this rank syncs: all, or its part
         # One flat residual each, the fragments' in order (one fragment: the same layout as
         # a single compressed all-reduce of every parameter).
-        self._worker = torch.zeros(numel, device=device) if self.error_feedback else None
+        self._worker = torch.zeros(synced, device=device) if self.error_feedback else None
         self._server = (torch.zeros(self._fragments[-1].server.stop, device=device)
                         if self.error_feedback and not sparse else None)
         self.fragment_parameters = [self._params[f.first:f.last] for f in self._fragments]
         self._in_flight: list[_InFlight] = []
-        self._plain_bytes = ring_all_reduce_bytes(numel * 4, n)  # DDP's float32 all-reduce
+        self._plain_bytes = ring_all_reduce_bytes(synced * 4, n)  # DDP's float32 all-reduce (of this part)
         self.stats = CompressionStats()
         self.inner_steps = 0
         self.outer_steps = 0
@@ -175,6 +199,8 @@ class DiLoCo:
         out, begin, server = [], 0, 0
         for k in range(fragments):
             count = sum(sizes[cuts[k]:cuts[k + 1]])
+            if self._part[1] > 1:  # one fragment: this rank syncs its part of the model
+                count = -(-count // self._part[1])
             sent = (wire_bytes(self.compressor, count, n, rank) if self.compressor is not None
                     else ring_all_reduce_bytes(count * 4, n))
             residual = server_residual_numel(count, rank, n)
@@ -185,6 +211,18 @@ class DiLoCo:
 
     def _group(self) -> dist.ProcessGroup:
         return self.process_group or dist.group.WORLD
+
+    def _check_parts(self) -> None:
+        """Every rank of ``process_group`` must sync the same part (of replicas as large)."""
+        if self.replica_group is None:
+            return
+        mine = torch.tensor(self._part, dtype=torch.int64)
+        everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(self._group()))]
+        dist.all_gather(everyone, mine, group=self.process_group)
+        if any(not torch.equal(other, mine) for other in everyone):
+            parts = [tuple(int(v) for v in other) for other in everyone]
+            raise ValueError(f"DiLoCo: process_group must join the ranks of one index in every replica; its ranks "
+                             f"hold (index, replica size) {parts} (rank {dist.get_rank()}: {self._part})")
 
     def step(self) -> bool:
         """Counts an inner step (call it after ``inner_optimizer.step()``): applies the averages
@@ -218,26 +256,37 @@ class DiLoCo:
         delta = torch.cat([(g - p.to(torch.float32)).reshape(-1) for g, p in zip(globals_, params)])
         snapshot = torch.cat([p.detach().reshape(-1).to(torch.float32) for p in params]) if overlap else None
         group = self._group()
+        index, parts = self._part
+        if parts > 1:  # the whole pseudo-gradient, padded to equal parts; this rank syncs its own
+            size = fragment.end - fragment.begin
+            delta = torch.nn.functional.pad(delta, (0, parts * size - delta.numel()))
+        part = delta.view(parts, -1)[index]
         if self.compressor is None:
-            future = dist.all_reduce(delta, group=group, async_op=True)
+            future = dist.all_reduce(part, group=group, async_op=True)
         else:
             # Its own randomness per fragment and sync; with one fragment, the outer step's number.
             stream = fragment.syncs * len(self._fragments) + fragment.index
             worker = None if self._worker is None else self._worker[fragment.begin:fragment.end]
             server = None if self._server is None else self._server[fragment.server]
-            future = compressed_all_reduce(delta, self.compressor, worker, server,
+            future = compressed_all_reduce(part, self.compressor, worker, server,
                                            group=self.process_group, average=True, stream=stream)
         fragment.syncs += 1
         self.stats.bytes_sent += fragment.sent_bytes
         self._in_flight.append(_InFlight(fragment, self.inner_steps + overlap, delta, snapshot, future))
 
     def _wait(self, flight: _InFlight) -> torch.Tensor:
-        """The fragment's average (waiting for it once)."""
+        """The fragment's average (waiting for it once; with parts, gathered in the replica)."""
         if flight.future is not None:
             flight.future.wait()
             flight.future = None
+            index, parts = self._part
+            rows = flight.delta.view(parts, -1)
             if self.compressor is None:
-                flight.delta.div_(dist.get_world_size(self._group()))
+                rows[index].div_(dist.get_world_size(self._group()))
+            if parts > 1:
+                dist.all_gather(list(rows), rows[index].clone(), group=self.replica_group)
+                numel = sum(g.numel() for g in self._slice(flight.fragment)[0])
+                flight.delta = flight.delta[:numel]
         return flight.delta
 
     @torch.no_grad()
@@ -274,6 +323,8 @@ class DiLoCo:
             for b in self._buffers:
                 dist.all_reduce(b, group=group)
                 b.div_(dist.get_world_size(group))
+                if self.replica_group is not None:  # the replica's ranks averaged with others
+                    dist.broadcast(b, src=dist.get_global_rank(self.replica_group, 0), group=self.replica_group)
         self.outer_steps += 1
 
     def state_dict(self) -> dict[str, Any]:
@@ -287,6 +338,7 @@ class DiLoCo:
             "sync_every": self.sync_every,
             "fragments": len(self._fragments),
             "overlap_steps": self.overlap_steps,
+            "part": self._part,
             "fragment_syncs": [f.syncs for f in self._fragments],
             "in_flight": [{"fragment": f.fragment.index, "due": f.due, "average": self._wait(f).clone(),
                            "snapshot": None if f.snapshot is None else f.snapshot.clone()} for f in self._in_flight],
@@ -305,11 +357,12 @@ class DiLoCo:
         if int(state.get("version", 0)) != _STATE_VERSION:
             raise ValueError(f"DiLoCo: state version {state.get('version')!r}, expected {_STATE_VERSION}")
         here = (dist.get_rank(self._group()), dist.get_world_size(self._group()), self.sync_every,
-                len(self._fragments), self.overlap_steps)
-        saved = (state["rank"], state["world_size"], state["sync_every"], state["fragments"], state["overlap_steps"])
+                len(self._fragments), self.overlap_steps, tuple(self._part))
+        saved = (state["rank"], state["world_size"], state["sync_every"], state["fragments"], state["overlap_steps"],
+                 tuple(state.get("part", (0, 1))))
         if here != saved:
-            raise ValueError(f"DiLoCo: state saved as (rank, world size, sync_every, fragments, overlap_steps) "
-                             f"{saved}, loaded as {here}")
+            raise ValueError(f"DiLoCo: state saved as (rank, world size, sync_every, fragments, overlap_steps, "
+                             f"(index in the replica, its ranks)) {saved}, loaded as {here}")
         shapes = [g.shape for g in self._globals]
         if [g.shape for g in state["globals"]] != shapes:
             raise ValueError("DiLoCo: the saved global weights do not match this model's parameters")
@@ -329,3 +382,18 @@ class DiLoCo:
                                      None if f["snapshot"] is None else f["snapshot"].clone(), None)
                            for f in state["in_flight"]]
         self.stats = CompressionStats(**state["stats"])
+
+
+def replica_groups(ranks_per_replica: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """(this rank's replica group, its outer group) for ``DiLoCo(replica_group=...,
+    process_group=...)``: replicas of ``ranks_per_replica`` consecutive ranks (torchrun numbers
+    a host's ranks consecutively), and the ranks of one index across the replicas. Every rank
+    must call it (it makes every group)."""
+    world = dist.get_world_size()
+    if ranks_per_replica < 1 or world % ranks_per_replica:
+        raise ValueError(f"ranks_per_replica must divide the world size {world}, got {ranks_per_replica}")
+    replicas = [list(range(r, r + ranks_per_replica)) for r in range(0, world, ranks_per_replica)]
+    indices = [list(range(i, world, ranks_per_replica)) for i in range(ranks_per_replica)]
+    replica, _ = dist.new_subgroups_by_enumeration(replicas)
+    outer, _ = dist.new_subgroups_by_enumeration(indices)
+    return replica, outer

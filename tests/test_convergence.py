@@ -21,6 +21,8 @@ from __future__ import annotations
 import json
 import statistics
 
+import pytest
+
 from harness import assert_all_ok, launch
 
 SEEDS = "0,1"
@@ -51,6 +53,16 @@ def test_compressed_hooks_keep_accuracy_with_momentum_sgd_and_adamw() -> None:
     assert statistics.fmean(acc["sgd"][CONTROL]) < plain_sgd - 10, f"the control trained well: the task is too easy: {summary}"
     # DGC's recipe (torch SGD without momentum, the hook's momentum correction and clipping).
     assert statistics.fmean(acc["sgd"][DGC]) >= plain_sgd - MARGIN, summary
+
+
+def test_time_to_accuracy_benchmark_refuses_unknown_methods() -> None:
+    """--methods is comma-separated: a name with a comma, split, once ran as plain DDP."""
+    from ddlcomm.bench.time_to_accuracy import METHODS, check_methods
+
+    assert not [m for m in METHODS if "," in m], METHODS
+    check_methods(METHODS)
+    with pytest.raises(SystemExit, match="unknown methods"):
+        check_methods(["Streaming DiLoCo ternary (4 fragments", " 2-step overlap)"])
 
 
 def test_time_to_accuracy_benchmark_runs_every_method() -> None:

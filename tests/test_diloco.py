@@ -30,3 +30,8 @@ def test_streamed_outer_steps_match_a_direct_implementation() -> None:
 
 def test_bad_arguments_and_non_finite_pseudo_gradients_are_refused() -> None:
     assert_all_ok(launch("diloco", "errors", 2, timeout=120))
+
+
+@pytest.mark.parametrize("backend", ["ddlcomm", "gloo"])
+def test_two_levels_replicas_of_two_ranks_each_sync_half(backend: str) -> None:
+    assert_all_ok(launch("diloco", "two_levels", 4, timeout=180, args=(backend,)))

@@ -45,13 +45,22 @@ OUTER = {
     "DiLoCo fp32": (None, {}),
     "DiLoCo ternary": (compressors.Ternary, {}),
     "DiLoCo 1-bit": (compressors.OneBit, {}),
-    "Streaming DiLoCo ternary (4 fragments, 2-step overlap)": (compressors.Ternary,
+    # No comma in a name: --methods is a comma-separated list.
+    "Streaming DiLoCo ternary (4 fragments; 2-step overlap)": (compressors.Ternary,
                                                                 {"fragments": 4, "overlap_steps": 2}),
 }
 METHODS = ["gloo fp32", "gloo fp16_compress_hook", "PowerSGD rank 4 (torch hook)", *COMPRESSORS, *OUTER]
 
 
+def check_methods(methods: list[str]) -> None:
+    """Exits naming the choices if any of ``methods`` is not one (every rank, before training)."""
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        raise SystemExit(f"unknown methods {unknown}; choose from {METHODS}")
+
+
 def run(task, method: str, opt_name: str, gloo: dist.ProcessGroup, eval_every: int, outer: dict) -> dict:
+    check_methods([method])
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = task.model()
@@ -116,6 +125,7 @@ def main() -> None:
     parser.add_argument("--outer-lr", type=float, default=0.7, help="DiLoCo: the outer SGD's learning rate")
     parser.add_argument("--outer-momentum", type=float, default=0.5, help="DiLoCo: the outer Nesterov momentum")
     args = parser.parse_args()
+    check_methods(args.methods.split(","))
     init_ranks("ddlcomm")
     gloo = dist.new_group(backend="gloo")
     torch.set_num_threads(1)

@@ -141,10 +141,11 @@ def main() -> None:
         results = json.loads(saved.read_text())
         write_report(results, saved.parent)
         return
-    require_slownet("ddlcomm.bench.slownet.run_time_to_accuracy")
-    from ddlcomm.bench.time_to_accuracy import METHODS
+    from ddlcomm.bench.time_to_accuracy import METHODS, check_methods
 
     methods = args.methods or ",".join(METHODS)
+    check_methods(methods.split(","))  # before any namespace is made
+    require_slownet("ddlcomm.bench.slownet.run_time_to_accuracy")
     runs = [r for r in RUNS if r[0] in args.tasks.split(",")]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
