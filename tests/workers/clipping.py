@@ -51,21 +51,22 @@ def _relative_errors(numel: int, kind: str, trials: int, rank: int, world: int) 
 def sketch_estimates_the_norm(initialised: bool = False) -> None:
     """The sketched norm of the ranks' average against the exact one: exact where every element
     has a bin; elsewhere unbiased with a relative error of about sqrt(1 / (2k)) (the module's
-    math), checked as RMS within 1.5x of it and every trial within 6x; the same on every rank."""
+    math), checked as RMS within 1.6x of it and every trial within 6x; the same on every rank."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if initialised else init()
     report = {}
     for numel in (300, 20_480, 1_048_576):
         bins = clipping.sketch_size(numel)
         sigma = math.sqrt(1 / (2 * bins))
         for kind in ("gaussian", "heavy", "columns", "one-signed"):
-            errors = _relative_errors(numel, kind, 60, rank, world)
+            errors = _relative_errors(numel, kind, 60 if numel < 100_000 else 24, rank, world)
             rms = math.sqrt(sum(e * e for e in errors) / len(errors))
             mean = sum(errors) / len(errors)
             report[f"{numel}/{kind}"] = {"bins": bins, "rms": rms, "mean": mean, "max": max(map(abs, errors))}
             if bins == numel:
                 assert max(map(abs, errors)) < 1e-5, (numel, kind, errors)
                 continue
-            assert rms <= 1.5 * sigma, (numel, kind, rms, sigma)
+            # The RMS of n draws is within 1/sqrt(2n) (relative) of sigma: 1.6x is over 3 of those at n = 24.
+            assert rms <= 1.6 * sigma, (numel, kind, rms, sigma)
             assert max(map(abs, errors)) <= 6 * sigma, (numel, kind, errors)
             assert abs(mean) <= 4 * sigma / math.sqrt(len(errors)) + sigma**2, (numel, kind, mean, sigma)
             everyone = [None] * world

@@ -42,7 +42,7 @@ def time_to_accuracy_curves(task_name: str, opt_name: str) -> None:
     rank, _ = init(timeout_s=300)
     torch.set_num_threads(1)
     gloo = dist.new_group(backend="gloo")
-    task = make_task(task_name, width=64, batch=8, steps=14)
+    task = make_task(task_name, batch=8, steps=14, **({} if task_name == "mlp" else {"width": 64}))
     records = []
     for method in time_to_accuracy.METHODS:
         outer = {"sync_every": 7, "outer_lr": 0.7, "outer_momentum": 0.5}  # DiLoCo: evaluated after each outer step
