@@ -113,6 +113,7 @@ BAD_ENVIRONMENT = {
     "DDLCOMM_SHM_WINDOW_BYTES": "-1",
     "DDLCOMM_SHM_SPIN_US": "1e3",
     "DDLCOMM_INLINE_BYTES": "64k",
+    "DDLCOMM_HOST_ID": "rack 1",  # a space
 }
 
 

@@ -18,7 +18,7 @@ import pytest
 
 from harness import RANK_ENV, WORKERS
 from slownet_harness import impairable, probe  # noqa: F401 (fixtures the marks use)
-from slownet_harness import needs_impairment
+from slownet_harness import needs_impairment, needs_net
 
 from ddlcomm.bench import slownet
 from ddlcomm.bench.slownet import SlowNet
@@ -133,6 +133,20 @@ def test_ddlcomm_exact_over_lossy_slow_network(tmp_path: Path) -> None:
         print(line)
     print(f"4 ranks done in {time.monotonic() - t0:.1f} s, {dropped} packets dropped on the way")
     assert dropped > 0, "the emulated loss dropped nothing"
+
+
+@needs_net
+@pytest.mark.parametrize("host_id, peers", [(None, 0), ("one", 3)], ids=["namespaces", "DDLCOMM_HOST_ID"])
+def test_network_namespaces_are_hosts_unless_named_one(tmp_path: Path, host_id: str | None, peers: int,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default transport: ranks in their own network namespaces reach each other over the
+    network (each namespace a host), and share memory when DDLCOMM_HOST_ID names one host."""
+    monkeypatch.setenv("DDLCOMM_TRANSPORT", "auto")
+    if host_id is not None:
+        monkeypatch.setenv("DDLCOMM_HOST_ID", host_id)
+    with SlowNet(ranks=4, rate="1gbit") as net:
+        ranks = Ranks(net, tmp_path, "hosts", str(peers))
+        ranks.finish(timeout=90)
 
 
 @dataclass

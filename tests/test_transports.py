@@ -76,6 +76,13 @@ def test_two_hosts_mix_shared_memory_and_tcp() -> None:
         assert_all_ok(launch("transports", "mixed_hosts", 4, timeout=120, rank_prefix={0: a, 1: a, 2: b, 3: b}))
 
 
+def test_host_id_states_the_topology_on_one_machine() -> None:
+    """DDLCOMM_HOST_ID names the host: ranks 0-1 and 2-3 as two hosts of one machine, shared
+    memory inside each, TCP between them, as two pid namespaces make them above."""
+    hosts = {r: {"DDLCOMM_HOST_ID": f"host-{r // 2}"} for r in range(4)}
+    assert_all_ok(launch("transports", "mixed_hosts", 4, timeout=120, rank_env=hosts))
+
+
 @pytest.mark.parametrize("when", ["during", "after"])
 def test_killed_peer_on_a_mixed_group_is_named_by_every_survivor(when: str) -> None:
     """Two "hosts" of 2 ranks: rank 1 dies; rank 0 reaches it over shared memory layered on

@@ -1,11 +1,11 @@
 #include "transport/connect.h"
 
-#include <fstream>
 #include <iterator>
 #include <optional>
 
 #include "common/cores.h"
 #include "common/env.h"
+#include "transport/host.h"
 #include "transport/shm/shm_transport.h"
 #include "transport/tcp/tcp_transport.h"
 #ifdef DDLCOMM_WITH_UCX
@@ -15,22 +15,16 @@
 namespace ddlcomm {
 namespace {
 
-std::string bootKey(int rank) { return "ddlcomm/boot/" + std::to_string(rank); }
+std::string machineKey(int rank) { return "ddlcomm/machine/" + std::to_string(rank); }
 
-std::string bootId() {
-  std::ifstream file("/proc/sys/kernel/random/boot_id");
-  std::string boot;
-  std::getline(file, boot);
-  return boot;
-}
-
-// The ranks of the group on this machine (same boot id), this one included: they share its
-// cores. Read once the network is connected, so every rank has published its boot id.
-int ranksOnThisHost(int rank, int size, KeyValueStore& store) {
-  const std::string mine = bootId();
+// The ranks of the group on this machine (machineIdentity: whatever their host identity or
+// network namespace), this one included: they share its cores. Read once the network is
+// connected, so every rank has published its identity.
+int ranksOnThisMachine(int rank, int size, KeyValueStore& store) {
+  const std::string mine = machineIdentity();
   int count = 1;
   for (int r = 0; r < size; ++r) {
-    if (r != rank && store.get(bootKey(r)) == mine) ++count;
+    if (r != rank && store.get(machineKey(r)) == mine) ++count;
   }
   return count;
 }
@@ -45,11 +39,12 @@ class Setup {
       : rank(rank), size(size), store(store), options(options),
         tcp(tcp::TcpOptions::fromEnvironment()), shm(shm::ShmOptions::fromEnvironment()) {
     tcp.connectTimeout = options.connectTimeout;
-    store.set(bootKey(rank), bootId());
+    hostIdentity();  // DDLCOMM_HOST_ID is checked with the other settings, before connecting
+    store.set(machineKey(rank), machineIdentity());
   }
 
   // How `entry` waits: its DDLCOMM_*_SPIN_US, else its default for this host's load. Asked
-  // first once the network is connected (see ranksOnThisHost), then kept for the layers.
+  // first once the network is connected (see ranksOnThisMachine), then kept for the layers.
   SpinPolicy spin(const TransportEntry& entry);
 
   const int rank;
@@ -88,7 +83,7 @@ struct TransportEntry {
 };
 
 SpinPolicy Setup::spin(const TransportEntry& entry) {
-  if (!oversubscribed_) oversubscribed_ = size > 1 && ranksOnThisHost(rank, size, store) > usableCores();
+  if (!oversubscribed_) oversubscribed_ = size > 1 && ranksOnThisMachine(rank, size, store) > usableCores();
   const auto chosen = options.spin.find(entry.name);
   const std::chrono::microseconds duration =
       chosen != options.spin.end() ? chosen->second

@@ -9,7 +9,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from common import assert_equal, init, make_input, reference, run
+from common import assert_equal, ddlcomm_stats, init, make_input, reference, run
 from ddlcomm import ProcessGroupDdlcomm, compressors
 from ddlcomm.compressed import compressed_all_reduce
 
@@ -59,6 +59,20 @@ def mixed() -> None:
     print(f"rank {rank}: all collectives exact in {time.monotonic() - start:.2f} s", flush=True)
 
 
+def hosts(shared_memory_peers: str) -> None:
+    """Under the default transport: as many shared-memory peers as expected (none where each
+    network namespace is a host; every other rank where DDLCOMM_HOST_ID names one host), and
+    an all-reduce equal to the one computed locally."""
+    rank, n = init(timeout_s=60)
+    stats = ddlcomm_stats()
+    assert stats["shared_memory_peers"] == int(shared_memory_peers), stats
+    inputs = [make_input(r, 300_007, torch.float32) for r in range(n)]
+    t = inputs[rank].clone()
+    dist.all_reduce(t)
+    assert_equal(t, reference(inputs, "SUM"), "all_reduce")
+    print(f"rank {rank}: {stats['shared_memory_peers']} shared-memory peers", flush=True)
+
+
 def link_down(timeout: str) -> None:
     """All-reduce until the test cuts a link; report when (CLOCK_MONOTONIC) and how this rank failed."""
     _, n = init(timeout_s=float(timeout))
@@ -77,4 +91,4 @@ def link_down(timeout: str) -> None:
 
 
 if __name__ == "__main__":
-    run({"mixed": mixed, "link_down": link_down})
+    run({"mixed": mixed, "hosts": hosts, "link_down": link_down})

@@ -79,8 +79,8 @@ def shared_memory_used() -> None:
 
 
 def mixed_hosts() -> None:
-    """Ranks 0-1 and 2-3 in two pid namespaces ("hosts"): shared memory inside each, TCP
-    between them; results as gloo's, the same bits on every rank."""
+    """Ranks 0-1 and 2-3 on two hosts (pid namespaces, or DDLCOMM_HOST_ID): shared memory
+    inside each, TCP between them; results as gloo's, the same bits on every rank."""
     global GLOO
     rank, n = init()
     GLOO = dist.new_group(backend="gloo")

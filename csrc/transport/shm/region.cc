@@ -1,5 +1,7 @@
 #include "transport/shm/region.h"
 
+#include "transport/host.h"
+
 #include <fcntl.h>
 #include <linux/futex.h>
 #include <poll.h>
@@ -17,19 +19,6 @@
 namespace ddlcomm::shm {
 namespace {
 
-std::string firstLine(const char* path) {
-  std::ifstream in(path);
-  std::string line;
-  std::getline(in, line);
-  return line;
-}
-
-std::string namespaceId(const char* path) {
-  struct stat st {};
-  if (::stat(path, &st) != 0) return "?";
-  return detail::concat(st.st_dev, ":", st.st_ino);
-}
-
 std::string toHex(const uint8_t* bytes, size_t n) {
   static const char* digits = "0123456789abcdef";
   std::string out;
@@ -42,11 +31,7 @@ std::string toHex(const uint8_t* bytes, size_t n) {
 
 }  // namespace
 
-std::string hostFacts() {
-  return detail::concat("boot=", firstLine("/proc/sys/kernel/random/boot_id"), " userns=",
-                        namespaceId("/proc/self/ns/user"), " pidns=", namespaceId("/proc/self/ns/pid"),
-                        " uid=", ::geteuid());
-}
+std::string hostFacts() { return hostIdentity() + " " + kernelFacts(); }
 
 Region& Region::operator=(Region&& other) noexcept {
   if (this != &other) {

@@ -239,9 +239,10 @@ class SlowNet:
         """os.environ plus the env:// rendezvous variables for ``rank``.
 
         All ranks share one physical machine, so LOCAL_RANK=RANK and
-        LOCAL_WORLD_SIZE=WORLD_SIZE (e.g. one GPU per rank). They could share memory too,
-        which would bypass the emulated network: ddlcomm is told to use TCP
-        (DDLCOMM_TRANSPORT=tcp) unless the caller chose a transport.
+        LOCAL_WORLD_SIZE=WORLD_SIZE (e.g. one GPU per rank). Each namespace is a host to
+        ddlcomm (no shared memory between them), and ddlcomm is told to use TCP
+        (DDLCOMM_TRANSPORT=tcp) unless the caller chose a transport, so that UCX on an RDMA
+        device cannot bypass the emulated links either.
         """
         env = dict(os.environ)
         env.setdefault("DDLCOMM_TRANSPORT", "tcp")
