@@ -11,7 +11,9 @@ Methods: DDP on gloo (fp32, and PyTorch's fp16_compress_hook), PyTorch's PowerSG
 ddlcomm.bench.slownet.run_compressed), the ddlcomm hooks with their ``ddlcomm.optim`` optimizer, and outer steps
 (``ddlcomm.diloco.DiLoCo``: no DDP; each rank steps its replica with torch's optimizer and the
 pseudo-gradient is averaged every ``--sync-every`` steps, in float32 or compressed; streamed:
-a quarter of the model at a time, each applied two inner steps late). For
+a quarter of the model at a time, each applied two inner steps late; two levels: the ranks
+of a host, ``--ranks-per-host``, train one replica with DDP and only the outer step crosses
+hosts, each of them syncing its part). For
 DiLoCo, ``--eval-every`` should be a multiple of ``--sync-every`` so that the evaluated
 weights are the synchronized ones.
 """
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 import torch
@@ -31,7 +34,7 @@ import ddlcomm  # noqa: F401  (registers the backend)
 from ddlcomm.bench import init_ranks
 from ddlcomm import compressors, hooks, optim
 from ddlcomm.bench.tasks import lr_lambda, make_task
-from ddlcomm.diloco import DiLoCo
+from ddlcomm.diloco import DiLoCo, replica_groups
 
 START_COMPRESS_ITER = 10
 COMPRESSORS = {
@@ -48,6 +51,7 @@ OUTER = {
     # No comma in a name: --methods is a comma-separated list.
     "Streaming DiLoCo ternary (4 fragments; 2-step overlap)": (compressors.Ternary,
                                                                 {"fragments": 4, "overlap_steps": 2}),
+    "Two-level DiLoCo ternary (DDP inside a host)": (compressors.Ternary, {"two_levels": True}),
 }
 METHODS = ["gloo fp32", "gloo fp16_compress_hook", "PowerSGD rank 4 (torch hook)", *COMPRESSORS, *OUTER]
 
@@ -65,13 +69,21 @@ def run(task, method: str, opt_name: str, gloo: dist.ProcessGroup, eval_every: i
     torch.manual_seed(0)
     model = task.model()
     group = gloo if method.startswith("gloo") else None
-    ddp = model if method in OUTER else DistributedDataParallel(model, process_group=group)
+    outer = dict(outer)
+    per_host = outer.pop("ranks_per_host", 1)
+    options = dict(OUTER[method][1]) if method in OUTER else {}
+    if options.pop("two_levels", False):  # DDP inside the host, the outer step across hosts
+        replica, across = replica_groups(per_host)
+        options.update(process_group=across, replica_group=replica)
+        ddp = DistributedDataParallel(model, process_group=replica)
+    else:
+        ddp = model if method in OUTER else DistributedDataParallel(model, process_group=group)
     family = optim if method in COMPRESSORS else torch.optim
     lr = task.lr[opt_name]
     opt = family.SGD(model.parameters(), lr=lr, momentum=0.9) if opt_name == "sgd" else family.AdamW(model.parameters(), lr=lr)
     diloco = None
     if method in OUTER:
-        make, options = OUTER[method]
+        make = OUTER[method][0]
         diloco = DiLoCo(model, opt, compressor=make() if make else None, **outer, **options)
     elif method in COMPRESSORS:
         state = hooks.CompressionState(compressor=COMPRESSORS[method](), start_compress_iter=START_COMPRESS_ITER,
@@ -106,7 +118,7 @@ def run(task, method: str, opt_name: str, gloo: dist.ProcessGroup, eval_every: i
             dist.barrier(group=gloo)
     result = {"method": method, "optimizer": opt_name, "seconds_per_step": curve[-1][0] / task.steps, "curve": curve}
     if diloco is not None:
-        result["outer"] = outer
+        result["outer"] = dict(outer, ranks_per_host=per_host) if "replica_group" in options else outer
         result["traffic_reduction"] = diloco.stats.ratio
     return result
 
@@ -124,6 +136,9 @@ def main() -> None:
     parser.add_argument("--sync-every", type=int, default=10, help="DiLoCo: inner steps between outer steps")
     parser.add_argument("--outer-lr", type=float, default=0.7, help="DiLoCo: the outer SGD's learning rate")
     parser.add_argument("--outer-momentum", type=float, default=0.5, help="DiLoCo: the outer Nesterov momentum")
+    parser.add_argument("--ranks-per-host", type=int, default=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+                        help="two-level DiLoCo: the ranks of a host, which train one replica (default: "
+                             "LOCAL_WORLD_SIZE, as torchrun sets it)")
     args = parser.parse_args()
     check_methods(args.methods.split(","))
     init_ranks("ddlcomm")
@@ -135,7 +150,8 @@ def main() -> None:
         task.lr[args.optimizer] = args.lr
     params = sum(p.numel() for p in task.model().parameters())
     for method in args.methods.split(","):
-        outer = {"sync_every": args.sync_every, "outer_lr": args.outer_lr, "outer_momentum": args.outer_momentum}
+        outer = {"sync_every": args.sync_every, "outer_lr": args.outer_lr, "outer_momentum": args.outer_momentum,
+                 "ranks_per_host": args.ranks_per_host}
         result = run(task, method, args.optimizer, gloo, args.eval_every, outer)
         result.update(options, task=task.name, metric=task.metric, params=params, steps=task.steps,
                       lr=task.lr[args.optimizer])

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -41,15 +42,23 @@ def require_slownet(name: str) -> None:
         raise SystemExit(2)
 
 
-def collect_results(net: SlowNet, argv: list[str], timeout: float, what: str) -> list[dict]:
-    """Runs ``argv`` on every rank of ``net``; returns the ``RESULT {json}`` lines rank 0 printed.
-    Raises SystemExit with rank 0's output when a rank fails."""
+def collect_results(net: SlowNet, argv: list[str], timeout: float, what: str, ranks_per_host: int = 1) -> list[dict]:
+    """Runs ``argv`` ``ranks_per_host`` times in every host (namespace) of ``net``, as torchrun
+    numbers ranks (a host's consecutively); returns the ``RESULT {json}`` lines rank 0 printed.
+    With several ranks per host ddlcomm's transport is ``auto`` (shared memory inside a host,
+    TCP between) unless DDLCOMM_TRANSPORT says otherwise. Raises SystemExit with rank 0's
+    output when a rank fails."""
     procs = []
-    for rank in range(net.ranks):
-        env = net.env(rank, 29500)
-        env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    world = net.ranks * ranks_per_host
+    for rank in range(world):
+        host, local = divmod(rank, ranks_per_host)
+        env = net.env(host, 29500)
+        env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", RANK=str(rank), WORLD_SIZE=str(world),
+                   LOCAL_RANK=str(local), LOCAL_WORLD_SIZE=str(ranks_per_host))
+        if ranks_per_host > 1 and "DDLCOMM_TRANSPORT" not in os.environ:
+            env["DDLCOMM_TRANSPORT"] = "auto"
         # rank 0 reports; the others stay quiet unless they fail
-        procs.append(net.popen(rank, argv, env=env, stdout=subprocess.PIPE if rank == 0 else subprocess.DEVNULL,
+        procs.append(net.popen(host, argv, env=env, stdout=subprocess.PIPE if rank == 0 else subprocess.DEVNULL,
                                stderr=subprocess.STDOUT if rank == 0 else None, cwd="/"))
     deadline = time.monotonic() + timeout
     out, _ = procs[0].communicate(timeout=max(1, deadline - time.monotonic()))

@@ -30,16 +30,19 @@ RUNS = [
 ]
 
 
-def run_rate(rate: str, delay: str, runs: list, methods: str, timeout: float, extra: list[str]) -> list[dict]:
-    """Every run of ``runs`` on one emulated network; ``rate`` names it in the tables (with the
-    delay when there is one)."""
+def run_rate(rate: str, delay: str, runs: list, methods: str, timeout: float, extra: list[str],
+             ranks_per_host: int = 1) -> list[dict]:
+    """Every run of ``runs`` on one emulated network of 4 ranks (``ranks_per_host`` in each
+    host); ``rate`` names it in the tables (with the delay and the hosts when they matter)."""
     results: list[dict] = []
     name = rate if delay in ("0", "0ms") else f"{rate} {delay}"
-    with SlowNet(ranks=4, rate=rate, delay=delay) as net:
+    if ranks_per_host > 1:
+        name += f", {4 // ranks_per_host} hosts x {ranks_per_host}"
+    with SlowNet(ranks=4 // ranks_per_host, rate=rate, delay=delay) as net:
         for task, opt_name, options in runs:
             argv = [sys.executable, "-m", "ddlcomm.bench.time_to_accuracy", "--task", task, "--optimizer", opt_name,
-                    "--methods", methods, *options, *extra]
-            for record in collect_results(net, argv, timeout, f"{task} at {name}"):
+                    "--methods", methods, "--ranks-per-host", str(ranks_per_host), *options, *extra]
+            for record in collect_results(net, argv, timeout, f"{task} at {name}", ranks_per_host):
                 record["rate"] = name
                 results.append(record)
                 print(f"  [{rate}] {task:<4} {record['method']:<30} {record['seconds_per_step']:.3f} s/step, "
@@ -130,6 +133,8 @@ def main() -> None:
     parser = bench_parser(__doc__, "docs/results", 3600)
     parser.add_argument("--tasks", default="cnn,lm", help="comma-separated tasks of ddlcomm.bench.tasks")
     parser.add_argument("--methods", default=None, help="passed to the worker (default: all)")
+    parser.add_argument("--ranks-per-host", type=int, choices=(1, 2, 4), default=1,
+                        help="ranks in each emulated host (4 ranks in all): 2 makes 2 hosts of 2")
     parser.add_argument("--delay", default="0", help="one-way delay of every link (tc syntax, e.g. 20ms)")
     parser.add_argument("--sync-every", type=int, default=None, help="passed to the worker (DiLoCo's inner steps)")
     parser.add_argument("--steps", type=int, default=None, help="passed to the worker instead of each task's steps")
@@ -153,7 +158,7 @@ def main() -> None:
     for rate in args.rates.split(","):
         extra = [] if args.sync_every is None else ["--sync-every", str(args.sync_every)]
         extra += [] if args.steps is None else ["--steps", str(args.steps)]
-        results += run_rate(rate, args.delay, runs, methods, args.timeout, extra)
+        results += run_rate(rate, args.delay, runs, methods, args.timeout, extra, args.ranks_per_host)
         # Saved after each rate: an interrupted run keeps what it measured (--render reads it).
         (out / "time_to_accuracy.json").write_text(json.dumps(results, indent=1))
     write_report(results, out)
