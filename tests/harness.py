@@ -55,9 +55,11 @@ RANK_ENV = {
 
 # Variables that a forked rank may set differently from the zygote: none is read at import
 # (pytest names the current test in PYTEST_CURRENT_TEST: without it here, only the first
-# test's ranks were forked).
+# test's ranks were forked; torch sets TORCHINDUCTOR_CACHE_DIR in this process the first
+# time a test here builds an optimizer: without it, every rank after that one started a
+# fresh interpreter, and the suite ran 1.6x longer).
 FORKABLE_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "DDLCOMM_", "UCX_",
-                "PYTEST_CURRENT_TEST")
+                "PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR")
 
 
 class _Forked:
