@@ -54,7 +54,7 @@ def test_shared_memory_rings_and_windows_smaller_than_the_messages() -> None:
     assert_all_ok(launch("collectives", "collectives", 2, timeout=240, env=env))
 
 
-@pytest.mark.parametrize("algorithm", ["ring", "recursive_doubling"])
+@pytest.mark.parametrize("algorithm", ["ring", "recursive_doubling", "hierarchical"])
 def test_forced_allreduce_algorithms(algorithm: str) -> None:
     # The forced algorithms exchange messages: through the shared-memory rings here (auto).
     env = {"DDLCOMM_ALLREDUCE_ALGO": algorithm, "DDLCOMM_SEGMENT_BYTES": "4096"}

@@ -38,14 +38,28 @@ def test_options_class() -> None:
     assert ddlcomm.Options is ddlcomm.ProcessGroupDdlcomm.Options
     options = ddlcomm.Options()
     assert isinstance(options, torch._C._distributed_c10d.Backend.Options)  # c10d's, as NCCL's and gloo's
-    assert (options.transport, options.spin_us, options.backend) == (None, {}, "ddlcomm")
+    assert (options.transport, options.spin_us, options.allreduce_algorithm, options.backend) == (None, {}, None,
+                                                                                                    "ddlcomm")
     assert options._timeout == timedelta(minutes=30)  # c10d's default
-    options = ddlcomm.Options("shm", {"tcp": 20})
-    assert (options.transport, options.spin_us) == ("shm", {"tcp": 20})
-    assert repr(options) == "ddlcomm.Options(transport='shm', spin_us={'tcp': 20})"
+    options = ddlcomm.Options("shm", {"tcp": 20}, "hierarchical")
+    assert (options.transport, options.spin_us, options.allreduce_algorithm) == ("shm", {"tcp": 20}, "hierarchical")
+    assert repr(options) == "ddlcomm.Options(transport='shm', spin_us={'tcp': 20}, allreduce_algorithm='hierarchical')"
     for name in ["auto", *ddlcomm.transports(), None]:
         options.transport = name
         assert options.transport == name
+    for name in ["auto", "ring", "recursive_doubling", "hierarchical", None]:
+        options.allreduce_algorithm = name
+        assert options.allreduce_algorithm == name
+
+
+def test_unknown_allreduce_algorithm_is_a_value_error_naming_the_valid_ones() -> None:
+    expected = "expected auto, ring, recursive_doubling or hierarchical"
+    with pytest.raises(ValueError, match=f"ddlcomm.Options.allreduce_algorithm='tree' is invalid: {expected}"):
+        ddlcomm.Options(allreduce_algorithm="tree")
+    options = ddlcomm.Options(allreduce_algorithm="ring")
+    with pytest.raises(ValueError, match=expected):
+        options.allreduce_algorithm = "Ring"
+    assert options.allreduce_algorithm == "ring"
 
 
 def test_unknown_transport_is_a_value_error_naming_the_valid_ones() -> None:
@@ -77,11 +91,12 @@ def test_bad_spins_are_value_errors(spin: dict, message: str) -> None:
 
 
 def test_options_copy_and_pickle() -> None:
-    options = ddlcomm.Options(transport="shm", spin_us={"shm": 3})
+    options = ddlcomm.Options(transport="shm", spin_us={"shm": 3}, allreduce_algorithm="ring")
     options._timeout = timedelta(seconds=45)
     for clone in (copy.copy(options), copy.deepcopy(options), pickle.loads(pickle.dumps(options))):
         assert type(clone) is ddlcomm.Options and clone is not options
-        assert (clone.transport, clone.spin_us, clone._timeout) == ("shm", {"shm": 3}, timedelta(seconds=45))
+        assert (clone.transport, clone.spin_us, clone.allreduce_algorithm, clone._timeout) == (
+            "shm", {"shm": 3}, "ring", timedelta(seconds=45))
     clone = copy.deepcopy(options)
     clone.transport = "tcp"
     assert options.transport == "shm"

@@ -37,22 +37,24 @@ sys.stdin.read()  # serve until SlowNet kills it on close (or the test dies: EOF
 
 
 class Ranks:
-    """tests/workers/impaired.py on every rank of ``net``, each in its own namespace;
-    their output collected line by line as it comes."""
+    """tests/workers/impaired.py on every rank of ``net``, ``per_host`` in each namespace (as
+    torchrun numbers them: a host's consecutively); their output collected line by line as it comes."""
 
-    def __init__(self, net: SlowNet, cwd: Path, scenario: str, *args: str) -> None:
+    def __init__(self, net: SlowNet, cwd: Path, scenario: str, *args: str, per_host: int = 1) -> None:
         port = slownet.DEFAULT_MASTER_PORT
-        store = net.popen(0, [sys.executable, "-c", STORE, net.address(0), str(port), str(net.ranks)],
+        world = net.ranks * per_host
+        store = net.popen(0, [sys.executable, "-c", STORE, net.address(0), str(port), str(world)],
                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         assert store.stdout is not None and store.stdout.readline().strip() == "ready"
-        self.output: list[list[str]] = [[] for _ in range(net.ranks)]
-        self.exited_at: list[float | None] = [None] * net.ranks  # when its output closed
+        self.output: list[list[str]] = [[] for _ in range(world)]
+        self.exited_at: list[float | None] = [None] * world  # when its output closed
         self.changed = threading.Condition()
         self.procs = []
-        for r in range(net.ranks):
-            env = net.env(r, port)
-            env.update(RANK_ENV)
-            proc = net.popen(r, [sys.executable, str(WORKERS / "impaired.py"), scenario, *args],
+        for r in range(world):
+            env = net.env(r // per_host, port)
+            env.update(RANK_ENV, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r % per_host),
+                       LOCAL_WORLD_SIZE=str(per_host))
+            proc = net.popen(r // per_host, [sys.executable, str(WORKERS / "impaired.py"), scenario, *args],
                              env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                              text=True)
             threading.Thread(target=self._read, args=(r, proc.stdout), daemon=True).start()
@@ -136,16 +138,21 @@ def test_ddlcomm_exact_over_lossy_slow_network(tmp_path: Path) -> None:
 
 
 @needs_net
-@pytest.mark.parametrize("host_id, peers", [(None, 0), ("one", 3)], ids=["namespaces", "DDLCOMM_HOST_ID"])
-def test_network_namespaces_are_hosts_unless_named_one(tmp_path: Path, host_id: str | None, peers: int,
+@pytest.mark.parametrize("host_id, namespaces, peers, topology",
+                         [(None, 4, 0, "4 hosts x 1 rank"), ("one", 4, 3, "1 host x 4 ranks"),
+                          (None, 2, 1, "2 hosts x 2 ranks")],
+                         ids=["namespaces", "DDLCOMM_HOST_ID", "two-per-namespace"])
+def test_network_namespaces_are_hosts_unless_named_one(tmp_path: Path, host_id: str | None, namespaces: int,
+                                                       peers: int, topology: str,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """The default transport: ranks in their own network namespaces reach each other over the
-    network (each namespace a host), and share memory when DDLCOMM_HOST_ID names one host."""
+    network (each namespace a host), and share memory when DDLCOMM_HOST_ID names one host. Two
+    ranks in each of two namespaces: shared memory inside each, and the hierarchical all-reduce."""
     monkeypatch.setenv("DDLCOMM_TRANSPORT", "auto")
     if host_id is not None:
         monkeypatch.setenv("DDLCOMM_HOST_ID", host_id)
-    with SlowNet(ranks=4, rate="1gbit") as net:
-        ranks = Ranks(net, tmp_path, "hosts", str(peers))
+    with SlowNet(ranks=namespaces, rate="1gbit") as net:
+        ranks = Ranks(net, tmp_path, "hosts", str(peers), topology, per_host=4 // namespaces)
         ranks.finish(timeout=90)
 
 

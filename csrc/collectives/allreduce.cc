@@ -55,6 +55,36 @@ void ringAllreduce(Call& call, char* data, size_t count, DataType dtype, ReduceO
   ring::allgatherInPlace(call, data, chunks, dtype);
 }
 
+// Reduce-scatter inside the host, an all-reduce of this rank's shard with the ranks at its
+// place on the other hosts, all-gather inside the host: each host's link carries 2(h-1)/h of
+// the buffer over h hosts where a flat ring puts 2(n-1)/n on it, and every rank drives its own
+// shard across. Each element is reduced by one rank and copied to the others, so every rank
+// ends with the same bits.
+void hierarchicalAllreduce(Call& call, char* data, size_t count, DataType dtype, ReduceOp op) {
+  const Topology& topology = call.comm().topology();
+  const int r = call.comm().rank();
+  const size_t es = elementSize(dtype);
+  const ring::Members host = ring::Members::of(topology.hostRanks(), r);
+  const ring::Members across = ring::Members::of(topology.peersAcrossHosts(), r);
+  const ring::Chunks inHost{count, host.n()};
+  ring::reduceScatterInPlace(call, data, inHost, dtype, op, host);
+  char* shard = data + inHost.begin(host.self) * es;
+  const ring::Chunks acrossHosts{inHost.length(host.self), across.n()};
+  ring::reduceScatterInPlace(call, shard, acrossHosts, dtype, op, across);
+  if (op == ReduceOp::Avg) {
+    divideBy(dtype, shard + acrossHosts.begin(across.self) * es, acrossHosts.length(across.self),
+             double(call.comm().size()));
+  }
+  ring::allgatherInPlace(call, shard, acrossHosts, dtype, across);
+  ring::allgatherInPlace(call, data, inHost, dtype, host);
+}
+
+// Hierarchical where the group spans hosts with several ranks on each, the same number on
+// every host (else a rank's shard would have no peer on some host).
+bool hierarchyHelps(const Topology& topology) {
+  return topology.hosts() > 1 && topology.uniform() && topology.hostRanks().size() > 1;
+}
+
 }  // namespace
 
 void allreduce(Communicator& comm, void* data, size_t count, DataType dtype, ReduceOp op) {
@@ -72,9 +102,13 @@ void allreduce(Communicator& comm, void* data, size_t count, DataType dtype, Red
       const bool small = count * elementSize(dtype) <= comm.options().smallMessageBytes;
       // The ring needs at least one element per chunk to be worth its 2(n-1) steps.
       algo = (small || count < size_t(comm.size())) ? AllreduceAlgorithm::RecursiveDoubling
+             : hierarchyHelps(comm.topology())       ? AllreduceAlgorithm::Hierarchical
                                                      : AllreduceAlgorithm::Ring;
     }
-    if (algo == AllreduceAlgorithm::Ring) {
+    if (algo == AllreduceAlgorithm::Hierarchical) {
+      ++comm.counters().hierarchicalAllreduces;
+      hierarchicalAllreduce(call, static_cast<char*>(data), count, dtype, op);
+    } else if (algo == AllreduceAlgorithm::Ring) {
       ++comm.counters().ringAllreduces;
       ringAllreduce(call, static_cast<char*>(data), count, dtype, op);
     } else {

@@ -11,7 +11,10 @@
 namespace ddlcomm {
 
 // In place. Ring (reduce-scatter + all-gather) for large buffers, recursive doubling for
-// small ones. Every rank ends with bitwise identical results.
+// small ones; on a group over several hosts with several ranks each (Topology), hierarchical:
+// reduce-scatter inside each host, an all-reduce of each rank's shard across the hosts (one
+// ring per local rank, so every rank's link carries its share), all-gather inside the host.
+// Every rank ends with bitwise identical results.
 void allreduce(Communicator& comm, void* data, size_t count, DataType dtype, ReduceOp op);
 
 // In place from `root`: binomial tree for small buffers, pipelined chain for large ones.
@@ -48,9 +51,22 @@ struct Chunks {
   size_t begin(int i) const { return total * size_t(i) / size_t(n); }
   size_t length(int i) const { return begin(i + 1) - begin(i); }
 };
-// After the call, chunk `rank` of `data` holds the reduction over all ranks.
+// The ranks a ring passes through, in order, and this rank's place among them: the whole
+// group, or a part of it (a host's ranks, one rank per host).
+struct Members {
+  std::vector<int> ranks;
+  int self;
+  static Members all(const Communicator& comm);
+  // `ranks` holds `rank`.
+  static Members of(std::vector<int> ranks, int rank);
+  int n() const { return int(ranks.size()); }
+};
+// After the call, chunk `self` of `data` holds the reduction over the members.
+void reduceScatterInPlace(Call& call, char* data, const Chunks& chunks, DataType dtype, ReduceOp op,
+                          const Members& members);
 void reduceScatterInPlace(Call& call, char* data, const Chunks& chunks, DataType dtype, ReduceOp op);
-// Before the call chunk `rank` is this rank's; after it every chunk is filled.
+// Before the call chunk `self` is this rank's; after it every chunk is filled.
+void allgatherInPlace(Call& call, char* data, const Chunks& chunks, DataType dtype, const Members& members);
 void allgatherInPlace(Call& call, char* data, const Chunks& chunks, DataType dtype);
 }  // namespace ring
 

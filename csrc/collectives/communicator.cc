@@ -4,7 +4,17 @@
 
 namespace ddlcomm {
 
-CollectiveOptions CollectiveOptions::fromEnvironment(std::chrono::milliseconds timeout) {
+AllreduceAlgorithm allreduceAlgorithmNamed(const std::string& name, const std::string& what) {
+  if (name == "auto") return AllreduceAlgorithm::Auto;
+  if (name == "ring") return AllreduceAlgorithm::Ring;
+  if (name == "rd" || name == "recursive_doubling") return AllreduceAlgorithm::RecursiveDoubling;
+  if (name == "hierarchical") return AllreduceAlgorithm::Hierarchical;
+  fail(ErrorKind::InvalidArgument, what, "='", name,
+       "' is invalid: expected auto, ring, recursive_doubling or hierarchical");
+}
+
+CollectiveOptions CollectiveOptions::fromEnvironment(std::chrono::milliseconds timeout,
+                                                     const std::optional<std::string>& algorithm) {
   CollectiveOptions o;
   o.timeout = timeout;
   o.smallMessageBytes = size_t(envInteger("DDLCOMM_SMALL_MESSAGE_BYTES", int64_t(o.smallMessageBytes), 0));
@@ -13,13 +23,9 @@ CollectiveOptions CollectiveOptions::fromEnvironment(std::chrono::milliseconds t
   o.segmentBytes = size_t(envInteger("DDLCOMM_SEGMENT_BYTES", int64_t(o.segmentBytes), 4096, int64_t(1) << 30));
   o.sharedOneShotBytes = size_t(envInteger("DDLCOMM_SHM_ONESHOT_BYTES", int64_t(o.sharedOneShotBytes), 0));
   if (const char* algo = envString("DDLCOMM_ALLREDUCE_ALGO")) {
-    const std::string a = algo;
-    if (a == "ring") o.allreduceAlgorithm = AllreduceAlgorithm::Ring;
-    else if (a == "rd" || a == "recursive_doubling") o.allreduceAlgorithm = AllreduceAlgorithm::RecursiveDoubling;
-    else if (a == "auto") o.allreduceAlgorithm = AllreduceAlgorithm::Auto;
-    else fail(ErrorKind::InvalidArgument, "environment variable DDLCOMM_ALLREDUCE_ALGO='", a,
-              "' is invalid: expected auto, ring or recursive_doubling");
+    o.allreduceAlgorithm = allreduceAlgorithmNamed(algo, "environment variable DDLCOMM_ALLREDUCE_ALGO");
   }
+  if (algorithm) o.allreduceAlgorithm = allreduceAlgorithmNamed(*algorithm, "ddlcomm.Options.allreduce_algorithm");
   return o;
 }
 
@@ -74,11 +80,17 @@ void PeerExchange::waitSends() {
   }
 }
 
-Communicator::Communicator(std::unique_ptr<Transport> transport, std::shared_ptr<KeyValueStore> store,
-                           CollectiveOptions options)
+Communicator::Communicator(std::unique_ptr<Transport> transport, Topology topology,
+                           std::shared_ptr<KeyValueStore> store, CollectiveOptions options)
     : transport_(std::move(transport)),
+      topology_(std::move(topology)),
       options_(options),
       failures_(std::move(store), transport_->rank(), transport_->size()) {
+  // Every rank read the same records, so every rank refuses alike.
+  DDLCOMM_CHECK(options_.allreduceAlgorithm != AllreduceAlgorithm::Hierarchical || topology_.uniform(),
+                ErrorKind::InvalidArgument,
+                "the hierarchical all-reduce (DDLCOMM_ALLREDUCE_ALGO or ddlcomm.Options.allreduce_algorithm) needs "
+                "the same number of ranks on every host; this group has ", topology_.describe());
   transport_->setFailureHook(
       [this](ErrorKind kind, const std::string& message) { return failures_.record(kind, message, options_.timeout); });
   transport_->setFailureProbe([this] { return failures_.recorded(); });

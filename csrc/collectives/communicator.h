@@ -6,17 +6,23 @@
 #include <chrono>
 #include <deque>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "collectives/failure_report.h"
 #include "common/dtype.h"
 #include "transport/store.h"
+#include "transport/topology.h"
 #include "transport/transport.h"
 
 namespace ddlcomm {
 
-enum class AllreduceAlgorithm { Auto, Ring, RecursiveDoubling };
+enum class AllreduceAlgorithm { Auto, Ring, RecursiveDoubling, Hierarchical };
+
+// "auto", "ring", "recursive_doubling" (or "rd") or "hierarchical"; InvalidArgument naming
+// `what` (the setting it came from) otherwise.
+AllreduceAlgorithm allreduceAlgorithmNamed(const std::string& name, const std::string& what);
 
 struct CollectiveOptions {
   std::chrono::milliseconds timeout{std::chrono::minutes(30)};
@@ -24,11 +30,15 @@ struct CollectiveOptions {
   size_t smallMessageBytes = 64 * 1024;  // DDLCOMM_SMALL_MESSAGE_BYTES
   // Ring pipelining granularity: a segment is reduced and forwarded while the next arrives.
   size_t segmentBytes = 512 * 1024;  // DDLCOMM_SEGMENT_BYTES
-  AllreduceAlgorithm allreduceAlgorithm = AllreduceAlgorithm::Auto;  // DDLCOMM_ALLREDUCE_ALGO
+  // DDLCOMM_ALLREDUCE_ALGO, or the group's ddlcomm.Options(allreduce_algorithm=)
+  AllreduceAlgorithm allreduceAlgorithm = AllreduceAlgorithm::Auto;
   // With shared-memory windows: at or below this, one synchronisation and every rank reduces all.
   size_t sharedOneShotBytes = 64 * 1024;  // DDLCOMM_SHM_ONESHOT_BYTES
 
-  static CollectiveOptions fromEnvironment(std::chrono::milliseconds timeout);
+  // The environment's settings; `algorithm`, the group's own choice, wins over
+  // DDLCOMM_ALLREDUCE_ALGO (both are checked either way).
+  static CollectiveOptions fromEnvironment(std::chrono::milliseconds timeout,
+                                           const std::optional<std::string>& algorithm = std::nullopt);
 };
 
 // Counts of what this group's collectives did, for tests and diagnostics. Read and written on
@@ -37,12 +47,14 @@ struct CollectiveCounters {
   uint64_t ringAllreduces = 0;
   uint64_t recursiveDoublingAllreduces = 0;
   uint64_t sharedMemoryAllreduces = 0;
+  uint64_t hierarchicalAllreduces = 0;
 };
 
 // A snapshot of a group's counters and of its transport's connections.
 struct GroupStats {
   CollectiveCounters collectives;
   TransportStats transport;
+  std::string topology;  // Topology::describe()
 };
 
 class Communicator;
@@ -92,7 +104,7 @@ class Call {
 
 class Communicator {
  public:
-  Communicator(std::unique_ptr<Transport> transport, std::shared_ptr<KeyValueStore> store,
+  Communicator(std::unique_ptr<Transport> transport, Topology topology, std::shared_ptr<KeyValueStore> store,
                CollectiveOptions options);
   ~Communicator();
   Communicator(const Communicator&) = delete;
@@ -101,6 +113,7 @@ class Communicator {
   int rank() const { return transport_->rank(); }
   int size() const { return transport_->size(); }
   Transport& transport() { return *transport_; }
+  const Topology& topology() const { return topology_; }
   const CollectiveOptions& options() const { return options_; }
   // The timeout of the operations that start after this call (executor thread).
   void setTimeout(std::chrono::milliseconds timeout) { options_.timeout = timeout; }
@@ -128,10 +141,11 @@ class Communicator {
   char* scratch(size_t bytes, int slot = 0);
 
   CollectiveCounters& counters() { return counters_; }
-  GroupStats stats() const { return GroupStats{counters_, transport_->stats()}; }
+  GroupStats stats() const { return GroupStats{counters_, transport_->stats(), topology_.describe()}; }
 
  private:
   std::unique_ptr<Transport> transport_;
+  Topology topology_;
   CollectiveOptions options_;
   FailureReport failures_;  // the transport's failure hook and probe
   uint64_t nextSeq_ = 0;

@@ -47,10 +47,30 @@ std::vector<Unit> received(const Chunks& chunks, int r, int offset, size_t segEl
 
 }  // namespace
 
+Members Members::all(const Communicator& comm) {
+  std::vector<int> ranks(size_t(comm.size()));
+  for (int i = 0; i < comm.size(); ++i) ranks[size_t(i)] = i;
+  return Members{std::move(ranks), comm.rank()};
+}
+
+Members Members::of(std::vector<int> ranks, int rank) {
+  const int self = int(std::find(ranks.begin(), ranks.end(), rank) - ranks.begin());
+  return Members{std::move(ranks), self};
+}
+
 void reduceScatterInPlace(Call& call, char* data, const Chunks& chunks, DataType dtype, ReduceOp op) {
-  const int n = call.comm().size(), r = call.comm().rank();
+  reduceScatterInPlace(call, data, chunks, dtype, op, Members::all(call.comm()));
+}
+
+void allgatherInPlace(Call& call, char* data, const Chunks& chunks, DataType dtype) {
+  allgatherInPlace(call, data, chunks, dtype, Members::all(call.comm()));
+}
+
+void reduceScatterInPlace(Call& call, char* data, const Chunks& chunks, DataType dtype, ReduceOp op,
+                          const Members& members) {
+  const int n = members.n(), r = members.self;
   if (n == 1) return;
-  const int right = mod(r + 1, n), left = mod(r - 1, n);
+  const int right = members.ranks[size_t(mod(r + 1, n))], left = members.ranks[size_t(mod(r - 1, n))];
   const size_t es = elementSize(dtype);
   const size_t segElems = segmentElements(call, dtype);
 
@@ -80,10 +100,10 @@ void reduceScatterInPlace(Call& call, char* data, const Chunks& chunks, DataType
   for (size_t i = 0; i < nextSend; ++i) call.wait(sends[i]);
 }
 
-void allgatherInPlace(Call& call, char* data, const Chunks& chunks, DataType dtype) {
-  const int n = call.comm().size(), r = call.comm().rank();
+void allgatherInPlace(Call& call, char* data, const Chunks& chunks, DataType dtype, const Members& members) {
+  const int n = members.n(), r = members.self;
   if (n == 1) return;
-  const int right = mod(r + 1, n), left = mod(r - 1, n);
+  const int right = members.ranks[size_t(mod(r + 1, n))], left = members.ranks[size_t(mod(r - 1, n))];
   const size_t es = elementSize(dtype);
   const size_t segElems = segmentElements(call, dtype);
 

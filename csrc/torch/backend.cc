@@ -137,11 +137,12 @@ ProcessGroupDdlcomm::ProcessGroupDdlcomm(const c10::intrusive_ptr<c10d::Store>& 
   try {
     // Every setting is read before connecting: a bad value fails at once, not after the peers joined.
     auto transportOptions = TransportOptions::resolve(options_->transport, timeout);
-    auto collectiveOptions = CollectiveOptions::fromEnvironment(timeout);
+    auto collectiveOptions = CollectiveOptions::fromEnvironment(timeout, options_->allreduceAlgorithm);
     inlineBytes_ = size_t(envInteger("DDLCOMM_INLINE_BYTES", int64_t(inlineBytes_), 0));
     compress::configuredThreads();  // read again by every compressed call
-    auto transport = connectTransport(rank, size, *kv, transportOptions);
-    auto comm = std::make_unique<Communicator>(std::move(transport), kv, collectiveOptions);
+    Connection connection = connectTransport(rank, size, *kv, transportOptions);
+    auto comm = std::make_unique<Communicator>(std::move(connection.transport), std::move(connection.topology), kv,
+                                               collectiveOptions);
     executor_ = std::make_unique<Executor>(std::move(comm));
   } catch (const Error& e) {
     if (reportedAs(e.kind(), true) == Reported::Value) TORCH_CHECK_VALUE(false, prefix_, e.what());

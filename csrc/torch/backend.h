@@ -83,6 +83,7 @@ class ProcessGroupDdlcomm : public c10d::Backend {
     explicit Options(std::chrono::milliseconds timeout = kBackendDefaultTimeout)
         : c10d::Backend::Options("ddlcomm", timeout) {}
     TransportRequest transport;
+    std::optional<std::string> allreduceAlgorithm;  // unset: DDLCOMM_ALLREDUCE_ALGO, else auto
   };
 
   // `options` (may be null) is copied: the caller's object stays as it was. `timeout` wins over

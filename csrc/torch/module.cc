@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "bindings/bindings.h"
+#include "collectives/communicator.h"
 #include "collectives/compressed_allreduce.h"
 #include "collectives/compressed_reduce_scatter.h"
 #include "common/error.h"
@@ -52,6 +53,15 @@ ddlcomm::TransportRequest checkedRequest(std::optional<std::string> name, SpinMi
   return request;
 }
 
+std::optional<std::string> checkedAlgorithm(std::optional<std::string> name) {
+  try {
+    if (name) ddlcomm::allreduceAlgorithmNamed(*name, "ddlcomm.Options.allreduce_algorithm");
+  } catch (const ddlcomm::Error& e) {
+    throw py::value_error(e.what());
+  }
+  return name;
+}
+
 constexpr const char* kOptionsDoc = R"(pg_options of a ddlcomm group (also ddlcomm.Options)::
 
     dist.new_group(backend="ddlcomm", pg_options=ddlcomm.Options(transport="shm"))
@@ -60,6 +70,8 @@ transport: "auto", "tcp", "shm" or "ucx" (ddlcomm.transports() lists this build'
     (the default) for DDLCOMM_TRANSPORT, else auto. It wins over DDLCOMM_TRANSPORT.
 spin_us: {transport name: microseconds} a waiting rank polls before it sleeps, over
     DDLCOMM_<NAME>_SPIN_US (assign a whole dict: the attribute returns a copy).
+allreduce_algorithm: "auto", "ring", "recursive_doubling" or "hierarchical", or None (the
+    default) for DDLCOMM_ALLREDUCE_ALGO, else auto. It wins over DDLCOMM_ALLREDUCE_ALGO.
 
 Bad values raise ValueError when set. The group's timeout is init_process_group's or
 new_group's timeout=, as for NCCL: _timeout is not read. A group's options property returns a
@@ -67,12 +79,14 @@ copy of the options it was created with, with its timeout, group name and ranks.
 
 void bindOptions(py::class_<ProcessGroupDdlcomm, c10d::Backend, c10::intrusive_ptr<ProcessGroupDdlcomm>>& pg) {
   py::class_<Options, c10d::Backend::Options, c10::intrusive_ptr<Options>>(pg, "Options", kOptionsDoc)
-      .def(py::init([](std::optional<std::string> transport, SpinMicros spin) {
+      .def(py::init([](std::optional<std::string> transport, SpinMicros spin, std::optional<std::string> algorithm) {
              auto options = c10::make_intrusive<Options>();
              options->transport = checkedRequest(std::move(transport), std::move(spin));
+             options->allreduceAlgorithm = checkedAlgorithm(std::move(algorithm));
              return options;
            }),
-           py::arg("transport") = py::none(), py::arg("spin_us") = py::dict())
+           py::arg("transport") = py::none(), py::arg("spin_us") = py::dict(),
+           py::arg("allreduce_algorithm") = py::none())
       .def_property(
           "transport", [](const Options& o) { return o.transport.name; },
           [](Options& o, std::optional<std::string> name) {
@@ -81,22 +95,29 @@ void bindOptions(py::class_<ProcessGroupDdlcomm, c10d::Backend, c10::intrusive_p
       .def_property(
           "spin_us", [](const Options& o) { return o.transport.spinMicros; },
           [](Options& o, SpinMicros spin) { o.transport = checkedRequest(o.transport.name, std::move(spin)); })
+      .def_property(
+          "allreduce_algorithm", [](const Options& o) { return o.allreduceAlgorithm; },
+          [](Options& o, std::optional<std::string> name) { o.allreduceAlgorithm = checkedAlgorithm(std::move(name)); })
       // torch's split_group deep-copies the parent's options; c10d's own Options do not copy.
       .def("__copy__", [](const Options& o) { return c10::make_intrusive<Options>(o); })
       .def("__deepcopy__", [](const Options& o, const py::dict&) { return c10::make_intrusive<Options>(o); },
            py::arg("memo"))
       .def(py::pickle(
-          [](const Options& o) { return py::make_tuple(o.transport.name, o.transport.spinMicros, o.timeout); },
+          [](const Options& o) {
+            return py::make_tuple(o.transport.name, o.transport.spinMicros, o.timeout, o.allreduceAlgorithm);
+          },
           [](const py::tuple& state) {
-            if (state.size() != 3) throw py::value_error("ddlcomm.Options: not a pickled ddlcomm.Options");
+            if (state.size() != 4) throw py::value_error("ddlcomm.Options: not a pickled ddlcomm.Options");
             auto options = c10::make_intrusive<Options>(state[2].cast<std::chrono::milliseconds>());
             options->transport =
                 checkedRequest(state[0].cast<std::optional<std::string>>(), state[1].cast<SpinMicros>());
+            options->allreduceAlgorithm = checkedAlgorithm(state[3].cast<std::optional<std::string>>());
             return options;
           }))
       .def("__repr__", [](const Options& o) {
         return "ddlcomm.Options(transport=" + std::string(py::repr(py::cast(o.transport.name))) +
-               ", spin_us=" + std::string(py::repr(py::cast(o.transport.spinMicros))) + ")";
+               ", spin_us=" + std::string(py::repr(py::cast(o.transport.spinMicros))) +
+               ", allreduce_algorithm=" + std::string(py::repr(py::cast(o.allreduceAlgorithm))) + ")";
       });
 }
 
@@ -144,6 +165,8 @@ PYBIND11_MODULE(_C, m) {
             d["ring_allreduces"] = s.collectives.ringAllreduces;
             d["recursive_doubling_allreduces"] = s.collectives.recursiveDoublingAllreduces;
             d["shared_memory_allreduces"] = s.collectives.sharedMemoryAllreduces;
+            d["hierarchical_allreduces"] = s.collectives.hierarchicalAllreduces;
+            d["topology"] = s.topology;
             d["connections_per_peer"] = s.transport.connectionsPerPeer;
             d["bytes_sent"] = s.transport.bytesSent;
             d["shared_memory_peers"] = s.transport.sharedMemoryPeers;
@@ -153,7 +176,8 @@ PYBIND11_MODULE(_C, m) {
             return d;
           },
           "This group's counters, taken after everything submitted before: all-reduces per algorithm "
-          "(ring_allreduces, recursive_doubling_allreduces, shared_memory_allreduces), the network transport's "
+          "(ring_allreduces, recursive_doubling_allreduces, shared_memory_allreduces, hierarchical_allreduces), "
+          "the hosts its ranks are on (topology: '2 hosts x 2 ranks'), the network transport's "
           "connections to each rank (connections_per_peer) and bytes_sent on them (TCP: TCP_INFO "
           "tcpi_bytes_sent, frame headers, the handshake and retransmissions included; UCX: header and payload "
           "bytes of completed sends), the ranks reached through shared "

@@ -5,7 +5,6 @@
 
 #include "common/cores.h"
 #include "common/env.h"
-#include "transport/host.h"
 #include "transport/shm/shm_transport.h"
 #include "transport/tcp/tcp_transport.h"
 #ifdef DDLCOMM_WITH_UCX
@@ -14,20 +13,6 @@
 
 namespace ddlcomm {
 namespace {
-
-std::string machineKey(int rank) { return "ddlcomm/machine/" + std::to_string(rank); }
-
-// The ranks of the group on this machine (machineIdentity: whatever their host identity or
-// network namespace), this one included: they share its cores. Read once the network is
-// connected, so every rank has published its identity.
-int ranksOnThisMachine(int rank, int size, KeyValueStore& store) {
-  const std::string mine = machineIdentity();
-  int count = 1;
-  for (int r = 0; r < size; ++r) {
-    if (r != rank && store.get(machineKey(r)) == mine) ++count;
-  }
-  return count;
-}
 
 struct TransportEntry;
 
@@ -39,13 +24,18 @@ class Setup {
       : rank(rank), size(size), store(store), options(options),
         tcp(tcp::TcpOptions::fromEnvironment()), shm(shm::ShmOptions::fromEnvironment()) {
     tcp.connectTimeout = options.connectTimeout;
-    hostIdentity();  // DDLCOMM_HOST_ID is checked with the other settings, before connecting
-    store.set(machineKey(rank), machineIdentity());
+    Topology::publish(store, rank);  // DDLCOMM_HOST_ID is checked here, with the other settings
   }
 
   // How `entry` waits: its DDLCOMM_*_SPIN_US, else its default for this host's load. Asked
-  // first once the network is connected (see ranksOnThisMachine), then kept for the layers.
+  // first once the network is connected (see topology()), then kept for the layers.
   SpinPolicy spin(const TransportEntry& entry);
+
+  // Every rank's record: read once the network is connected (every rank has published).
+  const Topology& topology() {
+    if (!topology_) topology_ = Topology::read(store, rank, size);
+    return *topology_;
+  }
 
   const int rank;
   const int size;
@@ -56,6 +46,7 @@ class Setup {
 
  private:
   std::optional<bool> oversubscribed_;
+  std::optional<Topology> topology_;
 };
 
 // One row of the transport table, as NCCL's: the choice walks the table, asking each built
@@ -83,7 +74,7 @@ struct TransportEntry {
 };
 
 SpinPolicy Setup::spin(const TransportEntry& entry) {
-  if (!oversubscribed_) oversubscribed_ = size > 1 && ranksOnThisMachine(rank, size, store) > usableCores();
+  if (!oversubscribed_) oversubscribed_ = size > 1 && topology().ranksOnThisMachine() > usableCores();
   const auto chosen = options.spin.find(entry.name);
   const std::chrono::microseconds duration =
       chosen != options.spin.end() ? chosen->second
@@ -205,8 +196,7 @@ std::vector<std::string> transportNames() {
   return names;
 }
 
-std::unique_ptr<Transport> connectTransport(int rank, int size, KeyValueStore& store,
-                                            const TransportOptions& options) {
+Connection connectTransport(int rank, int size, KeyValueStore& store, const TransportOptions& options) {
   Setup setup(rank, size, store, options);
   const TransportEntry* network = nullptr;
   for (const TransportEntry& e : kTransports) {
@@ -218,7 +208,7 @@ std::unique_ptr<Transport> connectTransport(int rank, int size, KeyValueStore& s
       transport = e.connect(setup, e, std::move(transport));
     }
   }
-  return transport;
+  return Connection{std::move(transport), setup.topology()};
 }
 
 }  // namespace ddlcomm

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "transport/store.h"
+#include "transport/topology.h"
 #include "transport/transport.h"
 
 namespace ddlcomm {
@@ -43,8 +44,12 @@ struct TransportOptions {
 // The DDLCOMM_TRANSPORT values this build supports besides auto, in the table's order.
 std::vector<std::string> transportNames();
 
+struct Connection {
+  std::unique_ptr<Transport> transport;
+  Topology topology;  // the records the choices were taken from
+};
+
 // Connects rank `rank` of `size` through `store`; returns once every peer is reachable.
-std::unique_ptr<Transport> connectTransport(int rank, int size, KeyValueStore& store,
-                                            const TransportOptions& options);
+Connection connectTransport(int rank, int size, KeyValueStore& store, const TransportOptions& options);
 
 }  // namespace ddlcomm

@@ -28,6 +28,8 @@ def expected_algorithm(numel: int, dtype: torch.dtype, n: int) -> str | None:
         return "ring"
     if forced in ("rd", "recursive_doubling"):
         return "recursive_doubling"
+    if forced == "hierarchical":  # on one host: a ring among its ranks, nothing across
+        return "hierarchical"
     small = numel * dtype.itemsize <= int(os.environ.get("DDLCOMM_SMALL_MESSAGE_BYTES", SMALL_MESSAGE_BYTES))
     return "recursive_doubling" if small or numel < n else "ring"
 
@@ -42,7 +44,7 @@ def shared_windows() -> bool:
 def algorithm_ran(before: dict, after: dict) -> str | None:
     """Which all-reduce algorithm ran between two ddlcomm_stats() snapshots (one all-reduce)."""
     ran = {a: after[f"{a}_allreduces"] - before[f"{a}_allreduces"]
-           for a in ("ring", "recursive_doubling", "shared_memory")}
+           for a in ("ring", "recursive_doubling", "shared_memory", "hierarchical")}
     assert sum(ran.values()) <= 1 and min(ran.values()) >= 0, ran
     return next((a for a, count in ran.items() if count), None)
 
@@ -377,7 +379,7 @@ def torch_hooks_vs_gloo() -> None:
 
     def allreduces() -> int:
         s = ddlcomm_stats()
-        return s["ring_allreduces"] + s["recursive_doubling_allreduces"] + s["shared_memory_allreduces"]
+        return sum(s[f"{a}_allreduces"] for a in ("ring", "recursive_doubling", "shared_memory", "hierarchical"))
 
     for name, (make_state, hook) in hooks.items():
         before = allreduces()

@@ -59,17 +59,21 @@ def mixed() -> None:
     print(f"rank {rank}: all collectives exact in {time.monotonic() - start:.2f} s", flush=True)
 
 
-def hosts(shared_memory_peers: str) -> None:
+def hosts(shared_memory_peers: str, topology: str) -> None:
     """Under the default transport: as many shared-memory peers as expected (none where each
-    network namespace is a host; every other rank where DDLCOMM_HOST_ID names one host), and
-    an all-reduce equal to the one computed locally."""
+    network namespace is a host; every other rank where DDLCOMM_HOST_ID names one host; the
+    other rank of its namespace with two in each), the topology, and an all-reduce equal to the
+    one computed locally (hierarchical over several hosts with several ranks each)."""
     rank, n = init(timeout_s=60)
     stats = ddlcomm_stats()
     assert stats["shared_memory_peers"] == int(shared_memory_peers), stats
+    assert stats["topology"] == topology, stats
     inputs = [make_input(r, 300_007, torch.float32) for r in range(n)]
     t = inputs[rank].clone()
     dist.all_reduce(t)
     assert_equal(t, reference(inputs, "SUM"), "all_reduce")
+    hierarchical = ddlcomm_stats()["hierarchical_allreduces"] - stats["hierarchical_allreduces"]
+    assert hierarchical == (0 < int(shared_memory_peers) < n - 1), (stats, ddlcomm_stats())
     print(f"rank {rank}: {stats['shared_memory_peers']} shared-memory peers", flush=True)
 
 

@@ -3,7 +3,7 @@
     sudo python -m ddlcomm.bench.slownet.run_compressed --rates 1gbit,10gbit --out results
 
 For each link rate it builds the emulated cluster of ddlcomm.bench.slownet (one network
-namespace per rank, a bridge, every link shaped with tc), runs
+namespace per host, a bridge, every link shaped with tc; ``--ranks-per-host`` ranks in each), runs
 ``python -m ddlcomm.bench.compressed`` on every rank, prints the tables, and writes
 ``slownet.json`` and ``slownet.png`` (time vs link bandwidth) into --out.
 Needs root and iproute2; exits non-zero with the reason when namespaces are unavailable.
@@ -19,9 +19,10 @@ from .driver import bench_parser, collect_results, require_slownet, save_figure,
 from .network import SlowNet
 
 
-def run_rate(rate: str, ranks: int, extra: list[str], timeout: float) -> list[dict]:
-    with SlowNet(ranks=ranks, rate=rate) as net:
-        results = collect_results(net, [sys.executable, "-m", "ddlcomm.bench.compressed", *extra], timeout, rate)
+def run_rate(rate: str, hosts: int, extra: list[str], timeout: float, ranks_per_host: int = 1) -> list[dict]:
+    with SlowNet(ranks=hosts, rate=rate) as net:
+        results = collect_results(net, [sys.executable, "-m", "ddlcomm.bench.compressed", *extra], timeout, rate,
+                                  ranks_per_host)
     for record in results:
         record["rate"] = rate
         print(f"  [{rate}] {record['kind']:<9} {record['method']:<26} {record['seconds']:8.3f} s  "
@@ -83,13 +84,14 @@ def plot(results: list[dict], path: Path) -> None:
 
 def main() -> None:
     parser = bench_parser(__doc__, "results", 1500, worker="ddlcomm.bench.compressed")
-    parser.add_argument("--ranks", type=int, default=4, help="ranks, one emulated host each")
+    parser.add_argument("--ranks", type=int, default=4, help="emulated hosts")
+    parser.add_argument("--ranks-per-host", type=int, default=1, help="ranks in each host (shared memory between them)")
     args = parser.parse_args()
     require_slownet("ddlcomm.bench.slownet.run_compressed")
     extra = worker_args(args)
     results: list[dict] = []
     for rate in args.rates.split(","):
-        results += run_rate(rate, args.ranks, extra, args.timeout)
+        results += run_rate(rate, args.ranks, extra, args.timeout, args.ranks_per_host)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "slownet.json").write_text(json.dumps(results, indent=1))

@@ -1,0 +1,44 @@
+// Which ranks of a group share a host, and which a machine's cores: read once, at connect time,
+// from the one record every rank publishes (host.h's identities), so that every rank takes the
+// same decisions from the same facts.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "transport/store.h"
+
+namespace ddlcomm {
+
+class Topology {
+ public:
+  // This rank's record, before the transports connect (they read the records afterwards).
+  static void publish(KeyValueStore& store, int rank);
+  // Every rank's record: call once the network is connected (every rank has published).
+  static Topology read(KeyValueStore& store, int rank, int size);
+  // `hostOf[r]`: the host of rank r, hosts numbered in order of their lowest rank;
+  // `onThisMachine`: the ranks that share this rank's machine (this one included).
+  Topology(std::vector<int> hostOf, int rank, int onThisMachine);
+
+  int hosts() const { return int(members_.size()); }
+  // The ranks of this rank's host, ascending (this one included).
+  const std::vector<int>& hostRanks() const { return members_[size_t(hostOf_[size_t(rank_)])]; }
+  // The ranks at this rank's place (its local rank) on every host, one per host, by host.
+  // Only for a uniform topology.
+  std::vector<int> peersAcrossHosts() const;
+  // Every host holds the same number of ranks.
+  bool uniform() const;
+  // The ranks whose processes share this machine's cores (host.h's machineIdentity), this one
+  // included, whatever their host identities say.
+  int ranksOnThisMachine() const { return onThisMachine_; }
+  // "2 hosts x 2 ranks" or "3 hosts of 1, 2 and 1 ranks": for logs and errors.
+  std::string describe() const;
+
+ private:
+  std::vector<int> hostOf_;
+  std::vector<std::vector<int>> members_;  // by host
+  int rank_;
+  int onThisMachine_;
+};
+
+}  // namespace ddlcomm

@@ -1,0 +1,76 @@
+"""Scenarios for tests/test_topology.py: the hosts a group's ranks are on, and the hierarchical
+all-reduce over them."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+import ddlcomm
+from common import ALL_DTYPES, OPS, assert_equal, ddlcomm_stats, init, make_input, op_valid, reference, run
+
+LARGE = 100_000  # elements: over DDLCOMM_SMALL_MESSAGE_BYTES in every dtype, so auto takes the hierarchy
+
+
+def gathered(x: torch.Tensor, group) -> list[torch.Tensor]:
+    everyone = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, x, group=group)
+    return everyone
+
+
+def hierarchical() -> None:
+    """Ranks 0-1 and 2-3 on two named hosts. Every op and dtype through the hierarchical
+    all-reduce equals the direct reduction bit for bit (small integers: exact in any order);
+    random floats are within rounding of a float64 reference; every rank holds the same bits.
+    A group's ddlcomm.Options(allreduce_algorithm=) forces it (down to 1 element) or the flat ring."""
+    rank, n = init()
+    gloo = dist.new_group(backend="gloo")
+    forced = dist.new_group(backend="ddlcomm", pg_options=ddlcomm.Options(allreduce_algorithm="hierarchical"))
+    flat = dist.new_group(backend="ddlcomm", pg_options=ddlcomm.Options(allreduce_algorithm="ring"))
+    before = ddlcomm_stats()
+    assert before["topology"] == "2 hosts x 2 ranks", before
+    calls = 0
+    for dtype in ALL_DTYPES:
+        for op, reduce_op in OPS.items():
+            if not op_valid(op, dtype):
+                continue
+            for numel, group in ((LARGE, None), (LARGE + 3, flat), (5, forced), (1, forced)):
+                x = make_input(rank, numel, dtype, op)
+                expect = reference(gathered(x, gloo), op)
+                dist.all_reduce(x, op=reduce_op, group=group)
+                assert_equal(x, expect, f"all_reduce {op} {dtype} x{numel}")
+            calls += 1
+    x = torch.randn(1_000_003, generator=torch.Generator().manual_seed(rank), dtype=torch.float32)
+    exact = torch.stack(gathered(x, gloo)).double().sum(0)
+    dist.all_reduce(x)
+    torch.testing.assert_close(x.double(), exact, rtol=0, atol=4 * n * torch.finfo(torch.float32).eps * 8)
+    for other in gathered(x, gloo):
+        assert_equal(other, x, "hierarchical all_reduce: ranks disagree")
+    after = ddlcomm_stats()
+    assert after["hierarchical_allreduces"] - before["hierarchical_allreduces"] == calls + 1, (before, after)
+    assert after["ring_allreduces"] == before["ring_allreduces"], (before, after)
+    forced_stats, flat_stats = ddlcomm_stats(forced), ddlcomm_stats(flat)
+    assert forced_stats["hierarchical_allreduces"] == 2 * calls and forced_stats["ring_allreduces"] == 0, forced_stats
+    assert flat_stats["ring_allreduces"] == calls and flat_stats["hierarchical_allreduces"] == 0, flat_stats
+
+
+def unequal_hosts() -> None:
+    """Ranks 0-1 on one host, rank 2 on another: auto keeps the flat ring; forcing the hierarchy
+    fails on every rank, naming the topology."""
+    rank, n = init()
+    stats = ddlcomm_stats()
+    assert stats["topology"] == "2 hosts of 2 and 1 ranks", stats
+    x = torch.full((LARGE,), float(rank + 1))
+    dist.all_reduce(x)
+    assert_equal(x, torch.full_like(x, 6.0), "all_reduce")
+    assert ddlcomm_stats()["ring_allreduces"] == stats["ring_allreduces"] + 1
+    try:
+        dist.new_group(backend="ddlcomm", pg_options=ddlcomm.Options(allreduce_algorithm="hierarchical"))
+    except ValueError as e:
+        assert "needs the same number of ranks on every host; this group has 2 hosts of 2 and 1 ranks" in str(e), e
+    else:
+        raise AssertionError("a hierarchical group over unequal hosts was accepted")
+
+
+if __name__ == "__main__":
+    run({"hierarchical": hierarchical, "unequal_hosts": unequal_hosts})
