@@ -55,7 +55,7 @@ def timed(call, repeats: int) -> float:
     return float(elapsed.item())
 
 
-def allreduce_bench(gloo, numel: int, repeats: int) -> None:
+def allreduce_bench(gloo, numel: int, repeats: int, compressed: bool = True) -> None:
     rank, n = dist.get_rank(), dist.get_world_size()
     grad = torch.randn(numel, generator=torch.Generator().manual_seed(rank))
     fp32_bytes = ring_all_reduce_bytes(numel * 4, n)
@@ -72,6 +72,8 @@ def allreduce_bench(gloo, numel: int, repeats: int) -> None:
         flat = dist.new_group(backend="ddlcomm", pg_options=ddlcomm.Options(allreduce_algorithm="ring"))
         t = timed(lambda: dist.all_reduce(grad, group=flat), repeats)
         report(kind="allreduce", method="ddlcomm fp32 flat ring", seconds=t, speedup=base / t, wire_bytes=fp32_bytes)
+    if not compressed:
+        return
     for name, make in COMPRESSORS.items():
         comp = make()
         wres = torch.zeros(numel)
@@ -192,11 +194,16 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=3, help="timed DDP steps per method")
     parser.add_argument("--batch", type=int, default=16, help="per-rank batch of the DDP model")
     parser.add_argument("--skip-ddp", action="store_true", help="time the all-reduces only, not DDP steps")
+    parser.add_argument("--fp32-only", action="store_true",
+                        help="time gloo's and ddlcomm's float32 all-reduces only (no compression, no DDP)")
     args = parser.parse_args()
     init_ranks("ddlcomm")
     gloo = dist.new_group(backend="gloo")
     torch.set_num_threads(1)
-    allreduce_bench(gloo, args.numel, args.repeats)
+    allreduce_bench(gloo, args.numel, args.repeats, compressed=not args.fp32_only)
+    if args.fp32_only:
+        dist.destroy_process_group()
+        return
     reduce_scatter_bench(gloo, args.numel, args.repeats)
     if not args.skip_ddp:
         ddp_bench(gloo, args.width, args.depth, args.iters, args.batch)

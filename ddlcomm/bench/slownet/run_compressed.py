@@ -19,8 +19,9 @@ from .driver import bench_parser, collect_results, require_slownet, save_figure,
 from .network import SlowNet
 
 
-def run_rate(rate: str, hosts: int, extra: list[str], timeout: float, ranks_per_host: int = 1) -> list[dict]:
-    with SlowNet(ranks=hosts, rate=rate) as net:
+def run_rate(rate: str, hosts: int, extra: list[str], timeout: float, ranks_per_host: int = 1,
+             delay: str = "0") -> list[dict]:
+    with SlowNet(ranks=hosts, rate=rate, delay=delay) as net:
         results = collect_results(net, [sys.executable, "-m", "ddlcomm.bench.compressed", *extra], timeout, rate,
                                   ranks_per_host)
     for record in results:
@@ -86,12 +87,13 @@ def main() -> None:
     parser = bench_parser(__doc__, "results", 1500, worker="ddlcomm.bench.compressed")
     parser.add_argument("--ranks", type=int, default=4, help="emulated hosts")
     parser.add_argument("--ranks-per-host", type=int, default=1, help="ranks in each host (shared memory between them)")
+    parser.add_argument("--delay", default="0", help="one-way delay of every link (tc syntax, e.g. 20ms)")
     args = parser.parse_args()
     require_slownet("ddlcomm.bench.slownet.run_compressed")
     extra = worker_args(args)
     results: list[dict] = []
     for rate in args.rates.split(","):
-        results += run_rate(rate, args.ranks, extra, args.timeout, args.ranks_per_host)
+        results += run_rate(rate, args.ranks, extra, args.timeout, args.ranks_per_host, args.delay)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "slownet.json").write_text(json.dumps(results, indent=1))
