@@ -31,7 +31,7 @@ class Setup {
   // first once the network is connected (see topology()), then kept for the layers.
   SpinPolicy spin(const TransportEntry& entry);
 
-  // Every rank's record: read once the network is connected (every rank has published).
+  // Every rank's record (each store read waits for that rank to publish its own).
   const Topology& topology() {
     if (!topology_) topology_ = Topology::read(store, rank, size);
     return *topology_;
@@ -50,7 +50,8 @@ class Setup {
 };
 
 // One row of the transport table, as NCCL's: the choice walks the table, asking each built
-// entry whether it applies to the group under its choice (Options.transport, DDLCOMM_TRANSPORT).
+// entry whether it applies to the group under its choice (Options.transport, DDLCOMM_TRANSPORT)
+// and the ranks' records (Setup::topology: the same answer on every rank).
 struct TransportEntry {
   enum Role {
     Network,  // connects every pair of ranks; the last network entry that applies is taken
@@ -67,7 +68,7 @@ struct TransportEntry {
   const char* spinVariable;
   int spinMicros;
   int oversubscribedSpinMicros;
-  bool (*applies)(const TransportEntry& self, const std::string& choice);
+  bool (*applies)(Setup& setup, const TransportEntry& self);
   // `network` is null for a Network entry, the transport to wrap for a Layer; a Layer may
   // hand `network` back when it reaches no peer itself.
   std::unique_ptr<Transport> (*connect)(Setup& setup, const TransportEntry& self, std::unique_ptr<Transport> network);
@@ -99,9 +100,9 @@ std::unique_ptr<Transport> layerShm(Setup& s, const TransportEntry& self, std::u
 
 #ifdef DDLCOMM_WITH_UCX
 constexpr bool kUcxBuilt = true;
-// Named, or auto between hosts with RDMA devices.
-bool ucxApplies(const TransportEntry& self, const std::string& choice) {
-  return choice == self.name || (choice == "auto" && ucx::rdmaDevicePresent());
+// Named, or auto where every rank's machine has an RDMA device.
+bool ucxApplies(Setup& s, const TransportEntry& self) {
+  return s.options.choice == self.name || (s.options.choice == "auto" && s.topology().everyRankHasRdma());
 }
 std::unique_ptr<Transport> connectUcx(Setup& s, const TransportEntry& self, std::unique_ptr<Transport>) {
   std::unique_ptr<Transport> t = ucx::UcxTransport::connect(s.rank, s.size, s.store, s.options.connectTimeout);
@@ -110,7 +111,7 @@ std::unique_ptr<Transport> connectUcx(Setup& s, const TransportEntry& self, std:
 }
 #else
 constexpr bool kUcxBuilt = false;
-bool ucxApplies(const TransportEntry&, const std::string&) { return false; }
+bool ucxApplies(Setup&, const TransportEntry&) { return false; }
 std::unique_ptr<Transport> connectUcx(Setup&, const TransportEntry&, std::unique_ptr<Transport>) {
   fail(ErrorKind::InvalidArgument, "this build of ddlcomm has no UCX transport");  // not built: never chosen
 }
@@ -120,9 +121,9 @@ std::unique_ptr<Transport> connectUcx(Setup&, const TransportEntry&, std::unique
 // preference: tcp, always applicable, is the fallback.
 const TransportEntry kTransports[] = {
     {"tcp", true, nullptr, TransportEntry::Network, "DDLCOMM_TCP_SPIN_US", 50, 10,
-     [](const TransportEntry&, const std::string&) { return true; }, connectTcp},
+     [](Setup&, const TransportEntry&) { return true; }, connectTcp},
     {"shm", true, nullptr, TransportEntry::Layer, "DDLCOMM_SHM_SPIN_US", 50, 5,
-     [](const TransportEntry& self, const std::string& choice) { return choice == "auto" || choice == self.name; },
+     [](Setup& s, const TransportEntry& self) { return s.options.choice == "auto" || s.options.choice == self.name; },
      layerShm},
     {"ucx", kUcxBuilt,
      "this build of ddlcomm has no UCX transport: UCX was not found (pkg-config ucx) when it was built",
@@ -200,11 +201,11 @@ Connection connectTransport(int rank, int size, KeyValueStore& store, const Tran
   Setup setup(rank, size, store, options);
   const TransportEntry* network = nullptr;
   for (const TransportEntry& e : kTransports) {
-    if (e.built && e.role == TransportEntry::Network && e.applies(e, options.choice)) network = &e;
+    if (e.built && e.role == TransportEntry::Network && e.applies(setup, e)) network = &e;
   }
   std::unique_ptr<Transport> transport = network->connect(setup, *network, nullptr);
   for (const TransportEntry& e : kTransports) {
-    if (e.built && e.role == TransportEntry::Layer && e.applies(e, options.choice)) {
+    if (e.built && e.role == TransportEntry::Layer && e.applies(setup, e)) {
       transport = e.connect(setup, e, std::move(transport));
     }
   }
