@@ -31,7 +31,7 @@ class Setup {
   // first once the network is connected (see topology()), then kept for the layers.
   SpinPolicy spin(const TransportEntry& entry);
 
-  // Every rank's record (each store read waits for that rank to publish its own).
+  // Every rank's record: read once the network is connected (every rank has published).
   const Topology& topology() {
     if (!topology_) topology_ = Topology::read(store, rank, size);
     return *topology_;
@@ -50,8 +50,7 @@ class Setup {
 };
 
 // One row of the transport table, as NCCL's: the choice walks the table, asking each built
-// entry whether it applies to the group under its choice (Options.transport, DDLCOMM_TRANSPORT)
-// and the ranks' records (Setup::topology: the same answer on every rank).
+// entry whether it applies to the group under its choice (Options.transport, DDLCOMM_TRANSPORT).
 struct TransportEntry {
   enum Role {
     Network,  // connects every pair of ranks; the last network entry that applies is taken
@@ -68,7 +67,7 @@ struct TransportEntry {
   const char* spinVariable;
   int spinMicros;
   int oversubscribedSpinMicros;
-  bool (*applies)(Setup& setup, const TransportEntry& self);
+  bool (*applies)(const TransportEntry& self, const std::string& choice);
   // `network` is null for a Network entry, the transport to wrap for a Layer; a Layer may
   // hand `network` back when it reaches no peer itself.
   std::unique_ptr<Transport> (*connect)(Setup& setup, const TransportEntry& self, std::unique_ptr<Transport> network);
@@ -100,9 +99,9 @@ std::unique_ptr<Transport> layerShm(Setup& s, const TransportEntry& self, std::u
 
 #ifdef DDLCOMM_WITH_UCX
 constexpr bool kUcxBuilt = true;
-// Named, or auto where every rank's machine has an RDMA device.
-bool ucxApplies(Setup& s, const TransportEntry& self) {
-  return s.options.choice == self.name || (s.options.choice == "auto" && s.topology().everyRankHasRdma());
+// Named, or auto between hosts with RDMA devices.
+bool ucxApplies(const TransportEntry& self, const std::string& choice) {
+  return choice == self.name || (choice == "auto" && ucx::rdmaDevicePresent());
 }
 std::unique_ptr<Transport> connectUcx(Setup& s, const TransportEntry& self, std::unique_ptr<Transport>) {
   std::unique_ptr<Transport> t = ucx::UcxTransport::connect(s.rank, s.size, s.store, s.options.connectTimeout);
@@ -111,7 +110,7 @@ std::unique_ptr<Transport> connectUcx(Setup& s, const TransportEntry& self, std:
 }
 #else
 constexpr bool kUcxBuilt = false;
-bool ucxApplies(Setup&, const TransportEntry&) { return false; }
+bool ucxApplies(const TransportEntry&, const std::string&) { return false; }
 std::unique_ptr<Transport> connectUcx(Setup&, const TransportEntry&, std::unique_ptr<Transport>) {
   fail(ErrorKind::InvalidArgument, "this build of ddlcomm has no UCX transport");  // not built: never chosen
 }
@@ -121,9 +120,9 @@ std::unique_ptr<Transport> connectUcx(Setup&, const TransportEntry&, std::unique
 // preference: tcp, always applicable, is the fallback.
 const TransportEntry kTransports[] = {
     {"tcp", true, nullptr, TransportEntry::Network, "DDLCOMM_TCP_SPIN_US", 50, 10,
-     [](Setup&, const TransportEntry&) { return true; }, connectTcp},
+     [](const TransportEntry&, const std::string&) { return true; }, connectTcp},
     {"shm", true, nullptr, TransportEntry::Layer, "DDLCOMM_SHM_SPIN_US", 50, 5,
-     [](Setup& s, const TransportEntry& self) { return s.options.choice == "auto" || s.options.choice == self.name; },
+     [](const TransportEntry& self, const std::string& choice) { return choice == "auto" || choice == self.name; },
      layerShm},
     {"ucx", kUcxBuilt,
      "this build of ddlcomm has no UCX transport: UCX was not found (pkg-config ucx) when it was built",
@@ -201,11 +200,11 @@ Connection connectTransport(int rank, int size, KeyValueStore& store, const Tran
   Setup setup(rank, size, store, options);
   const TransportEntry* network = nullptr;
   for (const TransportEntry& e : kTransports) {
-    if (e.built && e.role == TransportEntry::Network && e.applies(setup, e)) network = &e;
+    if (e.built && e.role == TransportEntry::Network && e.applies(e, options.choice)) network = &e;
   }
   std::unique_ptr<Transport> transport = network->connect(setup, *network, nullptr);
   for (const TransportEntry& e : kTransports) {
-    if (e.built && e.role == TransportEntry::Layer && e.applies(setup, e)) {
+    if (e.built && e.role == TransportEntry::Layer && e.applies(e, options.choice)) {
       transport = e.connect(setup, e, std::move(transport));
     }
   }

@@ -10,9 +10,8 @@ namespace {
 
 std::string recordKey(int rank) { return "ddlcomm/rank/" + std::to_string(rank); }
 
-// A record: the machine's identity (no spaces: a boot id), whether it has an RDMA device
-// (0 or 1), the host's identity (which may hold spaces), separated by single spaces.
-std::string record() { return machineIdentity() + (rdmaDevicePresent() ? " 1 " : " 0 ") + hostIdentity(); }
+// A record: the machine's identity (no spaces: a boot id), a space, the host's.
+std::string record() { return machineIdentity() + " " + hostIdentity(); }
 
 }  // namespace
 
@@ -24,21 +23,18 @@ Topology Topology::read(KeyValueStore& store, int rank, int size) {
   std::map<std::string, int> numbers;
   std::vector<int> hostOf(static_cast<size_t>(size));
   int onThisMachine = 0;
-  bool allRdma = true;
   for (int r = 0; r < size; ++r) {
     const std::string theirs = r == rank ? mine : store.get(recordKey(r));
     const size_t space = theirs.find(' ');
-    DDLCOMM_CHECK(space != std::string::npos && theirs.size() > space + 3 && theirs[space + 2] == ' ',
-                  ErrorKind::Protocol, "rank ", r, " published a malformed host record");
-    hostOf[size_t(r)] = numbers.emplace(theirs.substr(space + 3), int(numbers.size())).first->second;
+    DDLCOMM_CHECK(space != std::string::npos, ErrorKind::Protocol, "rank ", r, " published a malformed host record");
+    hostOf[size_t(r)] = numbers.emplace(theirs.substr(space + 1), int(numbers.size())).first->second;
     if (theirs.compare(0, space, machine) == 0 && space == machine.size()) ++onThisMachine;
-    allRdma = allRdma && theirs[space + 1] == '1';
   }
-  return Topology(std::move(hostOf), rank, onThisMachine, allRdma);
+  return Topology(std::move(hostOf), rank, onThisMachine);
 }
 
-Topology::Topology(std::vector<int> hostOf, int rank, int onThisMachine, bool allRdma)
-    : hostOf_(std::move(hostOf)), rank_(rank), onThisMachine_(onThisMachine), allRdma_(allRdma) {
+Topology::Topology(std::vector<int> hostOf, int rank, int onThisMachine)
+    : hostOf_(std::move(hostOf)), rank_(rank), onThisMachine_(onThisMachine) {
   for (size_t r = 0; r < hostOf_.size(); ++r) {
     const size_t host = size_t(hostOf_[r]);
     if (members_.size() <= host) members_.resize(host + 1);

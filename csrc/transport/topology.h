@@ -17,9 +17,8 @@ class Topology {
   // Every rank's record: call once the network is connected (every rank has published).
   static Topology read(KeyValueStore& store, int rank, int size);
   // `hostOf[r]`: the host of rank r, hosts numbered in order of their lowest rank;
-  // `onThisMachine`: the ranks that share this rank's machine (this one included);
-  // `allRdma`: every rank's machine has an RDMA device.
-  Topology(std::vector<int> hostOf, int rank, int onThisMachine, bool allRdma);
+  // `onThisMachine`: the ranks that share this rank's machine (this one included).
+  Topology(std::vector<int> hostOf, int rank, int onThisMachine);
 
   int hosts() const { return int(members_.size()); }
   // The ranks of this rank's host, ascending (this one included).
@@ -32,9 +31,6 @@ class Topology {
   // The ranks whose processes share this machine's cores (host.h's machineIdentity), this one
   // included, whatever their host identities say.
   int ranksOnThisMachine() const { return onThisMachine_; }
-  // Every rank's machine has an RDMA device (host.h): the transports' auto choice of UCX,
-  // the same on every rank.
-  bool everyRankHasRdma() const { return allRdma_; }
   // "2 hosts x 2 ranks" or "3 hosts of 1, 2 and 1 ranks": for logs and errors.
   std::string describe() const;
 
@@ -43,7 +39,6 @@ class Topology {
   std::vector<std::vector<int>> members_;  // by host
   int rank_;
   int onThisMachine_;
-  bool allRdma_;
 };
 
 }  // namespace ddlcomm
