@@ -107,17 +107,17 @@ def test_cli_preconditions_exit_2(monkeypatch: pytest.MonkeyPatch,
 
 def test_cli_as_non_root_exits_2() -> None:
     nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
-    # The unprivileged user must be able to import the package (torch and ddlcomm included).
-    probe = subprocess.run([*nobody, *CLI, "--help"], capture_output=True,
-                           timeout=60) if shutil.which("setpriv") else None
-    if os.geteuid() != 0 or probe is None or probe.returncode != 0:
+    if os.geteuid() != 0 or not shutil.which("setpriv"):
         pytest.skip("cannot run the command line as an unprivileged user here")
+    check = subprocess.run([*nobody, *CLI, "--check"], capture_output=True, text=True, timeout=60)
+    # The unprivileged user must be able to import the package (torch and ddlcomm included).
+    if check.returncode not in (0, 1) or "slownet:" not in check.stdout:
+        pytest.skip(f"cannot run the command line as an unprivileged user here: {check.stderr[-500:]}")
+    assert check.returncode == 1 and "cannot emulate the network: must run as root" in check.stdout, check
     p = subprocess.run([*nobody, *CLI, "--ranks", "2", "--", "true"],
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 2
     assert "root" in p.stderr and "Traceback" not in p.stderr
-    check = subprocess.run([*nobody, *CLI, "--check"], capture_output=True, text=True, timeout=60)
-    assert check.returncode == 1 and "cannot emulate the network: must run as root" in check.stdout, check
 
 
 def test_check_says_whether_the_network_can_be_emulated() -> None:

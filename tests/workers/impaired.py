@@ -36,6 +36,7 @@ def mixed() -> None:
     """All-reduces of several sizes up to 4 MiB, broadcasts, an all-gather and a compressed
     all-reduce: every result equals the one computed locally from every rank's input."""
     rank, n = init(timeout_s=60)
+    assert ddlcomm_stats()["topology"] == f"{n} hosts x 1 rank", ddlcomm_stats()  # a namespace is a host
     start = time.monotonic()
     for numel in (1, 1000, 16_385, 300_007, 1 << 20):  # 1 << 20 float32: 4 MiB
         inputs = [make_input(r, numel, torch.float32) for r in range(n)]
