@@ -75,9 +75,15 @@ def _log_python_path(group_name: str) -> None:
 _pieces = _C.ProcessGroupDdlcomm.compressed_allreduce_pieces  # (numel, n): [(begin, end, chunk bounds)]
 
 
-def server_chunks(numel: int, rank: int, world_size: int) -> list[tuple[int, int]]:
+def server_chunks(numel: int, rank: int, world_size: int, group: Optional[dist.ProcessGroup] = None,
+                  compressor: Optional[Compressor] = None) -> list[tuple[int, int]]:
     """The [begin, end) ranges of the vector that `rank` reduces (its chunk of every piece),
-    in the order its server residual holds them."""
+    in the order its server residual holds them. Given the compressor, on a ddlcomm group (CPU
+    tensors; `rank` must be this rank): the plan that group runs, the hierarchical one where its
+    hosts take it (docs/collectives.md); elsewhere the flat plan."""
+    backend = native_backend(group) if compressor is not None else None
+    if backend is not None:
+        return [tuple(c) for c in backend.compressed_server_chunks(compressor.config, numel)]
     return [(begin + bounds[rank], begin + bounds[rank + 1]) for begin, _, bounds in _pieces(numel, world_size)]
 
 

@@ -17,8 +17,10 @@ import logging
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 
 from .compressed import server_chunks, server_residual_numel
+from .compressors import Compressor
 
 __all__ = ["Signature", "FeedbackMemory"]
 
@@ -77,16 +79,18 @@ class FeedbackMemory:
                     del store[old]
 
     def buffers(
-        self, signature: Signature, rank: int, world: int, momentum: bool, device: Optional[torch.device] = None
+        self, signature: Signature, rank: int, world: int, momentum: bool, device: Optional[torch.device] = None,
+        group: Optional[dist.ProcessGroup] = None, compressor: Optional[Compressor] = None,
     ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
         """(worker residual, server residual, momentum or None) of a bucket, made on first use
-        on ``device`` (the bucket's; default CPU), where a loaded memory moves on first use."""
+        on ``device`` (the bucket's; default CPU), where a loaded memory moves on first use.
+        ``group`` and ``compressor`` say which plan placed the server residuals (server_chunks)."""
         device = torch.device("cpu") if device is None else device
         self._move_to(device)
         numel = sum(self.numels[k] for k in signature)
         worker = self.worker_residuals.get(signature)
         if worker is None and any(not set(s).isdisjoint(signature) for s in self.worker_residuals):
-            self._remap(signature, rank, world)
+            self._remap(signature, rank, world, group, compressor if device.type == "cpu" else None)
             worker = self.worker_residuals.get(signature)
         if worker is None:
             worker = self.worker_residuals[signature] = torch.zeros(numel, device=device)
@@ -109,7 +113,8 @@ class FeedbackMemory:
                 if tensor.device != device:
                     store[signature] = tensor.to(device)
 
-    def _remap(self, signature: Signature, rank: int, world: int) -> None:
+    def _remap(self, signature: Signature, rank: int, world: int, group: Optional[dist.ProcessGroup],
+               compressor: Optional[Compressor]) -> None:
         """Builds the memory of a new bucket from the buckets that held its parameters."""
         worker_parts: dict[str, torch.Tensor] = {}
         momentum_parts: dict[str, torch.Tensor] = {}
@@ -120,7 +125,7 @@ class FeedbackMemory:
             server = self.server_residuals.get(old)
             if server is not None and server.numel():
                 at = 0
-                for begin, end in server_chunks(residual.numel(), rank, world):
+                for begin, end in server_chunks(residual.numel(), rank, world, group, compressor):
                     residual[begin:end].add_(server[at : at + end - begin], alpha=world)
                     at += end - begin
             worker_parts.update(self._split(old, residual))

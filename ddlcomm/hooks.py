@@ -347,7 +347,7 @@ def _compress(state: CompressionState, buffer: torch.Tensor, params: list[torch.
     sparse = state.compressor.is_sparse
     if state.error_feedback:
         worker, server, momentum = state.memory.buffers(signature, rank, world, bool(state.momentum and sparse),
-                                                        buffer.device)
+                                                        buffer.device, state.process_group, state.compressor)
     if state.clip_norm is not None:  # DGC's local clipping, before the momentum accumulates
         limit = state.clip_norm / math.sqrt(world)
         norm = buffer.norm()

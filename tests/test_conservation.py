@@ -19,6 +19,12 @@ def test_conservation_and_per_rank_randomness_on_ddlcomm_and_gloo_groups() -> No
     assert_all_ok(launch("conservation", "conservation_and_randomness", 4, timeout=180))
 
 
+def test_conservation_over_two_hosts_of_two_ranks() -> None:
+    """The hierarchical compressed all-reduce (exact inside a host, compressed across)."""
+    hosts = {r: {"DDLCOMM_HOST_ID": f"host-{r // 2}"} for r in range(4)}
+    assert_all_ok(launch("conservation", "hierarchical", 4, timeout=180, rank_env=hosts))
+
+
 def test_encode_stream_is_distinct_for_every_rank_chunk_phase_piece() -> None:
     encode_stream = ProcessGroupDdlcomm.encode_stream  # (call_stream, rank, phase, chunk, size, piece=0)
     assert encode_stream(5, 1, 0, 2, 4) == encode_stream(5, 1, 0, 2, 4, 0)

@@ -79,12 +79,6 @@ void hierarchicalAllreduce(Call& call, char* data, size_t count, DataType dtype,
   ring::allgatherInPlace(call, data, inHost, dtype, host);
 }
 
-// Hierarchical where the group spans hosts with several ranks on each, the same number on
-// every host (else a rank's shard would have no peer on some host).
-bool hierarchyHelps(const Topology& topology) {
-  return topology.hosts() > 1 && topology.uniform() && topology.hostRanks().size() > 1;
-}
-
 }  // namespace
 
 void allreduce(Communicator& comm, void* data, size_t count, DataType dtype, ReduceOp op) {
@@ -102,8 +96,8 @@ void allreduce(Communicator& comm, void* data, size_t count, DataType dtype, Red
       const bool small = count * elementSize(dtype) <= comm.options().smallMessageBytes;
       // The ring needs at least one element per chunk to be worth its 2(n-1) steps.
       algo = (small || count < size_t(comm.size())) ? AllreduceAlgorithm::RecursiveDoubling
-             : hierarchyHelps(comm.topology())       ? AllreduceAlgorithm::Hierarchical
-                                                     : AllreduceAlgorithm::Ring;
+             : comm.topology().suitsHierarchy()             ? AllreduceAlgorithm::Hierarchical
+                                                            : AllreduceAlgorithm::Ring;
     }
     if (algo == AllreduceAlgorithm::Hierarchical) {
       ++comm.counters().hierarchicalAllreduces;

@@ -44,11 +44,13 @@ void scatter(Communicator& comm, const void* input, void* output, size_t count, 
 void barrier(Communicator& comm);
 
 namespace ring {
-// Splits `total` elements into n nearly equal chunks; chunk i is [begin(i), begin(i+1)).
+// Splits `total` elements into n nearly equal chunks, or at the n + 1 given `bounds`; chunk i
+// is [begin(i), begin(i+1)).
 struct Chunks {
   size_t total;
   int n;
-  size_t begin(int i) const { return total * size_t(i) / size_t(n); }
+  std::vector<size_t> bounds = {};
+  size_t begin(int i) const { return bounds.empty() ? total * size_t(i) / size_t(n) : bounds[size_t(i)]; }
   size_t length(int i) const { return begin(i + 1) - begin(i); }
 };
 // The ranks a ring passes through, in order, and this rank's place among them: the whole

@@ -48,6 +48,7 @@ struct CollectiveCounters {
   uint64_t recursiveDoublingAllreduces = 0;
   uint64_t sharedMemoryAllreduces = 0;
   uint64_t hierarchicalAllreduces = 0;
+  uint64_t hierarchicalCompressedAllreduces = 0;  // exact inside hosts, compressed across
 };
 
 // A snapshot of a group's counters and of its transport's connections.

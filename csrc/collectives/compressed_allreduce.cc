@@ -59,9 +59,10 @@ struct Plan {
   size_t payloadTotal = 0, incomingTotal = 0, residualTotal = 0;
 };
 
-Plan planOf(const compress::Config& config, size_t count, int r, int n) {
+// `spans`: the pieces, each split over the n members; r: this rank's place among them.
+Plan planOf(const compress::Config& config, const std::vector<PieceSpan>& spans, int r, int n) {
   Plan plan;
-  for (const PieceSpan& span : piecesOf(count, n)) {
+  for (const PieceSpan& span : spans) {
     Piece& piece = plan.pieces.emplace_back();
     static_cast<PieceSpan&>(piece) = span;
     piece.payloadAt.push_back(plan.payloadTotal);
@@ -82,12 +83,15 @@ Plan planOf(const compress::Config& config, size_t count, int r, int n) {
 // re-encoded in one pass (compress::reduceEncode) and all-gathered. The pieces are
 // pipelined: step k encodes and reduces piece k, whose all-gather then overlaps the encode
 // of piece k+1, and decodes piece k-1. Every receive is posted up front, in the order
-// every peer sends: scatter(k), then gather(k).
-void scatterReduceGather(Call& call, const CompressedAllreduceArgs& a) {
-  const int n = call.comm().size(), r = call.comm().rank();
+// every peer sends: scatter(k), then gather(k). Among `members` (the group, or one rank per
+// host), over `spans` (offsets into a.data); the sum is multiplied by `factor`.
+void scatterReduceGather(Call& call, const CompressedAllreduceArgs& a, const ring::Members& members,
+                         const std::vector<PieceSpan>& spans, float factor) {
+  const int n = members.n(), r = members.self;
+  const int me = call.comm().rank(), size = call.comm().size();  // the randomness streams' rank
   Communicator& comm = call.comm();
   const size_t es = elementSize(a.dtype);
-  const Plan plan = planOf(a.config, a.count, r, n);
+  const Plan plan = planOf(a.config, spans, r, n);
   const std::vector<Piece>& pieces = plan.pieces;
   const size_t payloadTotal = plan.payloadTotal;
   // Reduced payloads arrive in `gathered` while later worker payloads still leave `outgoing`.
@@ -95,7 +99,7 @@ void scatterReduceGather(Call& call, const CompressedAllreduceArgs& a) {
   uint8_t* gathered = outgoing + payloadTotal;
   uint8_t* incoming = reinterpret_cast<uint8_t*>(comm.scratch(plan.incomingTotal, 1));
   char* data = static_cast<char*>(a.data);
-  const float factor = a.average ? 1.f / float(n) : 1.f;
+  auto rank = [&](int j) { return members.ranks[size_t(j)]; };
 
   std::vector<PeerExchange*> scatter, gather;
   for (const Piece& piece : pieces) {
@@ -104,11 +108,11 @@ void scatterReduceGather(Call& call, const CompressedAllreduceArgs& a) {
     const size_t mine = piece.bytes(r);
     for (int s = 1; s < n; ++s) {
       const int from = (r - s + n) % n;
-      scatter.back()->recv(from, incoming + piece.incomingAt + size_t(from) * mine, mine);
+      scatter.back()->recv(rank(from), incoming + piece.incomingAt + size_t(from) * mine, mine);
     }
     for (int s = 1; s < n; ++s) {
       const int from = (r - s + n) % n;
-      gather.back()->recv(from, gathered + piece.payloadAt[size_t(from)], piece.bytes(from));
+      gather.back()->recv(rank(from), gathered + piece.payloadAt[size_t(from)], piece.bytes(from));
     }
   }
 
@@ -118,14 +122,14 @@ void scatterReduceGather(Call& call, const CompressedAllreduceArgs& a) {
       const size_t begin = piece.begin + piece.chunks.begin(i);
       const size_t written = compress::encode(
           a.config, a.dtype, data + begin * es, a.workerResidual ? a.workerResidual + begin : nullptr,
-          piece.chunks.length(i), encodeStream(a.stream, r, 0, i, n, k), payload, piece.bytes(i));
+          piece.chunks.length(i), encodeStream(a.stream, me, 0, i, size, k), payload, piece.bytes(i));
       DDLCOMM_CHECK(written == piece.bytes(i), ErrorKind::Protocol, "payload of ", written, " bytes, expected ",
                     piece.bytes(i));
     };
     for (int s = 1; s < n; ++s) {
       const int to = (r + s) % n;
       encodeChunk(to, outgoing + piece.payloadAt[size_t(to)]);
-      scatter[k]->send(to, outgoing + piece.payloadAt[size_t(to)], piece.bytes(to));
+      scatter[k]->send(rank(to), outgoing + piece.payloadAt[size_t(to)], piece.bytes(to));
     }
     encodeChunk(r, incoming + piece.incomingAt + size_t(r) * piece.bytes(r));
   };
@@ -136,23 +140,23 @@ void scatterReduceGather(Call& call, const CompressedAllreduceArgs& a) {
     const size_t mine = piece.bytes(r);
     std::vector<const uint8_t*> payloads(static_cast<size_t>(n));
     for (int j = 0; j < n; ++j) {
-      scatter[k]->waitRecv(j);
+      scatter[k]->waitRecv(rank(j));
       payloads[size_t(j)] = incoming + piece.incomingAt + size_t(j) * mine;
     }
     uint8_t* reduced = gathered + piece.payloadAt[size_t(r)];
     const size_t written = compress::reduceEncode(
         a.config, payloads.data(), payloads.size(), mine, piece.chunks.length(r), factor,
-        a.serverResidual ? a.serverResidual + piece.residualAt : nullptr, encodeStream(a.stream, r, 1, r, n, k),
+        a.serverResidual ? a.serverResidual + piece.residualAt : nullptr, encodeStream(a.stream, me, 1, r, size, k),
         reduced, mine);
     DDLCOMM_CHECK(written == mine, ErrorKind::Protocol, "server payload of ", written, " bytes, expected ", mine);
-    for (int s = 1; s < n; ++s) gather[k]->send((r + s) % n, reduced, mine);
+    for (int s = 1; s < n; ++s) gather[k]->send(rank((r + s) % n), reduced, mine);
   };
   // Every rank decodes the same bytes: its own chunk first, then the others as they arrive.
   auto decode = [&](size_t k) {
     const Piece& piece = pieces[k];
     for (int s = 0; s < n; ++s) {
       const int j = (r - s + n) % n;
-      gather[k]->waitRecv(j);
+      gather[k]->waitRecv(rank(j));
       checkedDecode(a, gathered + piece.payloadAt[size_t(j)], piece.bytes(j), a.dtype,
                     data + (piece.begin + piece.chunks.begin(j)) * es, piece.chunks.length(j));
     }
@@ -169,6 +173,69 @@ void scatterReduceGather(Call& call, const CompressedAllreduceArgs& a) {
     scatter[k]->waitSends();
     gather[k]->waitSends();
   }
+}
+
+// The hierarchical plan: every rank's chunk of a piece keeps its length in the flat plan (so
+// does its server residual), but the chunks are placed so that those of the ranks at one place
+// on every host (one across-hosts ring) lie together, as the shard their local rank reduces
+// inside its host. Returns the in-host split of every piece and this rank's across-hosts spans.
+struct HostPlan {
+  std::vector<ring::Chunks> inHost;
+  std::vector<PieceSpan> across;
+};
+
+HostPlan hostPlanOf(const Topology& topology, size_t count, int rank, int size) {
+  const size_t local = size_t(std::find(topology.hostRanks().begin(), topology.hostRanks().end(), rank) -
+                              topology.hostRanks().begin());
+  const size_t perHost = topology.hostRanks().size();
+  HostPlan plan;
+  for (const PieceSpan& flat : piecesOf(count, size)) {
+    ring::Chunks& inHost = plan.inHost.emplace_back(ring::Chunks{flat.chunks.total, int(perHost), {0}});
+    std::vector<size_t> across{0};
+    for (size_t l = 0; l < perHost; ++l) {
+      size_t shard = 0;
+      for (int h = 0; h < topology.hosts(); ++h) {
+        shard += flat.chunks.length(topology.ranksOfHost(h)[l]);
+        if (l == local) across.push_back(shard);
+      }
+      inHost.bounds.push_back(inHost.bounds.back() + shard);
+    }
+    plan.across.push_back({flat.begin + inHost.begin(int(local)),
+                           ring::Chunks{across.back(), topology.hosts(), std::move(across)}});
+  }
+  return plan;
+}
+
+// Exact inside the host, compressed across hosts: a ring reduce-scatter of every piece among
+// the host's ranks (sums in the tensor's dtype), the compressed scatter-reduce-gather of this
+// rank's shard with the ranks at its place on the other hosts (error feedback on that shard,
+// kept by this rank), a ring all-gather inside the host. Every rank decodes or copies the
+// same bytes, so every rank ends with the same bits.
+void hierarchicalScatterReduceGather(Call& call, const CompressedAllreduceArgs& a) {
+  const Topology& topology = call.comm().topology();
+  const int r = call.comm().rank(), n = call.comm().size();
+  const ring::Members host = ring::Members::of(topology.hostRanks(), r);
+  const ring::Members across = ring::Members::of(topology.peersAcrossHosts(), r);
+  const HostPlan plan = hostPlanOf(topology, a.count, r, n);
+  char* data = static_cast<char*>(a.data);
+  const size_t es = elementSize(a.dtype);
+  const std::vector<PieceSpan> pieces = piecesOf(a.count, n);
+  for (size_t k = 0; k < pieces.size(); ++k) {
+    ring::reduceScatterInPlace(call, data + pieces[k].begin * es, plan.inHost[k], a.dtype, ReduceOp::Sum, host);
+  }
+  scatterReduceGather(call, a, across, plan.across, a.average ? 1.f / float(n) : 1.f);
+  for (size_t k = 0; k < pieces.size(); ++k) {
+    ring::allgatherInPlace(call, data + pieces[k].begin * es, plan.inHost[k], a.dtype, host);
+  }
+}
+
+// The hierarchy for quantizers and casts where the topology suits it (as the exact
+// all-reduce's choice, and forced alike); sparse formats keep their all-gather.
+bool hierarchical(const Communicator& comm, const compress::Config& config) {
+  const AllreduceAlgorithm algo = comm.options().allreduceAlgorithm;
+  if (compress::isSparse(config.format)) return false;
+  return algo == AllreduceAlgorithm::Hierarchical ||
+         (algo == AllreduceAlgorithm::Auto && comm.topology().suitsHierarchy());
 }
 
 }  // namespace
@@ -195,12 +262,25 @@ size_t serverResidualLength(size_t count, int rank, int size) {
   return length;
 }
 
+std::vector<std::pair<size_t, size_t>> serverChunks(const Communicator& comm, const compress::Config& config,
+                                                    size_t count) {
+  const int r = comm.rank(), n = comm.size();
+  const bool layered = hierarchical(comm, config);
+  const std::vector<PieceSpan> spans = layered ? hostPlanOf(comm.topology(), count, r, n).across : piecesOf(count, n);
+  const int self = layered ? ring::Members::of(comm.topology().peersAcrossHosts(), r).self : r;
+  std::vector<std::pair<size_t, size_t>> chunks;
+  for (const PieceSpan& span : spans) {
+    chunks.emplace_back(span.begin + span.chunks.begin(self), span.begin + span.chunks.begin(self + 1));
+  }
+  return chunks;
+}
+
 size_t compressedAllreduceWireBytes(const compress::Config& config, size_t count, int rank, int size) {
   if (count == 0 || size == 1) return 0;
   if (compress::isSparse(config.format)) return size_t(size - 1) * compress::encodedBytes(config, count);
   // Per piece: every worker payload but its own chunk's, then its server payload to each peer.
   size_t total = 0;
-  for (const Piece& piece : planOf(config, count, rank, size).pieces) {
+  for (const Piece& piece : planOf(config, piecesOf(count, size), rank, size).pieces) {
     const size_t mine = piece.bytes(rank);
     total += piece.payloadAt.back() - piece.payloadAt.front() - mine + size_t(size - 1) * mine;
   }
@@ -213,8 +293,12 @@ void compressedAllreduce(Communicator& comm, const CompressedAllreduceArgs& a) {
     if (a.count == 0) return;
     if (compress::isSparse(a.config.format)) {
       sparseAllreduce(call, a);
+    } else if (hierarchical(comm, a.config)) {
+      ++comm.counters().hierarchicalCompressedAllreduces;
+      hierarchicalScatterReduceGather(call, a);
     } else {
-      scatterReduceGather(call, a);
+      scatterReduceGather(call, a, ring::Members::all(comm), piecesOf(a.count, comm.size()),
+                          a.average ? 1.f / float(comm.size()) : 1.f);
     }
   });
 }

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstddef>
+#include <utility>
 #include <vector>
 
 #include "collectives/collectives.h"
@@ -47,6 +48,12 @@ std::vector<PieceSpan> piecesOf(size_t count, int size);
 
 // Length of the server residual of `rank`: its chunk of every piece, in piece order.
 size_t serverResidualLength(size_t count, int rank, int size);
+
+// The [begin, end) ranges whose sums this rank re-encodes in a compressed all-reduce of
+// `count` elements on `comm` (the flat plan, or the hierarchical one where `comm` takes it for
+// `config`), in its server residual's order.
+std::vector<std::pair<size_t, size_t>> serverChunks(const Communicator& comm, const compress::Config& config,
+                                                    size_t count);
 
 // Payload bytes `rank` sends in one compressed all-reduce of `count` elements (frame
 // headers not included), from the same plan the algorithm sizes its messages with.

@@ -169,19 +169,30 @@ ProcessGroupDdlcomm::~ProcessGroupDdlcomm() {
 void ProcessGroupDdlcomm::abort() { executor_->abort("abort() was called"); executor_->shutdown(); }
 void ProcessGroupDdlcomm::shutdown() { executor_->shutdown(); }
 
-GroupStats ProcessGroupDdlcomm::stats() {
-  auto snapshot = std::make_shared<std::promise<GroupStats>>();
-  auto result = snapshot->get_future();
-  auto taken = std::make_shared<GroupStats>();
-  executor_->submit([taken](Communicator& comm) { *taken = comm.stats(); },
-                    [snapshot, taken](std::exception_ptr error) {
-                      if (error) snapshot->set_exception(error); else snapshot->set_value(*taken);
+template <typename T>
+T ProcessGroupDdlcomm::ask(std::function<T(Communicator&)> question) {
+  auto answered = std::make_shared<std::promise<T>>();
+  auto result = answered->get_future();
+  auto taken = std::make_shared<T>();
+  executor_->submit([taken, question](Communicator& comm) { *taken = question(comm); },
+                    [answered, taken](std::exception_ptr error) {
+                      if (error) answered->set_exception(error); else answered->set_value(*taken);
                     });
   try {
     return result.get();
   } catch (const Error& e) {
     C10_THROW_ERROR(DistBackendError, prefix_ + e.what());
   }
+}
+
+GroupStats ProcessGroupDdlcomm::stats() {
+  return ask<GroupStats>([](Communicator& comm) { return comm.stats(); });
+}
+
+std::vector<std::pair<size_t, size_t>> ProcessGroupDdlcomm::compressedServerChunks(const compress::Config& config,
+                                                                                  size_t numel) {
+  return ask<std::vector<std::pair<size_t, size_t>>>(
+      [config, numel](Communicator& comm) { return serverChunks(comm, config, numel); });
 }
 
 int64_t ProcessGroupDdlcomm::serverResidualNumel(int64_t numel) const {

@@ -14,6 +14,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "collectives/executor.h"
@@ -197,8 +198,15 @@ class ProcessGroupDdlcomm : public c10d::Backend {
   // The group's counters and its connections as the kernel sees them, taken on the progress
   // thread after everything submitted before (call without the GIL).
   GroupStats stats();
+  // The [begin, end) ranges whose sums this rank re-encodes in a compressed all-reduce of
+  // `numel` elements with `config` on this group (flat or hierarchical plan), in the order its
+  // server residual holds them (call without the GIL).
+  std::vector<std::pair<size_t, size_t>> compressedServerChunks(const compress::Config& config, size_t numel);
 
  private:
+  // `question`'s answer, taken on the executor after everything submitted before.
+  template <typename T>
+  T ask(std::function<T(Communicator&)> question);
   // A receive from srcRank, or from any rank (kAnySource).
   c10::intrusive_ptr<c10d::Work> postRecv(std::vector<at::Tensor>& tensors, int srcRank, int tag);
   // allreduce() of a sparse COO tensor (SUM only).

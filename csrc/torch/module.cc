@@ -166,6 +166,7 @@ PYBIND11_MODULE(_C, m) {
             d["recursive_doubling_allreduces"] = s.collectives.recursiveDoublingAllreduces;
             d["shared_memory_allreduces"] = s.collectives.sharedMemoryAllreduces;
             d["hierarchical_allreduces"] = s.collectives.hierarchicalAllreduces;
+            d["hierarchical_compressed_allreduces"] = s.collectives.hierarchicalCompressedAllreduces;
             d["topology"] = s.topology;
             d["connections_per_peer"] = s.transport.connectionsPerPeer;
             d["bytes_sent"] = s.transport.bytesSent;
@@ -176,7 +177,8 @@ PYBIND11_MODULE(_C, m) {
             return d;
           },
           "This group's counters, taken after everything submitted before: all-reduces per algorithm "
-          "(ring_allreduces, recursive_doubling_allreduces, shared_memory_allreduces, hierarchical_allreduces), "
+          "(ring_allreduces, recursive_doubling_allreduces, shared_memory_allreduces, hierarchical_allreduces; "
+          "hierarchical_compressed_allreduces: exact inside hosts, compressed across), "
           "the hosts its ranks are on (topology: '2 hosts x 2 ranks'), the network transport's "
           "connections to each rank (connections_per_peer) and bytes_sent on them (TCP: TCP_INFO "
           "tcpi_bytes_sent, frame headers, the handshake and retransmissions included; UCX: header and payload "
@@ -192,6 +194,16 @@ PYBIND11_MODULE(_C, m) {
       .def_static("compressed_allreduce_pieces", &pieces, py::arg("numel"), py::arg("size"),
                   "The pieces of a quantized or cast compressed all-reduce: (begin, end, chunk bounds relative "
                   "to begin) each; chunk i of a piece goes to rank i.")
+      .def(
+          "compressed_server_chunks",
+          [](ProcessGroupDdlcomm& pg, const ddlcomm::compress::Config& config, size_t numel) {
+            py::gil_scoped_release noGil;
+            return pg.compressedServerChunks(config, numel);
+          },
+          py::arg("config"), py::arg("numel"),
+          "The [begin, end) ranges whose sums this rank re-encodes in a compressed all-reduce of `numel` "
+          "elements on this group (the flat plan, or the hierarchical one over its hosts), in the order its "
+          "server residual holds them.")
       .def_static(
           "server_residual_numel",
           [](size_t numel, int rank, int size) {

@@ -26,8 +26,13 @@ class Topology {
   // The ranks at this rank's place (its local rank) on every host, one per host, by host.
   // Only for a uniform topology.
   std::vector<int> peersAcrossHosts() const;
+  // The ranks of host `host` (0 <= host < hosts()), ascending.
+  const std::vector<int>& ranksOfHost(int host) const { return members_.at(size_t(host)); }
   // Every host holds the same number of ranks.
   bool uniform() const;
+  // Several hosts with the same number (> 1) of ranks each: where reducing inside each host
+  // first pays (else a rank's shard would have no peer on some host, or nothing to share).
+  bool suitsHierarchy() const { return hosts() > 1 && uniform() && hostRanks().size() > 1; }
   // The ranks whose processes share this machine's cores (host.h's machineIdentity), this one
   // included, whatever their host identities say.
   int ranksOnThisMachine() const { return onThisMachine_; }

@@ -64,6 +64,7 @@ def allreduce_bench(gloo, numel: int, repeats: int, compressed: bool = True) -> 
     world = dist.group.WORLD._get_backend(torch.device("cpu"))
     before = world.stats()["hierarchical_allreduces"]
     t = timed(lambda: dist.all_reduce(grad), repeats)
+    groups = [(None, "")]
     if world.stats()["hierarchical_allreduces"] == before:
         report(kind="allreduce", method="ddlcomm fp32", seconds=t, speedup=base / t, wire_bytes=fp32_bytes)
     else:  # bytes differ by link (inside a host or across): none stated
@@ -72,26 +73,31 @@ def allreduce_bench(gloo, numel: int, repeats: int, compressed: bool = True) -> 
         flat = dist.new_group(backend="ddlcomm", pg_options=ddlcomm.Options(allreduce_algorithm="ring"))
         t = timed(lambda: dist.all_reduce(grad, group=flat), repeats)
         report(kind="allreduce", method="ddlcomm fp32 flat ring", seconds=t, speedup=base / t, wire_bytes=fp32_bytes)
+        groups.append((flat, " flat"))
     if not compressed:
         return
-    for name, make in COMPRESSORS.items():
-        comp = make()
-        wres = torch.zeros(numel)
-        sres = torch.zeros(server_residual_numel(numel, rank, n))
-        # Each call reduces its own copy of the gradient, made and freed outside the clock:
-        # gloo and ddlcomm fp32 above reduce a buffer that already exists, as DDP does its
-        # buckets. (A clone inside the call timed a 100 MB allocation and its page faults,
-        # about half of a 1-bit all-reduce's time on this machine.)
-        copies = [grad.clone() for _ in range(repeats + 1)]
-        step = iter(range(len(copies)))
+    for group, flat_name in groups:
+        for name, make in COMPRESSORS.items():
+            comp = make()
+            wres = torch.zeros(numel)
+            sres = torch.zeros(server_residual_numel(numel, rank, n))
+            # Each call reduces its own copy of the gradient, made and freed outside the clock:
+            # gloo and ddlcomm fp32 above reduce a buffer that already exists, as DDP does its
+            # buckets. (A clone inside the call timed a 100 MB allocation and its page faults,
+            # about half of a 1-bit all-reduce's time on this machine.)
+            copies = [grad.clone() for _ in range(repeats + 1)]
+            step = iter(range(len(copies)))
 
-        def call():
-            i = next(step)
-            compressed_all_reduce(copies[i], comp, wres, sres, stream=i).wait()
+            def call():
+                i = next(step)
+                compressed_all_reduce(copies[i], comp, wres, sres, group=group, stream=i).wait()
 
-        t = timed(call, repeats)
-        report(kind="allreduce", method=f"ddlcomm {name}", seconds=t, speedup=base / t,
-               wire_bytes=wire_bytes(comp, numel, n))
+            before = world.stats()["hierarchical_compressed_allreduces"]
+            t = timed(call, repeats)
+            hierarchical = world.stats()["hierarchical_compressed_allreduces"] > before
+            # The hierarchy's bytes differ by link, as above.
+            report(kind="allreduce", method=f"ddlcomm {name}{' hierarchical' if hierarchical else flat_name}",
+                   seconds=t, speedup=base / t, wire_bytes=None if hierarchical else wire_bytes(comp, numel, n))
 
 
 def reduce_scatter_bench(gloo, numel: int, repeats: int) -> None:

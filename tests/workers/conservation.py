@@ -31,7 +31,7 @@ import functools
 import torch
 import torch.distributed as dist
 
-from common import init, run
+from common import ddlcomm_stats, init, run
 from ddlcomm import ProcessGroupDdlcomm, compressors
 from ddlcomm.compressed import compressed_all_reduce, native_backend, server_chunks, server_residual_numel
 
@@ -54,14 +54,20 @@ STOCHASTIC = ("ternary_stochastic", "randomk")
 TWO_PIECES = ("ternary_stochastic", "bf16")  # checked on a vector of two pieces too
 
 
-def own_chunks(numel: int, rank: int, n: int) -> list[tuple[int, int]]:
+def own_chunks(numel: int, rank: int, n: int, hosts: list[list[int]] | None = None) -> list[tuple[int, int]]:
     """The positions rank `rank` reduces, from the documented split (not the package's helper):
-    pieces of piece_elements, chunk i of a piece of length L is [L*i//n, L*(i+1)//n)."""
+    pieces of piece_elements, chunk i of a piece of length L is [L*i//n, L*(i+1)//n). Over
+    `hosts` (each host's ranks, the hierarchical plan, docs/collectives.md): the same lengths,
+    placed host-major within local rank: the chunks of local rank 0 on host 0, 1, ..., then of
+    local rank 1 on every host, and so on."""
     step = ProcessGroupDdlcomm.piece_elements
     chunks = []
     for begin in range(0, numel, step):
         length = min(step, numel - begin)
-        chunks.append((begin + length * rank // n, begin + length * (rank + 1) // n))
+        size = [length * (r + 1) // n - length * r // n for r in range(n)]
+        order = list(range(n)) if hosts is None else [host[l] for l in range(len(hosts[0])) for host in hosts]
+        at = begin + sum(size[r] for r in order[:order.index(rank)])
+        chunks.append((at, at + size[rank]))
     return chunks
 
 
@@ -87,9 +93,11 @@ def inputs(rank: int, numel: int, s_numel: int) -> tuple[torch.Tensor, torch.Ten
 
 
 def check_conservation(name: str, numel: int, group, gloo: dist.ProcessGroup, stream: int,
-                       positions: torch.Tensor | None = None) -> None:
+                       positions: torch.Tensor | None = None, hosts: list[list[int]] | None = None) -> None:
     """One compressed all-reduce of `numel` elements, checked against the law at `positions`
-    (default: every element)."""
+    (default: every element). With `hosts`, the hierarchical plan: the law is the same (only the
+    ranks that compress a shard touch their worker residual there; the exact sums inside a host
+    add at most (ranks per host - 1) u mean|x|, within the tolerance's (n + 2) u A)."""
     rank, n = dist.get_rank(), dist.get_world_size()
     comp = COMPRESSORS[name]()
     sparse = comp.format in SPARSE
@@ -97,8 +105,10 @@ def check_conservation(name: str, numel: int, group, gloo: dist.ProcessGroup, st
     if positions is None:
         positions = torch.arange(numel)
 
-    mine = own_chunks(numel, rank, n)
-    assert mine == server_chunks(numel, rank, n), f"{what}: server_chunks disagrees with the documented split"
+    mine = own_chunks(numel, rank, n, None if sparse else hosts)
+    if hosts is None:
+        assert mine == server_chunks(numel, rank, n), f"{what}: server_chunks disagrees with the documented split"
+    assert mine == server_chunks(numel, rank, n, group, comp), f"{what}: the group's plan is not the documented one"
     s_numel = sum(end - begin for begin, end in mine)
     assert s_numel == server_residual_numel(numel, rank, n)
     x, w_old, s_old = inputs(rank, numel, s_numel)
@@ -192,6 +202,27 @@ def ranks_draw_different_randomness(gloo: dist.ProcessGroup) -> None:
                 assert len(same) == n - 1 and len(chunks_same) == n - 1, f"{name} on {where}: control differs"
 
 
+def hierarchical() -> None:
+    """Ranks 0-1 and 2-3 on two named hosts: every compressor's all-reduce on the ddlcomm group
+    (exact inside each host, compressed across) keeps the law over the hierarchical plan; the
+    quantizers and casts take the hierarchy, the sparse formats their all-gather."""
+    init()
+    gloo = dist.new_group(backend="gloo")
+    hosts = [[0, 1], [2, 3]]
+    before = ddlcomm_stats()
+    assert before["topology"] == "2 hosts x 2 ranks", before
+    for numel in (6, 4099, 70_001):
+        for stream, name in enumerate(COMPRESSORS):
+            check_conservation(name, numel, None, gloo, stream, hosts=hosts)
+    numel = ProcessGroupDdlcomm.piece_elements + 70_001
+    positions = sample_positions(numel, dist.get_world_size(), window=4096, stride=61)
+    for name in TWO_PIECES:
+        check_conservation(name, numel, None, gloo, stream=7, positions=positions, hosts=hosts)
+    dense = sum(COMPRESSORS[name]().format not in SPARSE for name in COMPRESSORS)
+    took = ddlcomm_stats()["hierarchical_compressed_allreduces"] - before["hierarchical_compressed_allreduces"]
+    assert took == 3 * dense + len(TWO_PIECES), (took, dense)
+
+
 def conservation_and_randomness() -> None:
     """Both checks, in one start of the ranks (most of a launch's time is importing torch)."""
     init()
@@ -201,4 +232,4 @@ def conservation_and_randomness() -> None:
 
 
 if __name__ == "__main__":
-    run({"conservation_and_randomness": conservation_and_randomness})
+    run({"conservation_and_randomness": conservation_and_randomness, "hierarchical": hierarchical})

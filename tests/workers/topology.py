@@ -22,7 +22,8 @@ def hierarchical() -> None:
     """Ranks 0-1 and 2-3 on two named hosts. Every op and dtype through the hierarchical
     all-reduce equals the direct reduction bit for bit (small integers: exact in any order);
     random floats are within rounding of a float64 reference; every rank holds the same bits.
-    A group's ddlcomm.Options(allreduce_algorithm=) forces it (down to 1 element) or the flat ring."""
+    A group's ddlcomm.Options(allreduce_algorithm=) forces it (down to 1 element) or the flat ring.
+    Then DDP with a compressed hook over the same hosts."""
     rank, n = init()
     gloo = dist.new_group(backend="gloo")
     forced = dist.new_group(backend="ddlcomm", pg_options=ddlcomm.Options(allreduce_algorithm="hierarchical"))
@@ -52,6 +53,43 @@ def hierarchical() -> None:
     forced_stats, flat_stats = ddlcomm_stats(forced), ddlcomm_stats(flat)
     assert forced_stats["hierarchical_allreduces"] == 2 * calls and forced_stats["ring_allreduces"] == 0, forced_stats
     assert flat_stats["ring_allreduces"] == calls and flat_stats["hierarchical_allreduces"] == 0, flat_stats
+    compressed_ddp(rank, gloo)
+
+
+def compressed_ddp(rank: int, gloo) -> None:
+    """Ranks 0-1 and 2-3 on two named hosts: DDP with the ternary hook takes the hierarchical
+    compressed all-reduce (exact inside a host, compressed across), every rank holds the same
+    parameters after every step, a new wrapper with other buckets included (the memory is
+    remapped over the hierarchical plan), and the loss falls."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from ddlcomm import compressors, hooks
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256),
+                                torch.nn.ReLU(), torch.nn.Linear(256, 4))
+    state = hooks.CompressionState(None, compressors.Ternary(), start_compress_iter=2, min_compression_bytes=0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(64, 32, generator=g)
+    y = x[:, :4].sum(1, keepdim=True).repeat(1, 4)
+    before = ddlcomm_stats()["hierarchical_compressed_allreduces"]
+    losses = []
+    for step in range(12):
+        if step in (0, 8):  # a new wrapper with other buckets at step 8: the memory is remapped
+            ddp = DistributedDataParallel(model, bucket_cap_mb=0.1 if step == 0 else 0.03)
+            ddp.register_comm_hook(state, hooks.ternary_hook)
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(ddp(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+        flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+        for other in gathered(flat, gloo):
+            assert_equal(other, flat, f"parameters after step {step}")
+    took = ddlcomm_stats()["hierarchical_compressed_allreduces"] - before
+    assert took >= 10 and state.stats.compressed_buckets == took, (took, state.stats)
+    assert losses[-1] < 0.8 * losses[0], losses
 
 
 def unequal_hosts() -> None:
