@@ -6,6 +6,8 @@ one rank's link is cut. What they need to run is in slownet_harness.py.
 from __future__ import annotations
 
 import json
+import os
+import re
 import subprocess
 import sys
 import threading
@@ -38,7 +40,8 @@ sys.stdin.read()  # serve until SlowNet kills it on close (or the test dies: EOF
 
 class Ranks:
     """tests/workers/impaired.py on every rank of ``net``, ``per_host`` in each namespace (as
-    torchrun numbers them: a host's consecutively); their output collected line by line as it comes."""
+    torchrun numbers them: a host's consecutively; the default transport, so shared memory
+    inside a namespace); their output collected line by line as it comes."""
 
     def __init__(self, net: SlowNet, cwd: Path, scenario: str, *args: str, per_host: int = 1) -> None:
         port = slownet.DEFAULT_MASTER_PORT
@@ -52,6 +55,8 @@ class Ranks:
         self.procs = []
         for r in range(world):
             env = net.env(r // per_host, port)
+            if per_host > 1 and "DDLCOMM_TRANSPORT" not in os.environ:  # shared memory inside a host
+                env["DDLCOMM_TRANSPORT"] = "auto"
             env.update(RANK_ENV, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r % per_host),
                        LOCAL_WORLD_SIZE=str(per_host))
             proc = net.popen(r // per_host, [sys.executable, str(WORKERS / "impaired.py"), scenario, *args],
@@ -158,44 +163,54 @@ def test_network_namespaces_are_hosts_unless_named_one(tmp_path: Path, host_id: 
 
 @dataclass
 class Cut:
-    """What each rank did after rank ``rank``'s link went down."""
+    """What each rank did after the link of the host holding ``ranks`` went down."""
 
-    rank: int
+    ranks: list[int]  # cut off: every rank of that host
     timeout: float
     failed_after: dict[int, float]  # rank -> s from the cut to its DistBackendError
     errors: dict[int, str]
     exited: dict[int, bool]  # rank -> exited by itself within the time allowed
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["host-side", "switch-side"])
+# (cut at the switch port?, ranks per host): 4 hosts of one rank, its own interface down; 2 hosts
+# of 2 ranks (shared memory inside, the hierarchical all-reduce across), its switch port down.
+CUTS = {"host-side": (False, 1), "switch-side-2x2": (True, 2)}
+
+
+@pytest.fixture(scope="module", params=list(CUTS))
 def cut(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
         impairable: None) -> Cut:
-    """4 ranks all-reduce in a loop over the lossy, slow network until rank 2's link
-    goes down (its own interface or its switch port).  Survivors get timeout + 5 s,
-    the cut-off rank 2 * timeout + 5 s (its timeout, then its store's) to exit."""
-    timeout, victim = 5.0, 2  # not rank 0: its namespace holds the store
-    at_switch = request.param
-    with SlowNet(ranks=4, rate="1gbit", delay=LINK_DELAY, loss=LINK_LOSS) as net:
-        ranks = Ranks(net, tmp_path_factory.mktemp("cut"), "link_down", str(timeout))
+    """4 ranks all-reduce in a loop over the lossy, slow network until host 1's link (rank 1's,
+    or ranks 2 and 3's) goes down (its own interface or its switch port). Survivors get
+    timeout + 5 s, the cut-off ranks 2 * timeout + 5 s (their timeout, then their store's) to exit."""
+    timeout, host = 5.0, 1  # not host 0: its namespace holds the store
+    at_switch, per_host = CUTS[request.param]
+    numel = 1000 if per_host == 1 else 300_000  # above the small-message size: hierarchical
+    with SlowNet(ranks=4 // per_host, rate="1gbit", delay=LINK_DELAY, loss=LINK_LOSS) as net:
+        ranks = Ranks(net, tmp_path_factory.mktemp("cut"), "link_down", str(timeout), str(numel), per_host=per_host)
+        world = len(ranks.procs)
+        victims = [r for r in range(world) if r // per_host == host]
         ranks.wait_for("READY", timeout=60)  # the group is up, a first all-reduce passed
+        topology, hierarchical = json.loads(ranks.first("READY")[0].split(" ", 1)[1])
+        assert topology == f"{4 // per_host} hosts x {per_host} rank{'s' * (per_host > 1)}", topology
+        assert hierarchical == (per_host > 1), hierarchical
         cut_at = time.monotonic()
-        net.set_link(victim, False, at_switch=at_switch)
-        survivors = [r for r in range(net.ranks) if r != victim]
+        net.set_link(host, False, at_switch=at_switch)
+        survivors = [r for r in range(world) if r not in victims]
         hung = ranks.wait_exit(survivors, timeout + 5)
-        hung += ranks.wait_exit([victim], cut_at + 2 * timeout + 5 - time.monotonic())
+        hung += ranks.wait_exit(victims, cut_at + 2 * timeout + 5 - time.monotonic())
         reports = {r: json.loads(line.split(" ", 1)[1]) for r, line in ranks.first("FAILED ").items()}
-    result = Cut(victim, timeout, {r: f["failed_at"] - cut_at for r, f in reports.items()},
-                 {r: f["error"] for r, f in reports.items()},
-                 {r: r not in hung for r in range(net.ranks)})
+    result = Cut(victims, timeout, {r: f["failed_at"] - cut_at for r, f in reports.items()},
+                 {r: f["error"] for r, f in reports.items()}, {r: r not in hung for r in range(world)})
     side = "switch port" if at_switch else "own interface"
-    for r in range(net.ranks):
+    for r in range(world):
         if r in reports:
             f = reports[r]
-            print(f"\n[{side} of rank {victim} down] rank {r}: DistBackendError "
+            print(f"\n[{side} of ranks {victims} down] rank {r}: DistBackendError "
                   f"{result.failed_after[r]:.2f} s after the cut ({f['in_call']:.2f} s into its "
                   f"all-reduce), exited: {result.exited[r]}: {f['error'][:300]}")
         else:
-            print(f"\n[{side} of rank {victim} down] rank {r}: no error, "
+            print(f"\n[{side} of ranks {victims} down] rank {r}: no error, "
                   f"{'exited' if result.exited[r] else 'hung, killed'}: "
                   + " | ".join(ranks.output[r][-3:])[:300])
     return result
@@ -203,23 +218,26 @@ def cut(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 
 def test_cut_link_survivors_raise_within_timeout(cut: Cut) -> None:
     for r, exited in cut.exited.items():
-        if r != cut.rank:
+        if r not in cut.ranks:
             assert r in cut.failed_after, f"rank {r} raised no DistBackendError"
             assert cut.failed_after[r] < cut.timeout + 3, f"rank {r} took {cut.failed_after[r]:.2f} s"
             assert exited, f"rank {r} hung after its error"
 
 
 def test_cut_link_survivors_name_the_cut_rank(cut: Cut) -> None:
-    """Every survivor leads with the cut-off rank as the likely cause (docs/failure-modes.md),
+    """Every survivor leads with a cut-off rank as the likely cause (docs/failure-modes.md),
     not merely mentions it somewhere: a survivor that waited for it names it further on anyway."""
     for r in cut.exited:
-        if r != cut.rank:
+        if r not in cut.ranks:
             assert r in cut.errors, f"rank {r} raised no DistBackendError"
             headline = cut.errors[r].split("] ", 1)[-1].split(";")[0]  # after "[ddlcomm rank r/n]"
-            assert f"likely cause: rank {cut.rank} was not waiting" in headline, \
-                f"rank {r}'s error does not lead with rank {cut.rank}: {cut.errors[r]}"
+            named = re.search(r"likely cause: (rank \d+(?:, rank \d+)*) (?:was|were) not waiting", headline)
+            blamed = {int(x) for x in re.findall(r"\d+", named.group(1))} if named else set()
+            assert blamed and blamed <= set(cut.ranks), \
+                f"rank {r}'s error does not lead with cut-off ranks {cut.ranks}: {cut.errors[r]}"
 
 
 def test_cut_link_cut_rank_raises(cut: Cut) -> None:
-    assert cut.rank in cut.failed_after, f"rank {cut.rank} (cut off) raised nothing"
-    assert cut.exited[cut.rank], f"rank {cut.rank} (cut off) hung"
+    for v in cut.ranks:
+        assert v in cut.failed_after, f"rank {v} (cut off) raised nothing"
+        assert cut.exited[v], f"rank {v} (cut off) hung"

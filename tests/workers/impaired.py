@@ -78,17 +78,19 @@ def hosts(shared_memory_peers: str, topology: str) -> None:
     print(f"rank {rank}: {stats['shared_memory_peers']} shared-memory peers", flush=True)
 
 
-def link_down(timeout: str) -> None:
-    """All-reduce until the test cuts a link; report when (CLOCK_MONOTONIC) and how this rank failed."""
+def link_down(timeout: str, numel: str) -> None:
+    """All-reduce `numel` elements until the test cuts a link; report when (CLOCK_MONOTONIC) and
+    how this rank failed."""
     _, n = init(timeout_s=float(timeout))
-    t = torch.ones(1000)
+    t = torch.ones(int(numel))
     dist.all_reduce(t)
     assert torch.all(t == n)
-    print("READY", flush=True)
+    stats = ddlcomm_stats()
+    print(f"READY {json.dumps([stats['topology'], stats['hierarchical_allreduces']])}", flush=True)
     try:
         while True:
             began = time.monotonic()
-            dist.all_reduce(torch.ones(1000))
+            dist.all_reduce(torch.ones(int(numel)))
     except dist.DistBackendError as e:
         failed = time.monotonic()
         report = {"failed_at": failed, "in_call": failed - began, "error": str(e)}
