@@ -1,0 +1,294 @@
+"""An alpha-beta cost model of ddlcomm's all-reduce algorithms over h hosts x l ranks, fitted to
+measurements on the emulated cluster (ddlcomm.bench.slownet.run_cost_model) and used to project
+all-reduce and DDP step times to many hosts, beside NCCL's ring and tree formulas.
+
+    python -m ddlcomm.bench.cost_model --measurements docs/results/cost_model/measurements.json \
+        --out docs/results/cost_model
+
+The link is known (its rate B and one-way delay d: a path between hosts crosses two links, so its
+latency is 2d and its round trip 4d); what the software adds is fitted, once for all links:
+``alpha_net`` (seconds per step across hosts beyond the path's delay), ``eta`` (link time per
+byte as a multiple of 1/B: framing, headers, the shaper), ``alpha_shm`` and ``beta_shm`` (a
+step inside a host, over shared memory, and its cost per byte, the reduction included), and a
+TCP window ``window``: one connection moves at most window / round trip. The time is linear in
+the first four (``Terms``), so they are fitted by non-negative least squares on relative errors
+for each window of a grid. The fit uses the clusters of the smallest host count only; the other
+host counts are predicted, and their errors reported: the test of a model meant to extrapolate
+in hosts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .slownet.units import parse_rate, parse_time
+
+PARAMETERS = ("alpha_net", "eta", "alpha_shm", "beta_shm")
+WINDOWS = [float(1 << k) for k in range(19, 26)] + [math.inf]  # 512 KiB .. 32 MiB, unlimited
+
+
+@dataclass(frozen=True)
+class Cluster:
+    hosts: int
+    ranks_per_host: int
+
+    @property
+    def ranks(self) -> int:
+        return self.hosts * self.ranks_per_host
+
+
+@dataclass(frozen=True)
+class Link:
+    """A host's link: ``rate`` in bytes/s, ``delay`` one way in s (of each link: host to switch)."""
+
+    rate: float
+    delay: float
+
+    @classmethod
+    def named(cls, rate: str, delay: str) -> "Link":
+        return cls(parse_rate(rate) / 8, parse_time(delay))
+
+    def seconds_per_byte(self, streams: int, window: float) -> float:
+        """Link time per byte with ``streams`` connections sharing it, each window-limited."""
+        return max(1 / self.rate, 4 * self.delay / (streams * window))
+
+
+@dataclass(frozen=True)
+class Terms:
+    """One all-reduce's steps and bytes: across hosts (``streams`` connections share a host's
+    link) and inside a host."""
+
+    net_steps: float
+    net_bytes: float
+    streams: int
+    shm_steps: float
+    shm_bytes: float
+
+
+def terms(algorithm: str, cluster: Cluster, nbytes: float) -> Terms:
+    """What one all-reduce of ``nbytes`` costs. Every step waits for its slowest link; ranks of
+    one host that cross the network at once share its link.
+
+    - ring (and gloo's, also a ring): 2(n-1) steps of m/n bytes over consecutive ranks, one
+      ring edge per host link. Bandwidth: every step waits for the network edge, 2(n-1)/n of the
+      buffer on each host link. Latency: steps pipeline, so a chunk's path around the ring sets
+      it, and h of its n hops per turn cross hosts: 2(n-1) h/n network hops, the rest in memory.
+    - recursive_doubling: log2 n exchanges of m bytes with the partner r ^ 2^k; partners inside
+      a host (2^k < l) use shared memory; across hosts all l ranks of a host exchange at once.
+      Each exchange's m bytes are reduced after they arrive (not overlapped, as in the ring):
+      counted with the bytes inside a host.
+    - hierarchical: ring reduce-scatter and all-gather inside the host (2(l-1) steps of m/l),
+      then a ring over the h hosts for each local rank's m/l shard, the l rings sharing the link:
+      2(h-1) steps of m/h bytes per link.
+    """
+    h, l, n, m = cluster.hosts, cluster.ranks_per_host, cluster.ranks, float(nbytes)
+    if algorithm in ("ring", "gloo"):
+        hops = 2 * (n - 1)
+        if h == 1:
+            return Terms(0, 0, 1, hops, hops * m / n)
+        return Terms(hops * h / n, hops * m / n, 1, hops * (n - h) / n, 0)
+    if algorithm == "recursive_doubling":
+        if n & (n - 1):
+            raise ValueError(f"recursive doubling is modelled for a power-of-two group, not {n}")
+        inside = int(math.log2(l)) if l & (l - 1) == 0 else 0
+        across = int(math.log2(n)) - inside
+        return Terms(across, across * l * m, l, inside, (inside + across) * m)
+    if algorithm == "hierarchical":
+        return Terms(2 * (h - 1), 2 * (h - 1) * m / h, l, 2 * (l - 1), 2 * (l - 1) * m / l)
+    raise ValueError(f"unknown algorithm {algorithm!r}")
+
+
+def coefficients(t: Terms, link: Link, window: float) -> tuple[list[float], float]:
+    """(the multipliers of PARAMETERS, the seconds the link itself adds: its delay)."""
+    per_byte = link.seconds_per_byte(t.streams, window) * link.rate  # in units of 1/B
+    return [t.net_steps, t.net_bytes * per_byte / link.rate, t.shm_steps, t.shm_bytes], t.net_steps * 2 * link.delay
+
+
+def predict(algorithm: str, cluster: Cluster, nbytes: float, link: Link, params: dict[str, float]) -> float:
+    row, fixed = coefficients(terms(algorithm, cluster, nbytes), link, params["window"])
+    return fixed + sum(c * params[p] for c, p in zip(row, PARAMETERS))
+
+
+def _link(record: dict) -> Link:
+    return Link.named(record["rate"], record["delay"])
+
+
+def fit(records: list[dict]) -> dict[str, float]:
+    """For each window of the grid, non-negative least squares of the relative error over
+    ``records`` (algorithm, hosts, ranks_per_host, bytes, rate, delay, seconds): every subset of
+    the parameters held at zero is tried (16) and the best fit with all parameters >= 0 kept;
+    then the window whose fit is best."""
+    seconds = torch.tensor([r["seconds"] for r in records], dtype=torch.float64)
+    best: dict[str, float] = {}
+    best_error = math.inf
+    for window in WINDOWS:
+        rows, fixed = zip(*(coefficients(terms(r["algorithm"], Cluster(r["hosts"], r["ranks_per_host"]), r["bytes"]),
+                                         _link(r), window) for r in records))
+        a = torch.tensor(rows, dtype=torch.float64) / seconds[:, None]
+        b = 1 - torch.tensor(fixed, dtype=torch.float64) / seconds  # relative residuals
+        for k in range(1, len(PARAMETERS) + 1):
+            for cols in map(list, itertools.combinations(range(len(PARAMETERS)), k)):
+                sub = a[:, cols]
+                if torch.linalg.matrix_rank(sub) < len(cols):
+                    continue
+                x = torch.linalg.lstsq(sub, b[:, None]).solution.flatten()
+                error = float(((sub @ x) - b).square().sum())
+                if bool((x >= 0).all()) and error < best_error:
+                    values = dict.fromkeys(PARAMETERS, 0.0)
+                    values.update({PARAMETERS[c]: float(v) for c, v in zip(cols, x)})
+                    best, best_error = {**values, "window": window}, error
+    return best
+
+
+def evaluate(records: list[dict]) -> tuple[dict[str, float], list[dict]]:
+    """The parameters fitted on ddlcomm's algorithms at the smallest host count (every link),
+    and every record with its prediction and relative error (``fitted``: whether it was in the
+    fit; gloo's ring, never fitted, is predicted by ddlcomm's ring)."""
+    smallest = min(r["hosts"] for r in records)
+    params = fit([r for r in records if r["hosts"] == smallest and r["algorithm"] != "gloo"])
+    rows = []
+    for r in records:
+        predicted = predict(r["algorithm"], Cluster(r["hosts"], r["ranks_per_host"]), r["bytes"], _link(r), params)
+        rows.append({**r, "predicted": predicted, "error": (predicted - r["seconds"]) / r["seconds"],
+                     "fitted": r["hosts"] == smallest and r["algorithm"] != "gloo"})
+    return params, rows
+
+
+def nccl_ring(cluster: Cluster, nbytes: float, link: Link, params: dict[str, float]) -> float:
+    """NCCL's ring all-reduce as its tuning model counts it (src/graph/tuning.cc): 2(n-1) steps,
+    2(h-1) of them across hosts at the network's latency, the others inside at the host's;
+    2(n-1)/n of the buffer on each host link (one connection)."""
+    h, n = cluster.hosts, cluster.ranks
+    inter = 2 * (h - 1)
+    per_byte = params["eta"] * link.seconds_per_byte(1, params["window"])
+    return (inter * (params["alpha_net"] + 2 * link.delay) + (2 * (n - 1) - inter) * params["alpha_shm"]
+            + 2 * (n - 1) / n * nbytes * per_byte)
+
+
+def nccl_tree(cluster: Cluster, nbytes: float, link: Link, params: dict[str, float]) -> float:
+    """NCCL's double binary tree across hosts (a chain inside each), as its tuning model counts
+    it: a reduce up and a broadcast down, pipelined, so 2 m on each link, 2 log2(h) latency steps
+    across hosts and 2(l - 1) inside."""
+    h, l = cluster.hosts, cluster.ranks_per_host
+    per_byte = params["eta"] * link.seconds_per_byte(1, params["window"])
+    return (2 * math.ceil(math.log2(max(h, 2))) * (params["alpha_net"] + 2 * link.delay) + 2 * nbytes * per_byte
+            + 2 * (l - 1) * params["alpha_shm"])
+
+
+def projections(params: dict[str, float], link: Link, nbytes: float, compute: float,
+                hosts: tuple[int, ...] = (8, 64, 1000), ranks_per_host: int = 8) -> list[dict]:
+    """All-reduce time of ``nbytes`` and DDP step time (``compute`` seconds plus the all-reduce,
+    none of it overlapped: an upper bound) at each host count x ``ranks_per_host``."""
+    out = []
+    for h in hosts:
+        cluster = Cluster(h, ranks_per_host)
+        times = {"ring": predict("ring", cluster, nbytes, link, params),
+                 "hierarchical": predict("hierarchical", cluster, nbytes, link, params),
+                 "NCCL ring": nccl_ring(cluster, nbytes, link, params),
+                 "NCCL tree": nccl_tree(cluster, nbytes, link, params)}
+        out.append({"hosts": h, "ranks_per_host": ranks_per_host, "allreduce": times,
+                    "step": {k: compute + v for k, v in times.items()}})
+    return out
+
+
+def error_table(rows: list[dict]) -> str:
+    lines = ["| hosts x ranks | rate | delay | algorithm | fitted on | median abs. error | max abs. error |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    keys = dict.fromkeys((r["hosts"], r["ranks_per_host"], r["rate"], r["delay"], r["algorithm"]) for r in rows)
+    for hosts, per_host, rate, delay, algorithm in keys:
+        errors = [abs(r["error"]) for r in rows if (r["hosts"], r["ranks_per_host"], r["rate"], r["delay"],
+                                                     r["algorithm"]) == (hosts, per_host, rate, delay, algorithm)]
+        fitted = next(r["fitted"] for r in rows if (r["hosts"], r["rate"], r["delay"], r["algorithm"])
+                      == (hosts, rate, delay, algorithm))
+        basis = "these" if fitted else "ddlcomm's" if algorithm == "gloo" and hosts == min(
+            x["hosts"] for x in rows if (x["rate"], x["delay"]) == (rate, delay)) else "fewer hosts"
+        lines.append(f"| {hosts} x {per_host} | {rate} | {delay} | {algorithm} | {basis} "
+                     f"| {100 * statistics.median(errors):.0f}% | {100 * max(errors):.0f}% |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], projected: dict[str, list[dict]], path: Path) -> None:
+    """Measured against predicted (every record), and the projected all-reduce time by hosts."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.8))
+    for algorithm in dict.fromkeys(r["algorithm"] for r in rows if r["algorithm"] != "gloo"):
+        for fitted, marker in ((True, "o"), (False, "x")):
+            points = [(r["seconds"], r["predicted"]) for r in rows if r["algorithm"] == algorithm and r["fitted"] == fitted]
+            if points:
+                left.scatter(*zip(*points), marker=marker, s=18,
+                             label=f"{algorithm} ({'fitted' if fitted else 'more hosts, predicted'})")
+    low = min(min(r["seconds"], r["predicted"]) for r in rows)
+    high = max(max(r["seconds"], r["predicted"]) for r in rows)
+    left.plot([low, high], [low, high], color="grey", linewidth=0.8)
+    left.set(xscale="log", yscale="log", xlabel="measured (s)", ylabel="predicted (s)",
+             title="all-reduce on the emulated cluster")
+    left.legend(fontsize=7)
+    for style, (key, points) in zip(("-", "--", ":"), projected.items()):  # a line style per link,
+        for color, name in enumerate(points[0]["allreduce"]):              # a colour per algorithm
+            right.plot([p["hosts"] for p in points], [p["allreduce"][name] for p in points], marker="o",
+                       linestyle=style, color=f"C{color}", label=f"{name}, {key}")
+    right.set(xscale="log", yscale="log", xlabel="hosts (8 ranks each)", ylabel="seconds",
+              title="projected all-reduce of the gradient")
+    right.legend(fontsize=7)
+    for ax in (left, right):
+        ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--measurements", required=True, help="measurements.json of run_cost_model")
+    parser.add_argument("--out", help="folder for model.json (fit, errors, projections) and model.png")
+    parser.add_argument("--project", default="10gbit/0.05ms,1gbit/5ms,100mbit/25ms",
+                        help="links (rate/one-way delay of each link) to project to many hosts")
+    parser.add_argument("--bytes", type=float, default=100e6, help="gradient bytes of the projection")
+    parser.add_argument("--compute", type=float, default=0.3, help="compute seconds of a DDP step in the projection")
+    args = parser.parse_args()
+    records = json.loads(Path(args.measurements).read_text())
+    params, rows = evaluate(records)
+    ours = [abs(r["error"]) for r in rows if r["algorithm"] != "gloo"]
+    held_out = [abs(r["error"]) for r in rows if not r["fitted"] and r["algorithm"] != "gloo"]
+    print(error_table(rows))
+    print("\nfitted on the smallest host count: " + ", ".join(f"{k} {v:.3g}" for k, v in params.items()))
+    print(f"median abs. error, ddlcomm's algorithms: {100 * statistics.median(ours):.1f}% over {len(ours)} "
+          f"measurements; on the host counts not fitted: {100 * statistics.median(held_out):.1f}% over "
+          f"{len(held_out)}")
+    # The projection's constants come from every host count: with 2 ranks per host alone,
+    # latency inside a host cannot be told from latency across (as many steps of each).
+    every = fit([r for r in records if r["algorithm"] != "gloo"])
+    print("fitted on every host count (for the projection): " + ", ".join(f"{k} {v:.3g}" for k, v in every.items()))
+    projected = {}
+    for key in args.project.split(","):
+        link = Link.named(*key.split("/"))
+        projected[key] = projections(every, link, args.bytes, args.compute)
+        print(f"\nprojected, {key}: {args.bytes / 1e6:.0f} MB all-reduce, s")
+        for p in projected[key]:
+            print(f"  {p['hosts']} x {p['ranks_per_host']}: " + ", ".join(f"{k} {v:.3f}" for k, v in p["allreduce"].items()))
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "model.json").write_text(json.dumps({"fit": params, "fit_every_host_count": every, "rows": rows,
+                                                    "projections": projected,
+                                                    "bytes": args.bytes, "compute": args.compute}, indent=1))
+        (out / "errors.md").write_text(f"# Cost model: prediction error per configuration\n\n"
+                                       f"`python -m ddlcomm.bench.cost_model --measurements {args.measurements}"
+                                       f"{' --out ' + args.out}` (docs/cost-model.md).\n\n{error_table(rows)}\n")
+        plot(rows, projected, out / "model.png")
+        print(f"\nwrote {out / 'model.json'}, {out / 'errors.md'} and {out / 'model.png'}")
+
+
+if __name__ == "__main__":
+    main()
