@@ -260,7 +260,7 @@ def train(task: Task, method: Method, opt_name: str, seed: int, lr: Optional[flo
     else:
         sent = uncompressed = plain
     return {"metric": task.evaluate(model), "reduction": plain / sent if sent else math.inf,
-            "uncompressed_share": uncompressed / plain, "seconds": seconds,
+            "uncompressed_share": uncompressed / plain if plain else 0.0, "seconds": seconds,  # 1 rank: none
             "clipped": bool(clip) or getattr(state, "max_grad_norm", None) is not None}
 
 
