@@ -125,7 +125,9 @@ def fit(records: list[dict]) -> dict[str, float]:
     """For each window of the grid, non-negative least squares of the relative error over
     ``records`` (algorithm, hosts, ranks_per_host, bytes, rate, delay, seconds): every subset of
     the parameters held at zero is tried (16) and the best fit with all parameters >= 0 kept;
-    then the window whose fit is best."""
+    then the window whose fit is best. Fits equal to rounding keep the first found (alpha_net
+    before alpha_shm): where the data cannot tell the two latencies apart, which one takes both
+    must not depend on the machine's rounding."""
     seconds = torch.tensor([r["seconds"] for r in records], dtype=torch.float64)
     best: dict[str, float] = {}
     best_error = math.inf
@@ -141,7 +143,7 @@ def fit(records: list[dict]) -> dict[str, float]:
                     continue
                 x = torch.linalg.lstsq(sub, b[:, None]).solution.flatten()
                 error = float(((sub @ x) - b).square().sum())
-                if bool((x >= 0).all()) and error < best_error:
+                if bool((x >= 0).all()) and error < best_error - 1e-12 * len(b):
                     values = dict.fromkeys(PARAMETERS, 0.0)
                     values.update({PARAMETERS[c]: float(v) for c, v in zip(cols, x)})
                     best, best_error = {**values, "window": window}, error
