@@ -37,6 +37,7 @@ class FeedbackMemory:
         worker_residuals, server_residuals, momenta: signature -> float32 tensor.
         numels: parameter key -> number of elements.
         layout: the signatures of the buckets of the last complete iteration, by bucket index.
+        emptied: buckets whose memory holds nothing since ``send_whole`` (until a lossy send).
     """
 
     def __init__(self) -> None:
@@ -45,6 +46,7 @@ class FeedbackMemory:
         self.momenta: dict[Signature, torch.Tensor] = {}
         self.numels: dict[str, int] = {}
         self.layout: list[Signature] = []
+        self.emptied: set[Signature] = set()
         self._building: dict[int, Signature] = {}
         self._remapped = False
         self._logged_remap = False
@@ -105,6 +107,21 @@ class FeedbackMemory:
                 moment = self.momenta[signature] = torch.zeros(numel, device=device)
         return worker, server, moment
 
+    def send_whole(self, signature: Signature, buffer: torch.Tensor, rank: int, world: int,
+                   group: Optional[dist.ProcessGroup], compressor: Optional[Compressor]) -> None:
+        """Adds all a bucket's memory holds to ``buffer``, which an exact send then carries
+        whole, and empties it: the server residual (placed by ``compressor``'s plan, as in
+        ``buffers``) through the worker residual. Nothing to add while it stays empty."""
+        if signature in self.emptied:
+            return
+        worker, server = self.worker_residuals[signature], self.server_residuals.get(signature)
+        _fold(worker, server, rank, world, group, compressor)
+        buffer.add_(worker.view_as(buffer))
+        worker.zero_()
+        if server is not None:
+            server.zero_()
+        self.emptied.add(signature)
+
     def _move_to(self, device: torch.device) -> None:
         """Every tensor of the memory onto ``device`` (a state loaded on the CPU for a GPU model)."""
         for kind in _KINDS:
@@ -122,12 +139,7 @@ class FeedbackMemory:
             if not set(old) & set(signature):
                 continue
             residual = residual.clone()
-            server = self.server_residuals.get(old)
-            if server is not None and server.numel():
-                at = 0
-                for begin, end in server_chunks(residual.numel(), rank, world, group, compressor):
-                    residual[begin:end].add_(server[at : at + end - begin], alpha=world)
-                    at += end - begin
+            _fold(residual, self.server_residuals.get(old), rank, world, group, compressor)
             worker_parts.update(self._split(old, residual))
             if old in self.momenta:
                 momentum_parts.update(self._split(old, self.momenta[old]))
@@ -191,3 +203,15 @@ class FeedbackMemory:
             if tensor.numel() != expected:
                 raise ValueError(f"hook state: a server residual has {tensor.numel()} elements where rank {rank} of "
                                  f"{world} has {expected}: it was saved by another rank or world size")
+
+
+def _fold(worker: torch.Tensor, server: Optional[torch.Tensor], rank: int, world: int,
+          group: Optional[dist.ProcessGroup], compressor: Optional[Compressor]) -> None:
+    """worker += world x server on the chunks this rank reduces (the server residual is in units
+    of the average: sent by this rank alone, it must be world times as large)."""
+    if server is None or not server.numel():
+        return
+    at = 0
+    for begin, end in server_chunks(worker.numel(), rank, world, group, compressor):
+        worker[begin:end].add_(server[at : at + end - begin], alpha=world)
+        at += end - begin

@@ -29,8 +29,8 @@ _REPLAY_ITERATIONS = 2
 
 class HookCheckpoint:
     """The checkpoint half of ``ddlcomm.hooks.CompressionState`` (its attributes: ``memory``,
-    ``iter``, ``stats``, ``model``, ``optimizer``, ``process_group`` and the bookkeeping that
-    ``__init__`` there sets)."""
+    ``iter``, ``stats``, ``tuner``, ``model``, ``optimizer``, ``process_group`` and the
+    bookkeeping that ``__init__`` there sets)."""
 
     def _key_scheme(self) -> str:
         return "names" if self.model is not None else "optimizer" if self.optimizer is not None else "process"
@@ -59,7 +59,8 @@ class HookCheckpoint:
 
     def state_dict(self) -> dict[str, Any]:
         """Everything this rank needs to resume exactly: iteration, error-feedback memory keyed
-        by parameter, the bucket layout, statistics, and the rank and world size it belongs to.
+        by parameter, the bucket layout, statistics, the adaptive choices, and the rank and world
+        size it belongs to.
 
         Each rank saves and loads its own: the memory differs between ranks.
         """
@@ -75,6 +76,7 @@ class HookCheckpoint:
             "keys": self._key_scheme(),
             "iter": self.iter,
             "stats": vars(self.stats).copy(),
+            **({"adaptive": self.tuner.state_dict()} if self.tuner is not None else {}),
             **self.memory.state_dict(),
         }
 
@@ -91,6 +93,8 @@ class HookCheckpoint:
             raise ValueError(f"hook state version {version} is newer than this ddlcomm's ({_STATE_VERSION})")
         self.iter = int(state["iter"])
         self.stats = CompressionStats(**state.get("stats", {}))
+        if self.tuner is not None and "adaptive" in state:  # else the choices are measured again
+            self.tuner.load_state_dict(state["adaptive"])
         self.memory = FeedbackMemory()
         self._held, self._replay_left = [], 0
         self._saved_world = None

@@ -20,7 +20,9 @@ Through FP16 and BF16, and without an optimizer, the hook averages the gradient 
 
 The first ``start_compress_iter`` iterations run uncompressed (DDP rebuilds its buckets
 after the first iteration, and early gradients are large and noisy). Buckets smaller
-than ``min_compression_bytes`` always go uncompressed. On a ddlcomm process group the
+than ``min_compression_bytes`` always go uncompressed. With ``adaptive=True`` the buckets are
+sent exactly, in bfloat16 or through the compressor, whichever was measured to finish
+iterations first (``ddlcomm.adaptive``). On a ddlcomm process group the
 native compressed all-reduce runs; on gloo or nccl groups the same algorithm runs over
 standard collectives with bitwise the same result (``ddlcomm.compressed``).
 
@@ -39,12 +41,15 @@ import logging
 import math
 from typing import Optional
 
+import time
+
 import torch
 import torch.distributed as dist
 
 from . import clipping
+from .adaptive import Tuner
 from .compressors import BF16, FP16, Compressor, OneBit, RandomK, Ternary, TopK, has_cuda
-from .compressed import start_compressed_all_reduce, wire_bytes
+from .compressed import native_backend, start_compressed_all_reduce, wire_bytes
 from .ddp_memory import FeedbackMemory, Signature
 from .hook_checkpoint import HookCheckpoint
 from .optim import DirectionOptimizer
@@ -102,6 +107,11 @@ class CompressionState(CompressionOptions, HookCheckpoint):
             from a sketch, to about 1-3%, in compressed ones (``ddlcomm.clipping``); the
             iteration's buckets are then reduced after backward() rather than during it. With
             FP16/BF16 or without ``optimizer=``, call ``clip_grad_norm_`` as usual.
+        adaptive: send the buckets exactly, in bfloat16 or through ``compressor``, whichever
+            finished iterations first when the three were tried (3 iterations each after the
+            warm-up, and again every 1000 iterations; ``ddlcomm.adaptive``). The choice is the
+            same on every rank and logged at INFO level; with ``optimizer=`` every option
+            averages update directions.
 
     Attributes:
         stats: a ``CompressionStats``: bytes sent against a plain ring all-reduce's, and
@@ -109,6 +119,7 @@ class CompressionState(CompressionOptions, HookCheckpoint):
         iter: iterations run (the warm-up ends when it reaches ``start_compress_iter``).
         grad_norm: with ``max_grad_norm``, the last iteration's norm of the average gradient
             before clipping (what ``clip_grad_norm_`` returns), a tensor; else None.
+        tuner: with ``adaptive``, the ``ddlcomm.adaptive.Tuner`` (its ``choice``); else None.
         compressor, optimizer, model, process_group: as given.
 
     The first iteration logs, at INFO level, the compressor and when compression starts.
@@ -128,6 +139,7 @@ class CompressionState(CompressionOptions, HookCheckpoint):
         momentum: float = 0.0,
         clip_norm: Optional[float] = None,
         max_grad_norm: Optional[float] = None,
+        adaptive: bool = False,
     ) -> None:
         super().__init__(compressor if compressor is not None else OneBit(), start_compress_iter,
                          min_compression_bytes, error_feedback, momentum)
@@ -156,6 +168,10 @@ class CompressionState(CompressionOptions, HookCheckpoint):
                              "directions; here .grad holds the average gradient: call "
                              "torch.nn.utils.clip_grad_norm_ between backward() and step() (after "
                              "GradScaler.unscale_) as usual")
+        if adaptive and momentum:
+            raise ValueError("adaptive=True chooses among exact, bfloat16 and the compressor per bucket; DGC's "
+                             "momentum= masks by what the sparse compressor sent and cannot follow the switches: "
+                             "use optimizer= instead")
         if model is not None and not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         self.process_group = process_group
@@ -164,14 +180,16 @@ class CompressionState(CompressionOptions, HookCheckpoint):
         self.clip_norm = clip_norm
         self.max_grad_norm = max_grad_norm
         self.grad_norm: Optional[torch.Tensor] = None
+        self.tuner = Tuner(compressor, start_compress_iter) if adaptive else None
         self.iter = 0
         self.memory = FeedbackMemory()
         self._keys: dict[torch.Tensor, str] = {}  # parameter -> its key in the memory
-        self._verified: set[Signature] = set()  # buckets whose agreement across ranks was checked
+        self._verified: set[tuple[Signature, str]] = set()  # (bucket, compressor) checked across ranks
         self._saved_world: Optional[tuple[int, int]] = None  # (rank, world size) a loaded state was made under
         self._held: list = []  # this iteration's buckets so far (see _whole_iteration)
         self._replay_left = 0  # iterations after a load that are reduced in the saved layout
         self._inflight: list[torch.futures.Future] = []  # this iteration's communication
+        self._started: Optional[float] = None  # when the last iteration's first bucket came (adaptive)
         self._detached: tuple[str, ...] = ()  # attributes that were set when pickled
 
     @property
@@ -220,9 +238,23 @@ def compressed_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.f
         logger.info("ddlcomm hook: %r%s from iteration %d (the first %d uncompressed)", state.compressor,
                     " averaging update directions" if state.averages_directions else "", state.start_compress_iter,
                     state.start_compress_iter)
+    if bucket.index() == 0 and state.tuner is not None:
+        _time_iteration(state, bucket.buffer().device)
     if state._replay_left or state.max_grad_norm is not None:
         return _whole_iteration(state, bucket)
     return _reduce(state, bucket.buffer(), bucket.parameters(), bucket.index(), bucket.is_last())
+
+
+def _time_iteration(state: CompressionState, device: torch.device) -> None:
+    """At an iteration's first bucket: the iteration before it took from its own first bucket
+    to now (a whole step: forward, backward, communication, optimizer)."""
+    now = time.perf_counter()
+    if state._started is not None and state.tuner.measuring(state.iter - 1):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            now = time.perf_counter()
+        state.tuner.record(state.iter - 1, now - state._started, state.process_group, device)
+    state._started = now
 
 
 def _whole_iteration(state: CompressionState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -294,16 +326,30 @@ def _reduce(state: CompressionState, buffer: torch.Tensor, params: list[torch.Te
     if reason is not None:
         state.stats.uncompressed_buckets += 1
         state.stats.bytes_sent += ring
-        raw = dist.all_reduce(buffer, group=state.process_group, async_op=True).get_future()
-        fut = raw.then(lambda f: f.value()[0].div_(world))
+        raw, fut = _average(buffer, state.process_group, world)
     else:
-        raw, fut = _compress(state, buffer, params, signature, index, rank, world, nbytes)
+        compressor = state.compressor if state.tuner is None else state.tuner.option(state.iter)
+        raw, fut = _compress(state, buffer, params, signature, index, rank, world, nbytes, compressor)
     if last:
         state.memory.end_iteration()
     return _end_bucket(state, raw, fut, last)
 
 
+def _average(buffer: torch.Tensor, group: Optional[dist.ProcessGroup],
+             world: int) -> tuple[torch.futures.Future, torch.futures.Future]:
+    """A plain all-reduce of ``buffer``, averaged: with AVG on a ddlcomm group (each rank divides
+    only the chunk it reduces: one pass over the bucket fewer than dividing the sum),
+    else the sum divided (gloo has no AVG)."""
+    if buffer.device.type == "cpu" and native_backend(group) is not None:
+        raw = dist.all_reduce(buffer, op=dist.ReduceOp.AVG, group=group, async_op=True).get_future()
+        return raw, raw.then(lambda f: f.value()[0])
+    raw = dist.all_reduce(buffer, group=group, async_op=True).get_future()
+    return raw, raw.then(lambda f: f.value()[0].div_(world))
+
+
 def _uncompressed_reason(state: CompressionState, buffer: torch.Tensor, nbytes: int) -> Optional[str]:
+    """Why a bucket goes as a plain all-reduce of its gradient, or None when it goes through
+    ``_compress``."""
     if state.iter < state.start_compress_iter:
         return "warm-up"
     if buffer.is_cuda and not has_cuda():
@@ -338,16 +384,21 @@ def _end_bucket(state: CompressionState, raw: torch.futures.Future, fut: torch.f
 
 
 def _compress(state: CompressionState, buffer: torch.Tensor, params: list[torch.Tensor], signature: Signature,
-              index: int, rank: int, world: int, nbytes: int) -> tuple[torch.futures.Future, torch.futures.Future]:
+              index: int, rank: int, world: int, nbytes: int, compressor: Optional[Compressor]
+              ) -> tuple[torch.futures.Future, torch.futures.Future]:
+    """A bucket through ``compressor`` (None: exactly, with what the error-feedback memory holds
+    added, as the adaptive choice sends it), its update directions with ``optimizer=``."""
     if state.optimizer is None and not state.momentum and not isinstance(state.compressor, (FP16, BF16)):
         state._log_once("advice", "ddlcomm hook: compressing gradients with %r and no optimizer=: with momentum SGD "
                         "or Adam this loses accuracy; pass optimizer=ddlcomm.optim.SGD/Adam/AdamW(...) to average "
                         "update directions instead (docs/choosing-a-compressor.md)", state.compressor)
     worker = server = momentum = None
-    sparse = state.compressor.is_sparse
+    sparse = compressor is not None and compressor.is_sparse
+    # Server residuals are placed by the plan of a quantizer or cast (sparse formats keep none).
+    placement = compressor if compressor is not None and not sparse else BF16()
     if state.error_feedback:
         worker, server, momentum = state.memory.buffers(signature, rank, world, bool(state.momentum and sparse),
-                                                        buffer.device, state.process_group, state.compressor)
+                                                        buffer.device, state.process_group, placement)
     if state.clip_norm is not None:  # DGC's local clipping, before the momentum accumulates
         limit = state.clip_norm / math.sqrt(world)
         norm = buffer.norm()
@@ -361,23 +412,32 @@ def _compress(state: CompressionState, buffer: torch.Tensor, params: list[torch.
         # Top-k keeps SGD's momentum on each rank (its largest entries wait for their turn);
         # random-k, whose entries all wait about as long, trained better with the shared one (MLP,
         # nesterov lr 0.05: 94.3% against 93.6%; at lr 0.4 each rank's own diverged).
-        state.optimizer.local_directions(params, _gradients(buffer, params),
-                                         ranks=1 if state.compressor.samples_randomly else world,
-                                         sparse=sparse and not state.compressor.samples_randomly)
+        samples = compressor is not None and compressor.samples_randomly
+        state.optimizer.local_directions(params, _gradients(buffer, params), ranks=1 if samples else world,
+                                         sparse=sparse and not samples)
     if momentum is not None:
         # Momentum factor masking: entries sent last time (zero residual) restart from zero.
         momentum.masked_fill_(worker == 0, 0.0).mul_(state.momentum).add_(buffer)
         buffer.copy_(momentum)
-    sent = wire_bytes(state.compressor, buffer.numel(), world, rank)
-    state.stats.compressed_buckets += 1
-    state.stats.bytes_sent += sent
-    state.stats.compressed_bytes_sent += sent
-    state.stats.compressed_bytes_uncompressed += ring_all_reduce_bytes(nbytes, world)
-    # DDP has checked that every rank has the same buckets; the compressor is checked once.
-    verify = signature not in state._verified
-    state._verified.add(signature)
-    raw, fut = start_compressed_all_reduce(buffer, state.compressor, worker, server, group=state.process_group,
-                                           average=True, stream=call_stream(state.iter, index), verify=verify)
+    if compressor is None:
+        if worker is not None:  # everything the memory holds goes now
+            state.memory.send_whole(signature, buffer, rank, world, state.process_group,
+                                    placement if buffer.device.type == "cpu" else None)
+        state.stats.uncompressed_buckets += 1
+        state.stats.bytes_sent += ring_all_reduce_bytes(nbytes, world)
+        raw, fut = _average(buffer, state.process_group, world)
+    else:
+        state.memory.emptied.discard(signature)
+        sent = wire_bytes(compressor, buffer.numel(), world, rank)
+        state.stats.compressed_buckets += 1
+        state.stats.bytes_sent += sent
+        state.stats.compressed_bytes_sent += sent
+        state.stats.compressed_bytes_uncompressed += ring_all_reduce_bytes(nbytes, world)
+        # DDP has checked that every rank has the same buckets; each compressor is checked once.
+        verify = (signature, repr(compressor)) not in state._verified
+        state._verified.add((signature, repr(compressor)))
+        raw, fut = start_compressed_all_reduce(buffer, compressor, worker, server, group=state.process_group,
+                                               average=True, stream=call_stream(state.iter, index), verify=verify)
     if directions:
         optimizer = state.optimizer
 

@@ -9,8 +9,10 @@ inside emulated hosts. Rank 0 prints one JSON line per measurement (prefix ``RES
 (b) ddlcomm.fsdp's compressed reduce-scatter of the same gradient: native, and the same
     algorithm in Python over the all-to-all, against gloo's and ddlcomm's fp32 ones;
 (c) DDP training of a >= 25M-parameter model: seconds per iteration with gloo (default
-    hook), PyTorch's fp16_compress_hook and powerSGD_hook (rank 4), and each ddlcomm hook,
-    with the bytes each rank puts on the wire per iteration.
+    hook), PyTorch's fp16_compress_hook and powerSGD_hook (rank 4), each ddlcomm hook (bf16
+    as well), and the adaptive fp16 and 1-bit hooks (exact, bf16 or the compressor, whichever
+    was measured fastest: timed after their choice), with the bytes each rank puts on the wire
+    per iteration.
 """
 
 from __future__ import annotations
@@ -158,9 +160,12 @@ def ddp_bench(gloo, width: int, depth: int, iters: int, batch: int) -> None:
                                                                            use_error_feedback=True, warm_start=True),
                 powerSGD_hook.powerSGD_hook),
                ("ddlcomm default", None, None, None)]
-    for name, make in COMPRESSORS.items():
+    for name, make in [*COMPRESSORS.items(), ("bf16", compressors.BF16)]:
         state = hooks.CompressionState(None, make(), start_compress_iter=2)
-        configs.append((f"ddlcomm {name} hook", None, state, HOOKS[name]))
+        configs.append((f"ddlcomm {name} hook", None, state, HOOKS.get(name, hooks.compressed_hook)))
+    for name, make in (("fp16", compressors.FP16), ("1-bit", compressors.OneBit)):
+        state = hooks.CompressionState(None, make(), start_compress_iter=2, adaptive=True)
+        configs.append((f"ddlcomm adaptive {name} hook", None, state, hooks.compressed_hook))
     base = None
     for label, group, state, hook in configs:
         model = make_model(width, depth)
@@ -174,8 +179,12 @@ def ddp_bench(gloo, width: int, depth: int, iters: int, batch: int) -> None:
             torch.nn.functional.cross_entropy(ddp(x), y).backward()
             opt.step()
 
-        for _ in range(3):  # past the warm-up iterations of every hook
+        # Past every hook's warm-up and the adaptive hook's measurement (2 + 16 iterations), alike
+        # for all: with 3 steps the fixed 1-bit hook took 0.67 s a step at 1 Gbit/s, an adaptive
+        # one (after 12, sending 1-bit) 0.48 s.
+        for _ in range(20):
             step()
+        assert getattr(state, "tuner", None) is None or state.tuner.settled(state.iter)
         seconds = timed(step, iters)
         base = base or seconds
         if isinstance(state, hooks.CompressionState):
@@ -188,7 +197,10 @@ def ddp_bench(gloo, width: int, depth: int, iters: int, batch: int) -> None:
             wire = None  # low-rank factors; depends on layer shapes (reported as n/a)
         else:
             wire = fp32_wire
-        report(kind="ddp", method=label, seconds=seconds, speedup=base / seconds, wire_bytes=wire, params=params)
+        tuner = getattr(state, "tuner", None)
+        chose = {} if tuner is None else {"choice": tuner.name(tuner.choice), "measured": tuner.measured}
+        report(kind="ddp", method=label, seconds=seconds, speedup=base / seconds, wire_bytes=wire, params=params,
+               **chose)
 
 
 def main() -> None:
@@ -200,17 +212,20 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=3, help="timed DDP steps per method")
     parser.add_argument("--batch", type=int, default=16, help="per-rank batch of the DDP model")
     parser.add_argument("--skip-ddp", action="store_true", help="time the all-reduces only, not DDP steps")
+    parser.add_argument("--ddp-only", action="store_true", help="time the DDP steps only")
     parser.add_argument("--fp32-only", action="store_true",
                         help="time gloo's and ddlcomm's float32 all-reduces only (no compression, no DDP)")
     args = parser.parse_args()
     init_ranks("ddlcomm")
     gloo = dist.new_group(backend="gloo")
     torch.set_num_threads(1)
-    allreduce_bench(gloo, args.numel, args.repeats, compressed=not args.fp32_only)
+    if not args.ddp_only:
+        allreduce_bench(gloo, args.numel, args.repeats, compressed=not args.fp32_only)
     if args.fp32_only:
         dist.destroy_process_group()
         return
-    reduce_scatter_bench(gloo, args.numel, args.repeats)
+    if not args.ddp_only:
+        reduce_scatter_bench(gloo, args.numel, args.repeats)
     if not args.skip_ddp:
         ddp_bench(gloo, args.width, args.depth, args.iters, args.batch)
     dist.destroy_process_group()

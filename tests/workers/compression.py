@@ -127,12 +127,12 @@ def synthetic(rank: int, samples: int = 2048, features: int = 64, classes: int =
     return x, y
 
 
-def _model() -> torch.nn.Module:
+def small_model() -> torch.nn.Module:
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
 
 
-def _step(ddp, opt, x, y, step: int, rank: int, micro: int = 1, clip: float | None = None,
+def train_step(ddp, opt, x, y, step: int, rank: int, micro: int = 1, clip: float | None = None,
           scaler: torch.amp.GradScaler | None = None) -> float | None:
     """One optimizer step, as a training script takes it; returns clip_grad_norm_'s norm."""
     opt.zero_grad()
@@ -153,7 +153,7 @@ def _step(ddp, opt, x, y, step: int, rank: int, micro: int = 1, clip: float | No
     return norm
 
 
-def _params(model) -> torch.Tensor:
+def flat_params(model) -> torch.Tensor:
     return torch.cat([p.detach().flatten() for p in model.parameters()])
 
 
@@ -163,19 +163,19 @@ def hook_mechanics() -> None:
     x, y = synthetic(rank)
 
     def run_steps(group, steps):
-        model = _model()
+        model = small_model()
         ddp = DistributedDataParallel(model, process_group=group, bucket_cap_mb=0.1)
         state = hooks.CompressionState(group, compressors.OneBit(), start_compress_iter=2, min_compression_bytes=0)
         ddp.register_comm_hook(state, hooks.onebit_hook)
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
         for step in range(steps):
-            _step(ddp, opt, x, y, step, rank)
+            train_step(ddp, opt, x, y, step, rank)
         return model, state
 
     # Same hook on a ddlcomm group (native) and a gloo group (fallback): identical training.
     native_model, native_state = run_steps(None, 8)
     gloo_model, _ = run_steps(gloo, 8)
-    assert torch.equal(_params(native_model), _params(gloo_model)), "native and fallback hooks trained differently"
+    assert torch.equal(flat_params(native_model), flat_params(gloo_model)), "native and fallback hooks trained differently"
     assert native_state.iter == 8 and native_state.stats.compressed_buckets > 0
     assert native_state.stats.uncompressed_buckets > 0, "warm-up iterations must run uncompressed"
     # 1 bit + a float32 scale per 256 values: 32 / (1 + 32/256) = 28x fewer bytes than fp32 (less with 2 ranks'
@@ -185,20 +185,20 @@ def hook_mechanics() -> None:
     assert native_state.stats.ratio < ratio
 
     # no_sync accumulation: the hook runs once per optimizer step, on the summed gradient.
-    model = _model()
+    model = small_model()
     ddp = DistributedDataParallel(model, bucket_cap_mb=0.1)
     state = hooks.CompressionState(None, compressors.FP16(), start_compress_iter=2, min_compression_bytes=0)
     ddp.register_comm_hook(state, hooks.fp16_hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     for step in range(4):
-        _step(ddp, opt, x, y, step, rank, micro=2)
+        train_step(ddp, opt, x, y, step, rank, micro=2)
     assert state.iter == 4, f"hook counted {state.iter} iterations for 4 optimizer steps"
-    reference = _model()
+    reference = small_model()
     ref_ddp = DistributedDataParallel(reference, bucket_cap_mb=0.1)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.05)
     for step in range(4):
-        _step(ref_ddp, ref_opt, x, y, step, rank, micro=2)
-    torch.testing.assert_close(_params(model), _params(reference), rtol=2e-3, atol=2e-4)
+        train_step(ref_ddp, ref_opt, x, y, step, rank, micro=2)
+    torch.testing.assert_close(flat_params(model), flat_params(reference), rtol=2e-3, atol=2e-4)
 
     # The typed hooks refuse a state with another compressor.
     try:
@@ -242,13 +242,13 @@ def warmup_boundary() -> None:
     logging.getLogger("ddlcomm").setLevel(logging.ERROR)
     x, y = synthetic(rank)
     for start in (2, 5):
-        model = _model()
+        model = small_model()
         ddp = DistributedDataParallel(model)  # one bucket: the model is far below 25 MB
         state = hooks.CompressionState(None, compressors.OneBit(), start_compress_iter=start, min_compression_bytes=0)
         ddp.register_comm_hook(state, hooks.onebit_hook)
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
         for step in range(start + 1):
-            _step(ddp, opt, x, y, step, rank)
+            train_step(ddp, opt, x, y, step, rank)
             done = step + 1
             expected = (min(done, start), max(done - start, 0))
             got = (state.stats.uncompressed_buckets, state.stats.compressed_buckets)
@@ -284,16 +284,16 @@ def direction_mode() -> None:
         for comp_name in ("onebit", "ternary", "topk", "randomk", "bf16"):
             trained = []
             for group in (None, gloo):
-                model = _model()
+                model = small_model()
                 opt = make_opt(model.parameters())
                 ddp = DistributedDataParallel(model, process_group=group, bucket_cap_mb=0.1)
                 state = hooks.CompressionState(group, COMPRESSORS[comp_name](), start_compress_iter=2,
                                                min_compression_bytes=0, optimizer=opt)
                 ddp.register_comm_hook(state, HOOKS[comp_name])
                 for step in range(6):
-                    _step(ddp, opt, x, y, step, rank)
+                    train_step(ddp, opt, x, y, step, rank)
                 assert state.stats.compressed_buckets > 0
-                trained.append(_params(model))
+                trained.append(flat_params(model))
             what = f"{opt_name} + {comp_name}"
             assert torch.isfinite(trained[0]).all(), what
             if n == 2:
@@ -363,10 +363,10 @@ def matches_plain(recipes: str = "adamw,adamw_clip,sgd_scaler_clip", compressors
                                                min_compression_bytes=0, optimizer=opt)
                 ddp.register_comm_hook(state, HOOKS[mode])
             scaler = torch.amp.GradScaler("cpu", init_scale=init_scale) if init_scale else None
-            norms[mode] = [_step(ddp, opt, x, y, step, rank, clip=clip, scaler=scaler) for step in range(steps)]
+            norms[mode] = [train_step(ddp, opt, x, y, step, rank, clip=clip, scaler=scaler) for step in range(steps)]
             if mode != "plain":
                 assert state.stats.compressed_buckets >= steps - start
-            trained[mode] = _params(model)
+            trained[mode] = flat_params(model)
         if clip:
             clipped = sum(norm > clip for norm in norms["plain"])
             assert 0 < clipped < steps, f"{recipe}: clip_grad_norm_({clip}) clipped {clipped} of {steps} steps: {norms['plain']}"
@@ -404,7 +404,7 @@ def misuse_is_refused() -> None:
     x, y = synthetic(rank)
     for opt_name, clip, init_scale in (("AdamW", 0.5, None), ("SGD", None, 1024.0)):
         torch.manual_seed(0)
-        model = _model()
+        model = small_model()
         ddp = DistributedDataParallel(model, bucket_cap_mb=0.1)
         opt = getattr(optim, opt_name)(model.parameters(), lr=1e-2, **({"momentum": 0.9} if opt_name == "SGD" else {}))
         state = hooks.CompressionState(None, compressors.OneBit(), start_compress_iter=2, min_compression_bytes=0,
@@ -412,18 +412,18 @@ def misuse_is_refused() -> None:
         ddp.register_comm_hook(state, hooks.onebit_hook)
         scaler = torch.amp.GradScaler("cpu", init_scale=init_scale) if init_scale else None
         for step in range(2):  # warm-up: .grad holds the average gradient, both work
-            _step(ddp, opt, x, y, step, rank, clip=clip, scaler=scaler)
-        before = _params(model)
+            train_step(ddp, opt, x, y, step, rank, clip=clip, scaler=scaler)
+        before = flat_params(model)
         try:
-            _step(ddp, opt, x, y, 2, rank, clip=clip, scaler=scaler)
+            train_step(ddp, opt, x, y, 2, rank, clip=clip, scaler=scaler)
         except RuntimeError as error:
             assert "clip_grad_norm_ and GradScaler" in str(error), error
         else:
             raise AssertionError(f"{opt_name}: clip={clip} scaler={init_scale} passed a rewritten direction")
-        assert torch.equal(_params(model), before), "the refused step moved the parameters"
+        assert torch.equal(flat_params(model), before), "the refused step moved the parameters"
         for step in range(3, 5):  # without them, training goes on
-            _step(ddp, opt, x, y, step, rank)
-        assert not torch.equal(_params(model), before)
+            train_step(ddp, opt, x, y, step, rank)
+        assert not torch.equal(flat_params(model), before)
 
 
 if __name__ == "__main__":

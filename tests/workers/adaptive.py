@@ -1,0 +1,181 @@
+"""Adaptive compression per bucket (ddlcomm.adaptive), run on every rank by tests/test_adaptive.py."""
+
+from __future__ import annotations
+
+import io
+import logging
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from common import ddlcomm_stats, init, run
+from compression import flat_params, small_model, synthetic, train_step
+from ddlcomm import compressors, hooks, optim
+from ddlcomm.adaptive import Tuner
+
+
+class Bucket:
+    """A DDP bucket double: one flat buffer, keyed by its index."""
+
+    def __init__(self, buffer: torch.Tensor, index: int, last: bool) -> None:
+        self._buffer, self._index, self._last = buffer, index, last
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+    def index(self) -> int:
+        return self._index
+
+    def is_last(self) -> bool:
+        return self._last
+
+    def parameters(self) -> list:
+        return []
+
+
+def _same_everywhere(value: torch.Tensor, group=None) -> bool:
+    everyone = [torch.empty_like(value) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(everyone, value, group=group)
+    return all(torch.equal(e, value) for e in everyone)
+
+
+def choice_rule() -> None:
+    """The slowest rank's median decides, and the least lossy option within 10% of the fastest
+    wins."""
+    rank, n = init("gloo")
+    assert [Tuner(compressors.OneBit(), 2).name(i) for i in range(3)] == ["exact", "BF16()", repr(compressors.OneBit())]
+    assert len(Tuner(compressors.BF16(), start=2).options) == 2  # no option twice
+    cases = [  # this rank's seconds per option (exact, bf16, 1-bit) -> the choice
+        ([1.0, 0.97, 0.5], 2),
+        ([1.0, 0.97, 0.5 if rank == 0 else 2.0], 0),  # rank 1 finds 1-bit slow: the slowest rank decides
+        ([1.0, 0.85, 0.8], 1),  # bf16 within 10% of 1-bit, exact not
+        ([1.0, 0.95, 0.92], 0),
+    ]
+    for seconds, expected in cases:
+        tuner = Tuner(compressors.OneBit(), start=2)
+        assert tuner.length == tuner.SETTLE + 3 * (1 + tuner.TRIALS)
+        sent = []
+        for it in range(2, 2 + tuner.length):
+            assert tuner.measuring(it) and not tuner.settled(it)
+            option = tuner.options.index(tuner.option(it))
+            sent.append(option)
+            timed = it >= 2 + tuner.SETTLE and (it - 2 - tuner.SETTLE) % (1 + tuner.TRIALS) != 0
+            # The settling and switching iterations take 100 s: ignored; so is one slow trial of each.
+            noise = [1.0, 1.3, 0.99][(it - 2 - tuner.SETTLE) % (1 + tuner.TRIALS) - 1] if timed else 100.0
+            tuner.record(it, seconds[option] * noise, None, torch.device("cpu"))
+        # Settling with the compressor, then a block each, the lossiest first.
+        assert sent == [2] * tuner.SETTLE + sum(([o] * (1 + tuner.TRIALS) for o in (2, 1, 0)), []), sent
+        assert tuner.settled(2 + tuner.length) and tuner.choice == expected, (seconds, tuner.measured)
+        assert tuner.window == 2 + tuner.PERIOD and tuner.measuring(2 + tuner.PERIOD)
+        # The next measurement settles with the choice.
+        assert tuner.option(2 + tuner.PERIOD) == tuner.options[expected]
+    saved = tuner.state_dict()
+    other = Tuner(compressors.OneBit(), start=2)
+    other.load_state_dict(saved)
+    assert other.choice == tuner.choice and other.window == tuner.window
+    # Without a choice (a state saved without one): the compressor, and a measurement next.
+    fresh = Tuner(compressors.OneBit(), start=2)
+    assert fresh.option(50) == compressors.OneBit() and fresh.window == 51 and fresh.measuring(51)
+    try:
+        Tuner(compressors.Ternary(), start=2).load_state_dict({"choice": repr(compressors.OneBit()), "window": 3})
+    except ValueError as error:
+        assert "not among this state's options" in str(error)
+    else:
+        raise AssertionError("the choice of another compressor was loaded")
+
+
+def nothing_is_lost() -> None:
+    """Through the measurement (1-bit, bf16 and exact in turn, residuals carried across) and a
+    last iteration sent exactly, the results add up to the inputs' average: an exact send
+    carries the worker and server residuals whole. Ranks agree bitwise on every result."""
+    rank, n = init()
+    for group in (None, dist.new_group(backend="gloo")):
+        state = hooks.CompressionState(group, compressors.OneBit(), start_compress_iter=2, min_compression_bytes=0,
+                                       adaptive=True)
+        numels = [5000, 300_000]
+        total_in = [torch.zeros(m, dtype=torch.float64) for m in numels]
+        total_out = [torch.zeros(m, dtype=torch.float64) for m in numels]
+        steps = 2 + state.tuner.length + 3
+        for step in range(steps):
+            if step == steps - 1:
+                state.tuner.choice = 0  # the last one exact
+            futures = []
+            for i, m in enumerate(numels):
+                grad = torch.randn(m, generator=torch.Generator().manual_seed(1000 * step + 10 * rank + i)) * (i + 1)
+                everyone = [torch.randn(m, generator=torch.Generator().manual_seed(1000 * step + 10 * r + i)) * (i + 1)
+                            for r in range(n)]
+                total_in[i] += torch.stack(everyone).double().mean(0)
+                futures.append(hooks.onebit_hook(state, Bucket(grad, i, i == len(numels) - 1)))
+            for i, fut in enumerate(futures):
+                out = fut.wait()
+                assert _same_everywhere(out), f"step {step} bucket {i}: ranks disagree"
+                total_out[i] += out.double()
+        assert state.tuner.choice is not None and state.stats.compressed_buckets > 0
+        if group is None and ddlcomm_stats()["topology"] == "2 hosts x 2 ranks":
+            assert ddlcomm_stats()["hierarchical_compressed_allreduces"] > 0
+        for i in range(len(numels)):
+            worst = float((total_out[i] - total_in[i]).abs().max())
+            scale = float(total_in[i].abs().max())
+            assert worst < 1e-5 * scale * steps, f"bucket {i}: {worst} lost of {scale} (group {group})"
+        assert all(float(r.abs().max()) == 0 for r in state.memory.worker_residuals.values())
+        assert all(float(r.abs().max()) == 0 for r in state.memory.server_residuals.values())
+
+
+def trains_alike_everywhere() -> None:
+    """DDP with the adaptive hook on a ddlcomm and a gloo group, with and without optimizer= (and
+    its max_grad_norm, whose sketched norm runs around the measured iterations): every rank
+    holds the same parameters and the same choices, the choice is logged, and the choices come
+    back from a checkpoint."""
+    rank, n = init()
+    gloo = dist.new_group(backend="gloo")
+    x, y = synthetic(rank)
+    log = io.StringIO()
+    handler = logging.StreamHandler(log)
+    logging.getLogger("ddlcomm.hooks").addHandler(handler)
+    logging.getLogger("ddlcomm.hooks").setLevel(logging.INFO)
+    for group in (None, gloo):
+        for directions in (False, True):
+            model = small_model()
+            opt = (optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.01) if directions
+                   else torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
+            ddp = DistributedDataParallel(model, process_group=group, bucket_cap_mb=0.02)
+            state = hooks.CompressionState(group, compressors.Ternary(block_size=64), start_compress_iter=2,
+                                           min_compression_bytes=0, adaptive=True,
+                                           optimizer=opt if directions else None, model=model,
+                                           max_grad_norm=1.0 if directions else None)
+            ddp.register_comm_hook(state, hooks.ternary_hook)
+            step = 0
+            while not state.tuner.settled(state.iter) or step < 14:
+                train_step(ddp, opt, x, y, step, rank)
+                step += 1
+            params = flat_params(model)
+            assert torch.isfinite(params).all()
+            assert _same_everywhere(params, gloo), "ranks hold different parameters"
+            assert _same_everywhere(torch.tensor(state.tuner.measured), gloo), "ranks measured differently"
+            saved = state.state_dict()
+            fresh = hooks.CompressionState(group, compressors.Ternary(block_size=64), start_compress_iter=2,
+                                           adaptive=True, model=model)
+            fresh.load_state_dict(saved)
+            assert fresh.tuner.choice == state.tuner.choice and fresh.tuner.window == state.tuner.window
+    logging.getLogger("ddlcomm.hooks").removeHandler(handler)
+    assert "adaptive choice" in log.getvalue(), log.getvalue()
+
+
+def misuse_is_refused() -> None:
+    init("gloo")
+    try:
+        hooks.CompressionState(None, compressors.TopK(ratio=0.01), adaptive=True, momentum=0.9)
+    except ValueError as error:
+        assert "use optimizer= instead" in str(error)
+    else:
+        raise AssertionError("adaptive with DGC momentum was accepted")
+
+
+if __name__ == "__main__":
+    run({
+        "choice_rule": choice_rule,
+        "nothing_is_lost": nothing_is_lost,
+        "trains_alike_everywhere": trains_alike_everywhere,
+        "misuse_is_refused": misuse_is_refused,
+    })
