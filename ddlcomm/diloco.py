@@ -31,6 +31,13 @@ the fragment since it was sent (``local = global + (local - local_at_send)``). T
 weights stay bitwise equal on every rank; the replicas differ by those ``d`` steps, as they
 do between outer steps anyway.
 
+Warm-up (post-local SGD, Lin et al. arXiv 1808.07217): with ``warmup_steps=N`` each of the
+first N inner steps ends with the replicas averaged in float32 (a plain all-reduce; the
+outer optimizer and the residuals untouched), so that the early steps, where the weights
+change fastest and the replicas drift apart most, train as with an all-reduce every step:
+with SGD (momentum and weight decay included) that is DDP's arithmetic. Outer steps follow
+the schedule above from step N on. The warm-up sends what DDP sends; ``stats`` counts it.
+
 Two levels: several ranks may train one replica together (DDP over a host's shared memory,
 exactly), and only the outer step crosses hosts. ``replica_groups(ranks_per_replica)`` makes
 the groups; with ``replica_group=`` each of a replica's ``L`` ranks syncs its own contiguous
@@ -69,7 +76,8 @@ class _Fragment:
     end: int
     server: slice  # its server residual in DiLoCo's flat one
     phase: int  # inner steps (mod sync_every) at which it syncs
-    sent_bytes: int
+    sent_bytes: int  # per outer step
+    plain_bytes: int  # per warm-up average (float32)
     syncs: int = 0
 
 
@@ -82,6 +90,7 @@ class _InFlight:
     delta: torch.Tensor  # the pseudo-gradient, then (after wait()) its average
     snapshot: Optional[torch.Tensor]  # the replica's fragment when sent (overlap only)
     future: Any  # the collective's Future or Work; None once waited
+    average: bool = False  # a warm-up step: the replicas' mean, not an outer step
 
 
 class DiLoCo:
@@ -100,6 +109,8 @@ class DiLoCo:
             whole model at once).
         overlap_steps: inner steps a fragment's average may travel before it is applied
             (0: ``step()`` waits for it; less than ``sync_every``).
+        warmup_steps: the first inner steps, each followed by averaging the replicas (see
+            the module docs; 0: outer steps from the start).
         process_group: the group of replicas (default: the world); with ``replica_group``,
             the ranks that hold this rank's index in every replica.
         replica_group: the ranks that train this rank's replica together (their parameters
@@ -116,10 +127,10 @@ class DiLoCo:
     def __init__(self, model: torch.nn.Module, inner_optimizer: torch.optim.Optimizer, *, sync_every: int = 100,
                  compressor: Optional[Compressor] = None, outer_lr: float = 0.7, outer_momentum: float = 0.9,
                  nesterov: bool = True, error_feedback: bool = True, fragments: int = 1, overlap_steps: int = 0,
-                 process_group: Optional[dist.ProcessGroup] = None,
+                 warmup_steps: int = 0, process_group: Optional[dist.ProcessGroup] = None,
                  replica_group: Optional[dist.ProcessGroup] = None) -> None:
         for name, value, low in (("sync_every", sync_every, 1), ("fragments", fragments, 1),
-                                 ("overlap_steps", overlap_steps, 0)):
+                                 ("overlap_steps", overlap_steps, 0), ("warmup_steps", warmup_steps, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
         if overlap_steps >= sync_every:
@@ -148,6 +159,7 @@ class DiLoCo:
         if fragments > len(self._params):
             raise ValueError(f"DiLoCo: {fragments} fragments for {len(self._params)} parameters")
         self.overlap_steps = overlap_steps
+        self.warmup_steps = warmup_steps
         self.replica_group = replica_group
         # (this rank's index in its replica, the replica's ranks): the part of the
         # pseudo-gradient it syncs
@@ -201,11 +213,11 @@ class DiLoCo:
             count = sum(sizes[cuts[k]:cuts[k + 1]])
             if self._part[1] > 1:  # one fragment: this rank syncs its part of the model
                 count = -(-count // self._part[1])
-            sent = (wire_bytes(self.compressor, count, n, rank) if self.compressor is not None
-                    else ring_all_reduce_bytes(count * 4, n))
+            plain = ring_all_reduce_bytes(count * 4, n)
+            sent = wire_bytes(self.compressor, count, n, rank) if self.compressor is not None else plain
             residual = server_residual_numel(count, rank, n)
             out.append(_Fragment(k, cuts[k], cuts[k + 1], begin, begin + count, slice(server, server + residual),
-                                 (k + 1) * sync_every // fragments % sync_every, sent))
+                                 (k + 1) * sync_every // fragments % sync_every, sent, plain))
             begin, server = begin + count, server + residual
         return out
 
@@ -227,10 +239,16 @@ class DiLoCo:
     def step(self) -> bool:
         """Counts an inner step (call it after ``inner_optimizer.step()``): applies the averages
         due now and starts the syncs this step begins (every ``sync_every``-th call for the
-        whole model, staggered with ``fragments``). Returns whether an outer step was applied."""
+        whole model, staggered with ``fragments``; every call during the warm-up averages the
+        replicas). Returns whether the global weights changed."""
         self.inner_steps += 1
         self.stats.bytes_uncompressed += self._plain_bytes
         applied = self._finish(lambda flight: flight.due <= self.inner_steps)
+        if self.inner_steps <= self.warmup_steps:  # nothing is in flight: no overlap before the schedule
+            for fragment in self._fragments:
+                self._start(fragment, 0, average=True)
+                self._finish(lambda flight: True)
+            return True
         for fragment in self._fragments:
             if self.inner_steps % self.sync_every == fragment.phase:
                 self._start(fragment, self.overlap_steps)
@@ -250,7 +268,7 @@ class DiLoCo:
         return self._globals[fragment.first:fragment.last], self._params[fragment.first:fragment.last]
 
     @torch.no_grad()
-    def _start(self, fragment: _Fragment, overlap: int) -> None:
+    def _start(self, fragment: _Fragment, overlap: int, average: bool = False) -> None:
         """Sends the fragment's pseudo-gradient (global minus local weights) to be averaged."""
         globals_, params = self._slice(fragment)
         delta = torch.cat([(g - p.to(torch.float32)).reshape(-1) for g, p in zip(globals_, params)])
@@ -261,7 +279,7 @@ class DiLoCo:
             size = fragment.end - fragment.begin
             delta = torch.nn.functional.pad(delta, (0, parts * size - delta.numel()))
         part = delta.view(parts, -1)[index]
-        if self.compressor is None:
+        if self.compressor is None or average:
             future = dist.all_reduce(part, group=group, async_op=True)
         else:
             # Its own randomness per fragment and sync; with one fragment, the outer step's number.
@@ -270,9 +288,9 @@ class DiLoCo:
             server = None if self._server is None else self._server[fragment.server]
             future = compressed_all_reduce(part, self.compressor, worker, server,
                                            group=self.process_group, average=True, stream=stream)
-        fragment.syncs += 1
-        self.stats.bytes_sent += fragment.sent_bytes
-        self._in_flight.append(_InFlight(fragment, self.inner_steps + overlap, delta, snapshot, future))
+        fragment.syncs += not average
+        self.stats.bytes_sent += fragment.plain_bytes if average else fragment.sent_bytes
+        self._in_flight.append(_InFlight(fragment, self.inner_steps + overlap, delta, snapshot, future, average))
 
     def _wait(self, flight: _InFlight) -> torch.Tensor:
         """The fragment's average (waiting for it once; with parts, gathered in the replica)."""
@@ -281,7 +299,7 @@ class DiLoCo:
             flight.future = None
             index, parts = self._part
             rows = flight.delta.view(parts, -1)
-            if self.compressor is None:
+            if self.compressor is None or flight.average:
                 rows[index].div_(dist.get_world_size(self._group()))
             if parts > 1:
                 dist.all_gather(list(rows), rows[index].clone(), group=self.replica_group)
@@ -309,7 +327,10 @@ class DiLoCo:
         for g in globals_:
             g.grad = delta[offset : offset + g.numel()].view_as(g)
             offset += g.numel()
-        self.outer_optimizer.step()  # the parameters without a gradient (other fragments) stay
+            if flight.average:  # global - mean(global - local) = the replicas' mean
+                g.sub_(g.grad)
+        if not flight.average:
+            self.outer_optimizer.step()  # the parameters without a gradient (other fragments) stay
         offset = 0
         for g, p in zip(globals_, params):
             if flight.snapshot is None:
@@ -325,7 +346,7 @@ class DiLoCo:
                 b.div_(dist.get_world_size(group))
                 if self.replica_group is not None:  # the replica's ranks averaged with others
                     dist.broadcast(b, src=dist.get_global_rank(self.replica_group, 0), group=self.replica_group)
-        self.outer_steps += 1
+        self.outer_steps += not flight.average
 
     def state_dict(self) -> dict[str, Any]:
         """What this rank needs to resume exactly: the global weights, the outer optimizer, the
@@ -338,6 +359,7 @@ class DiLoCo:
             "sync_every": self.sync_every,
             "fragments": len(self._fragments),
             "overlap_steps": self.overlap_steps,
+            "warmup_steps": self.warmup_steps,
             "part": self._part,
             "fragment_syncs": [f.syncs for f in self._fragments],
             "in_flight": [{"fragment": f.fragment.index, "due": f.due, "average": self._wait(f).clone(),
@@ -357,12 +379,12 @@ class DiLoCo:
         if int(state.get("version", 0)) != _STATE_VERSION:
             raise ValueError(f"DiLoCo: state version {state.get('version')!r}, expected {_STATE_VERSION}")
         here = (dist.get_rank(self._group()), dist.get_world_size(self._group()), self.sync_every,
-                len(self._fragments), self.overlap_steps, tuple(self._part))
+                len(self._fragments), self.overlap_steps, self.warmup_steps, tuple(self._part))
         saved = (state["rank"], state["world_size"], state["sync_every"], state["fragments"], state["overlap_steps"],
-                 tuple(state.get("part", (0, 1))))
+                 state.get("warmup_steps", 0), tuple(state.get("part", (0, 1))))
         if here != saved:
             raise ValueError(f"DiLoCo: state saved as (rank, world size, sync_every, fragments, overlap_steps, "
-                             f"(index in the replica, its ranks)) {saved}, loaded as {here}")
+                             f"warmup_steps, (index in the replica, its ranks)) {saved}, loaded as {here}")
         shapes = [g.shape for g in self._globals]
         if [g.shape for g in state["globals"]] != shapes:
             raise ValueError("DiLoCo: the saved global weights do not match this model's parameters")

@@ -14,12 +14,18 @@ def test_float32_outer_steps_match_a_direct_implementation(backend: str) -> None
     assert_all_ok(launch("diloco", "matches_reference", 2, timeout=120, args=(backend,)))
 
 
+@pytest.mark.parametrize("backend", ["ddlcomm", "gloo"])
+def test_warmup_steps_train_as_ddp(backend: str) -> None:
+    assert_all_ok(launch("diloco", "warmup_matches_ddp", 2, timeout=120, args=(backend,)))
+
+
 @pytest.mark.parametrize("backend,names", [("ddlcomm", "onebit,topk"), ("gloo", "ternary")])
 def test_error_feedback_conserves_the_pseudo_gradient(backend: str, names: str) -> None:
     assert_all_ok(launch("diloco", "conservation", 4, timeout=120, args=(backend, names)))
 
 
-@pytest.mark.parametrize("backend,names", [("ddlcomm", "ternary,none,ternary+stream"), ("gloo", "onebit+stream")])
+@pytest.mark.parametrize("backend,names", [("ddlcomm", "ternary,none,ternary+stream,ternary+warmup"),
+                                           ("gloo", "onebit+stream")])
 def test_replicas_agree_and_resume_is_exact(backend: str, names: str) -> None:
     assert_all_ok(launch("diloco", "resume", 2, timeout=120, args=(backend, names)))
 

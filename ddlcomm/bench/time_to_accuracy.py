@@ -116,6 +116,8 @@ def run(task, method: str, opt_name: str, gloo: dist.ProcessGroup, eval_every: i
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=gloo)
             curve.append((float(elapsed), step, task.evaluate(model)))
             dist.barrier(group=gloo)
+    if diloco is not None and diloco.warmup_steps:  # a row of its own beside the method without one
+        method = f"{method}, {diloco.warmup_steps} warm-up steps"
     result = {"method": method, "optimizer": opt_name, "seconds_per_step": curve[-1][0] / task.steps, "curve": curve}
     if diloco is not None:
         result["outer"] = dict(outer, ranks_per_host=per_host) if "replica_group" in options else outer
@@ -136,6 +138,8 @@ def main() -> None:
     parser.add_argument("--sync-every", type=int, default=10, help="DiLoCo: inner steps between outer steps")
     parser.add_argument("--outer-lr", type=float, default=0.7, help="DiLoCo: the outer SGD's learning rate")
     parser.add_argument("--outer-momentum", type=float, default=0.5, help="DiLoCo: the outer Nesterov momentum")
+    parser.add_argument("--warmup-steps", type=int, default=0,
+                        help="DiLoCo: first inner steps each followed by averaging the replicas")
     parser.add_argument("--ranks-per-host", type=int, default=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
                         help="two-level DiLoCo: the ranks of a host, which train one replica (default: "
                              "LOCAL_WORLD_SIZE, as torchrun sets it)")
@@ -151,7 +155,7 @@ def main() -> None:
     params = sum(p.numel() for p in task.model().parameters())
     for method in args.methods.split(","):
         outer = {"sync_every": args.sync_every, "outer_lr": args.outer_lr, "outer_momentum": args.outer_momentum,
-                 "ranks_per_host": args.ranks_per_host}
+                 "warmup_steps": args.warmup_steps, "ranks_per_host": args.ranks_per_host}
         result = run(task, method, args.optimizer, gloo, args.eval_every, outer)
         result.update(options, task=task.name, metric=task.metric, params=params, steps=task.steps,
                       lr=task.lr[args.optimizer])

@@ -143,6 +143,48 @@ def streaming_matches_reference(backend: str) -> None:
     assert diloco.outer_steps == 8, diloco.outer_steps
 
 
+def warmup_matches_ddp(backend: str) -> None:
+    """warmup_steps=6, SGD with momentum and weight decay, with and without a compressor: after
+    each warm-up step every replica equals DDP's model (to float32 rounding: the replicas' mean
+    against the gradients' mean) and nothing was compressed (the residuals are zero); the outer
+    optimizer stays untouched until the first outer step, at step 8 (sync_every=4); every
+    warm-up step sends what DDP sends."""
+    rank, n = init(backend)
+    gloo = dist.new_group(backend="gloo")
+    for name in ("none", "ternary"):
+        _warmup_matches_ddp(name, rank, gloo)
+
+
+def _warmup_matches_ddp(name: str, rank: int, gloo: dist.ProcessGroup) -> None:
+    def plain() -> torch.nn.Module:  # no BatchNorm: DDP broadcasts rank 0's statistics, DiLoCo averages them
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+
+    model, reference = plain(), plain()
+    options = dict(lr=0.05, momentum=0.9, weight_decay=1e-3)
+    inner = torch.optim.SGD(model.parameters(), **options)
+    ddp = DistributedDataParallel(reference, process_group=gloo)
+    ddp_inner = torch.optim.SGD(reference.parameters(), **options)
+    diloco = DiLoCo(model, inner, sync_every=4, warmup_steps=6, compressor=COMPRESSORS[name](), outer_lr=0.7,
+                    outer_momentum=0.9)
+    for step in range(10):
+        t = step + 1
+        _inner_step(model, inner, rank, step)
+        _inner_step(ddp, ddp_inner, rank, step)
+        assert diloco.step() == (t <= 6 or t % 4 == 0), t
+        if t <= 6:
+            torch.testing.assert_close(_flat(model), _flat(reference), rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"{name}, warm-up step {t}: {m}")
+            _assert_replicas_equal(model, f"{name}, warm-up step {t}")
+            assert not diloco.outer_optimizer.state, f"{name}: warm-up step {t} moved the outer optimizer"
+            state = diloco.state_dict()
+            for key in ("worker_residual", "server_residual"):
+                assert state[key] is None or not state[key].any(), f"{name}: warm-up step {t} compressed ({key})"
+    assert (diloco.outer_steps, diloco.inner_steps) == (1, 10), (diloco.outer_steps, diloco.inner_steps)
+    if name == "none":  # 6 warm-up averages and 1 outer step, each DDP's bytes for one step
+        assert abs(diloco.stats.ratio - 10 / 7) < 1e-9, diloco.stats
+
+
 def _assert_globals_equal(diloco: DiLoCo, what: str) -> None:
     mine = torch.cat([g.reshape(-1) for g in diloco.state_dict()["globals"]])
     everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
@@ -210,8 +252,12 @@ def resume(backend: str, names: str) -> None:
 
 def _resume(name: str, rank: int) -> None:
     # "+stream": 2 fragments applied 1 step late; at step 9 fragment 0's average is in flight.
+    # "+warmup": 6 steps of averaging, then outer steps at 8, 12 and 16.
+    name, warmup = name.removesuffix("+warmup"), name.endswith("+warmup")
     name, streaming = name.removesuffix("+stream"), name.endswith("+stream")
     options = {"fragments": 2, "overlap_steps": 1} if streaming else {}
+    if warmup:
+        options["warmup_steps"] = 6
 
     def build() -> tuple[torch.nn.Module, torch.optim.Optimizer, DiLoCo]:
         model = _model()
@@ -240,7 +286,7 @@ def _resume(name: str, rank: int) -> None:
         _inner_step(model, inner, rank, step)
         diloco.step()
     assert torch.equal(_flat(model), uninterrupted), f"{name}: the resumed run differs from the uninterrupted one"
-    assert diloco.outer_steps == (7 if streaming else 4), diloco.outer_steps
+    assert diloco.outer_steps == (7 if streaming else 3 if warmup else 4), diloco.outer_steps
 
 
 def errors() -> None:
@@ -253,7 +299,8 @@ def errors() -> None:
                             (dict(compressor="onebit"), TypeError, "compressor"),
                             (dict(sync_every=4, overlap_steps=4), ValueError, "overlap_steps (4) must be less than"),
                             (dict(fragments=7), ValueError, "7 fragments for 6 parameters"),
-                            (dict(fragments=True), ValueError, "fragments must be an integer")):
+                            (dict(fragments=True), ValueError, "fragments must be an integer"),
+                            (dict(warmup_steps=-1), ValueError, "warmup_steps must be an integer >= 0")):
         try:
             DiLoCo(model, inner, **bad)
         except kind as e:
@@ -345,5 +392,5 @@ def ring_bytes(numel: int, name: str) -> int:
 
 
 if __name__ == "__main__":
-    run({"matches_reference": matches_reference, "streaming_matches_reference": streaming_matches_reference,
+    run({"matches_reference": matches_reference, "warmup_matches_ddp": warmup_matches_ddp, "streaming_matches_reference": streaming_matches_reference,
          "conservation": conservation, "resume": resume, "errors": errors, "two_levels": two_levels})

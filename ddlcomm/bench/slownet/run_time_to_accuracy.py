@@ -138,6 +138,8 @@ def main() -> None:
     parser.add_argument("--delay", default="0", help="one-way delay of every link (tc syntax, e.g. 20ms)")
     parser.add_argument("--sync-every", type=int, default=None, help="passed to the worker (DiLoCo's inner steps)")
     parser.add_argument("--steps", type=int, default=None, help="passed to the worker instead of each task's steps")
+    for flag in ("--outer-lr", "--outer-momentum", "--warmup-steps"):
+        parser.add_argument(flag, default=None, help="passed to the worker (DiLoCo's outer settings)")
     parser.add_argument("--render", default=None, metavar="JSON",
                         help="rewrite the .md and .png beside a saved time_to_accuracy.json, print the tables and exit")
     args = parser.parse_args()
@@ -156,8 +158,9 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     results: list[dict] = []
     for rate in args.rates.split(","):
-        extra = [] if args.sync_every is None else ["--sync-every", str(args.sync_every)]
-        extra += [] if args.steps is None else ["--steps", str(args.steps)]
+        passed = {"--sync-every": args.sync_every, "--steps": args.steps, "--outer-lr": args.outer_lr,
+                  "--outer-momentum": args.outer_momentum, "--warmup-steps": args.warmup_steps}
+        extra = [str(v) for flag, value in passed.items() if value is not None for v in (flag, value)]
         results += run_rate(rate, args.delay, runs, methods, args.timeout, extra, args.ranks_per_host)
         # Saved after each rate: an interrupted run keeps what it measured (--render reads it).
         (out / "time_to_accuracy.json").write_text(json.dumps(results, indent=1))
