@@ -31,12 +31,13 @@ the fragment since it was sent (``local = global + (local - local_at_send)``). T
 weights stay bitwise equal on every rank; the replicas differ by those ``d`` steps, as they
 do between outer steps anyway.
 
-Warm-up (post-local SGD, Lin et al. arXiv 1808.07217): with ``warmup_steps=N`` each of the
-first N inner steps ends with the replicas averaged in float32 (a plain all-reduce; the
-outer optimizer and the residuals untouched), so that the early steps, where the weights
-change fastest and the replicas drift apart most, train as with an all-reduce every step:
-with SGD (momentum and weight decay included) that is DDP's arithmetic. Outer steps follow
-the schedule above from step N on. The warm-up sends what DDP sends; ``stats`` counts it.
+Warm-up (post-local SGD, Lin et al. arXiv 1808.07217): with ``warmup_steps=N`` the first N
+inner steps train as DDP does, where outer steps lose most: ``inner_optimizer.step()`` first
+averages the gradients over the replicas (a step pre-hook), in float32 or through
+``warmup_compressor`` with error feedback of its own (a ``ddlcomm.optim`` optimizer's update
+directions, as the hooks' ``optimizer=``), so every replica takes the same step with any
+optimizer. A clip or a GradScaler before ``step()`` sees this rank's own gradient; every
+rank must run ``step()`` at each warm-up step. Outer steps follow from step N on.
 
 Two levels: several ranks may train one replica together (DDP over a host's shared memory,
 exactly), and only the outer step crosses hosts. ``replica_groups(ranks_per_replica)`` makes
@@ -49,6 +50,7 @@ step. Whole-model outer steps only (``fragments=1``, ``overlap_steps=0``).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -56,7 +58,8 @@ import torch
 import torch.distributed as dist
 
 from .compressed import compressed_all_reduce, server_residual_numel, wire_bytes
-from .compressors import Compressor
+from .compressors import BF16, FP16, Compressor
+from .optim import averages_directions
 from .options import CompressionStats
 from .wire import ring_all_reduce_bytes
 
@@ -77,7 +80,7 @@ class _Fragment:
     server: slice  # its server residual in DiLoCo's flat one
     phase: int  # inner steps (mod sync_every) at which it syncs
     sent_bytes: int  # per outer step
-    plain_bytes: int  # per warm-up average (float32)
+    warmup_bytes: int  # per warm-up average of the gradient
     syncs: int = 0
 
 
@@ -90,7 +93,7 @@ class _InFlight:
     delta: torch.Tensor  # the pseudo-gradient, then (after wait()) its average
     snapshot: Optional[torch.Tensor]  # the replica's fragment when sent (overlap only)
     future: Any  # the collective's Future or Work; None once waited
-    average: bool = False  # a warm-up step: the replicas' mean, not an outer step
+    gradient: bool = False  # a warm-up step's gradient average, not an outer step
 
 
 class DiLoCo:
@@ -109,8 +112,10 @@ class DiLoCo:
             whole model at once).
         overlap_steps: inner steps a fragment's average may travel before it is applied
             (0: ``step()`` waits for it; less than ``sync_every``).
-        warmup_steps: the first inner steps, each followed by averaging the replicas (see
-            the module docs; 0: outer steps from the start).
+        warmup_steps: the first inner steps, each on the replicas' average gradient (see the
+            module docs; 0: outer steps from the start).
+        warmup_compressor: how the warm-up's gradients travel; None sends float32 (DDP's
+            arithmetic).
         process_group: the group of replicas (default: the world); with ``replica_group``,
             the ranks that hold this rank's index in every replica.
         replica_group: the ranks that train this rank's replica together (their parameters
@@ -127,7 +132,8 @@ class DiLoCo:
     def __init__(self, model: torch.nn.Module, inner_optimizer: torch.optim.Optimizer, *, sync_every: int = 100,
                  compressor: Optional[Compressor] = None, outer_lr: float = 0.7, outer_momentum: float = 0.9,
                  nesterov: bool = True, error_feedback: bool = True, fragments: int = 1, overlap_steps: int = 0,
-                 warmup_steps: int = 0, process_group: Optional[dist.ProcessGroup] = None,
+                 warmup_steps: int = 0, warmup_compressor: Optional[Compressor] = None,
+                 process_group: Optional[dist.ProcessGroup] = None,
                  replica_group: Optional[dist.ProcessGroup] = None) -> None:
         for name, value, low in (("sync_every", sync_every, 1), ("fragments", fragments, 1),
                                  ("overlap_steps", overlap_steps, 0), ("warmup_steps", warmup_steps, 0)):
@@ -136,9 +142,9 @@ class DiLoCo:
         if overlap_steps >= sync_every:
             raise ValueError(f"overlap_steps ({overlap_steps}) must be less than sync_every ({sync_every}): a "
                              f"fragment's average must arrive before its next outer step")
-        if compressor is not None and not isinstance(compressor, Compressor):
-            raise TypeError(f"compressor must be a ddlcomm.compressors compressor or None, got "
-                            f"{type(compressor).__name__}")
+        for name, value in (("compressor", compressor), ("warmup_compressor", warmup_compressor)):
+            if value is not None and not isinstance(value, Compressor):
+                raise TypeError(f"{name} must be a ddlcomm.compressors compressor or None, got {type(value).__name__}")
         if replica_group is not None and (fragments != 1 or overlap_steps != 0 or process_group is None):
             raise ValueError("DiLoCo: replica_group= needs process_group= (the ranks of this index in every "
                              "replica: replica_groups() makes both) and whole-model outer steps (fragments=1, "
@@ -160,6 +166,7 @@ class DiLoCo:
             raise ValueError(f"DiLoCo: {fragments} fragments for {len(self._params)} parameters")
         self.overlap_steps = overlap_steps
         self.warmup_steps = warmup_steps
+        self.warmup_compressor = warmup_compressor if warmup_steps else None
         self.replica_group = replica_group
         # (this rank's index in its replica, the replica's ranks): the part of the
         # pseudo-gradient it syncs
@@ -180,20 +187,39 @@ class DiLoCo:
         rank, n = dist.get_rank(self._group()), dist.get_world_size(self._group())
         sizes = [p.numel() for p in self._params]
         device = self._params[0].device
-        sparse = compressor is not None and compressor.is_sparse
         self._fragments = self._split(sizes, fragments, sync_every, rank, n)
         synced = self._fragments[-1].end  # elements this rank syncs: all, or its part
         # One flat residual each, the fragments' in order (one fragment: the same layout as
         # a single compressed all-reduce of every parameter).
-        self._worker = torch.zeros(synced, device=device) if self.error_feedback else None
-        self._server = (torch.zeros(self._fragments[-1].server.stop, device=device)
-                        if self.error_feedback and not sparse else None)
+        self._worker, self._server = self._residuals(compressor if self.error_feedback else None, synced)
+        # The warm-up's gradients keep their own memory: it is in gradient units, the outer
+        # residuals in weight units.
+        self._warm_worker, self._warm_server = self._residuals(
+            self.warmup_compressor if error_feedback else None, synced)
         self.fragment_parameters = [self._params[f.first:f.last] for f in self._fragments]
         self._in_flight: list[_InFlight] = []
         self._plain_bytes = ring_all_reduce_bytes(synced * 4, n)  # DDP's float32 all-reduce (of this part)
         self.stats = CompressionStats()
         self.inner_steps = 0
         self.outer_steps = 0
+        self._averaged = 0  # warm-up steps whose gradients the pre-hook averaged
+        if warmup_steps:
+            self._hook = inner_optimizer.register_step_pre_hook(self._average_gradients)
+            if not isinstance(warmup_compressor, (type(None), FP16, BF16)) and \
+                    not averages_directions(inner_optimizer, warmup_compressor):
+                logging.getLogger(__name__).warning(
+                    "DiLoCo: a warm-up through %r with a torch optimizer compresses gradients, which momentum and "
+                    "Adam amplify (the CNN of docs/diloco.md: 81%% against 94%% with directions); use a "
+                    "ddlcomm.optim optimizer, whose update directions it then averages", warmup_compressor)
+
+    def _residuals(self, compressor: Optional[Compressor], synced: int
+                   ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """Zero (worker, server) error-feedback residuals for ``compressor`` (None: none)."""
+        if compressor is None:
+            return None, None
+        device = self._params[0].device
+        server = None if compressor.is_sparse else torch.zeros(self._fragments[-1].server.stop, device=device)
+        return torch.zeros(synced, device=device), server
 
     def _split(self, sizes: list[int], fragments: int, sync_every: int, rank: int, n: int) -> list[_Fragment]:
         """Contiguous runs of parameters of about equal size, fragment k syncing at phase
@@ -213,11 +239,11 @@ class DiLoCo:
             count = sum(sizes[cuts[k]:cuts[k + 1]])
             if self._part[1] > 1:  # one fragment: this rank syncs its part of the model
                 count = -(-count // self._part[1])
-            plain = ring_all_reduce_bytes(count * 4, n)
-            sent = wire_bytes(self.compressor, count, n, rank) if self.compressor is not None else plain
+            sent, warm = (ring_all_reduce_bytes(count * 4, n) if c is None else wire_bytes(c, count, n, rank)
+                          for c in (self.compressor, self.warmup_compressor))
             residual = server_residual_numel(count, rank, n)
             out.append(_Fragment(k, cuts[k], cuts[k + 1], begin, begin + count, slice(server, server + residual),
-                                 (k + 1) * sync_every // fragments % sync_every, sent, plain))
+                                 (k + 1) * sync_every // fragments % sync_every, sent, warm))
             begin, server = begin + count, server + residual
         return out
 
@@ -239,16 +265,22 @@ class DiLoCo:
     def step(self) -> bool:
         """Counts an inner step (call it after ``inner_optimizer.step()``): applies the averages
         due now and starts the syncs this step begins (every ``sync_every``-th call for the
-        whole model, staggered with ``fragments``; every call during the warm-up averages the
-        replicas). Returns whether the global weights changed."""
+        whole model, staggered with ``fragments``; during the warm-up the global weights follow
+        the replicas). Returns whether the global weights changed."""
         self.inner_steps += 1
         self.stats.bytes_uncompressed += self._plain_bytes
-        applied = self._finish(lambda flight: flight.due <= self.inner_steps)
         if self.inner_steps <= self.warmup_steps:  # nothing is in flight: no overlap before the schedule
-            for fragment in self._fragments:
-                self._start(fragment, 0, average=True)
-                self._finish(lambda flight: True)
+            if self._averaged != self.inner_steps:
+                raise RuntimeError(f"DiLoCo: warm-up step {self.inner_steps} on rank {dist.get_rank()} did not run "
+                                   f"inner_optimizer.step() (a GradScaler that found inf skips it): every rank must "
+                                   f"average its gradients at every warm-up step")
+            with torch.no_grad():
+                for g, p in zip(self._globals, self._params):
+                    g.copy_(p)
+            if self.inner_steps == self.warmup_steps:
+                self._hook.remove()
             return True
+        applied = self._finish(lambda flight: flight.due <= self.inner_steps)
         for fragment in self._fragments:
             if self.inner_steps % self.sync_every == fragment.phase:
                 self._start(fragment, self.overlap_steps)
@@ -268,10 +300,37 @@ class DiLoCo:
         return self._globals[fragment.first:fragment.last], self._params[fragment.first:fragment.last]
 
     @torch.no_grad()
-    def _start(self, fragment: _Fragment, overlap: int, average: bool = False) -> None:
-        """Sends the fragment's pseudo-gradient (global minus local weights) to be averaged."""
+    def _average_gradients(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        """The inner optimizer's step pre-hook: during the warm-up, the replicas' mean gradient
+        (or with a ``ddlcomm.optim`` optimizer, update direction) and BatchNorm's statistics in
+        place of this rank's."""
+        # Once per step: a subclass's step() that calls super().step() runs the hooks again.
+        if self.inner_steps >= self.warmup_steps or self._averaged > self.inner_steps:
+            return
+        directions = averages_directions(optimizer, self.warmup_compressor)
+        if directions:  # every parameter takes the average direction, as every one is sent
+            for p in self._params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            optimizer.directions_for(self._params, [p.grad for p in self._params], self.warmup_compressor,
+                                     dist.get_world_size(self._group()))
+        for fragment in self._fragments:
+            self._start(fragment, 0, gradient=True)
+            self._finish(lambda flight: True)
+        if directions:
+            optimizer.averaged(self._params, [p.grad for p in self._params])
+        self._averaged = self.inner_steps + 1
+
+    @torch.no_grad()
+    def _start(self, fragment: _Fragment, overlap: int, gradient: bool = False) -> None:
+        """Sends the fragment's pseudo-gradient (global minus local weights), or in the warm-up
+        its gradient, to be averaged."""
         globals_, params = self._slice(fragment)
-        delta = torch.cat([(g - p.to(torch.float32)).reshape(-1) for g, p in zip(globals_, params)])
+        if gradient:  # no gradient: zero, as DDP sends for an unused parameter
+            delta = torch.cat([(torch.zeros_like(p, dtype=torch.float32) if p.grad is None
+                                else p.grad.to(torch.float32)).reshape(-1) for p in params])
+        else:
+            delta = torch.cat([(g - p.to(torch.float32)).reshape(-1) for g, p in zip(globals_, params)])
         snapshot = torch.cat([p.detach().reshape(-1).to(torch.float32) for p in params]) if overlap else None
         group = self._group()
         index, parts = self._part
@@ -279,18 +338,21 @@ class DiLoCo:
             size = fragment.end - fragment.begin
             delta = torch.nn.functional.pad(delta, (0, parts * size - delta.numel()))
         part = delta.view(parts, -1)[index]
-        if self.compressor is None or average:
+        compressor = self.warmup_compressor if gradient else self.compressor
+        if compressor is None:
             future = dist.all_reduce(part, group=group, async_op=True)
         else:
-            # Its own randomness per fragment and sync; with one fragment, the outer step's number.
-            stream = fragment.syncs * len(self._fragments) + fragment.index
-            worker = None if self._worker is None else self._worker[fragment.begin:fragment.end]
-            server = None if self._server is None else self._server[fragment.server]
-            future = compressed_all_reduce(part, self.compressor, worker, server,
-                                           group=self.process_group, average=True, stream=stream)
-        fragment.syncs += not average
-        self.stats.bytes_sent += fragment.plain_bytes if average else fragment.sent_bytes
-        self._in_flight.append(_InFlight(fragment, self.inner_steps + overlap, delta, snapshot, future, average))
+            # Its own randomness per fragment and sync (one fragment: the outer step's number);
+            # the warm-up's streams lie past any outer step's.
+            syncs = self.inner_steps + (1 << 40) if gradient else fragment.syncs
+            worker, server = (self._warm_worker, self._warm_server) if gradient else (self._worker, self._server)
+            worker = None if worker is None else worker[fragment.begin:fragment.end]
+            server = None if server is None else server[fragment.server]
+            future = compressed_all_reduce(part, compressor, worker, server, group=self.process_group, average=True,
+                                           stream=syncs * len(self._fragments) + fragment.index)
+        fragment.syncs += not gradient
+        self.stats.bytes_sent += fragment.warmup_bytes if gradient else fragment.sent_bytes
+        self._in_flight.append(_InFlight(fragment, self.inner_steps + overlap, delta, snapshot, future, gradient))
 
     def _wait(self, flight: _InFlight) -> torch.Tensor:
         """The fragment's average (waiting for it once; with parts, gathered in the replica)."""
@@ -299,7 +361,7 @@ class DiLoCo:
             flight.future = None
             index, parts = self._part
             rows = flight.delta.view(parts, -1)
-            if self.compressor is None or flight.average:
+            if (self.warmup_compressor if flight.gradient else self.compressor) is None:
                 rows[index].div_(dist.get_world_size(self._group()))
             if parts > 1:
                 dist.all_gather(list(rows), rows[index].clone(), group=self.replica_group)
@@ -318,19 +380,23 @@ class DiLoCo:
 
     def _apply(self, flight: _InFlight) -> None:
         delta, fragment, group = self._wait(flight), flight.fragment, self._group()
+        globals_, params = self._slice(fragment)
+        if flight.gradient:  # the inner optimizer steps with the average (non-finite: as with DDP)
+            offset = 0
+            for p in params:
+                p.grad = delta[offset : offset + p.numel()].view_as(p).to(p.dtype)
+                offset += p.numel()
+            self._average_buffers(fragment)
+            return
         if not bool(torch.isfinite(delta).all()):
             # The average is the same on every rank, so every rank raises here.
             raise RuntimeError(f"DiLoCo: the averaged pseudo-gradient of outer step {self.outer_steps} is not finite "
                                f"(rank {dist.get_rank(group)}); the global weights were left unchanged")
-        globals_, params = self._slice(fragment)
         offset = 0
         for g in globals_:
             g.grad = delta[offset : offset + g.numel()].view_as(g)
             offset += g.numel()
-            if flight.average:  # global - mean(global - local) = the replicas' mean
-                g.sub_(g.grad)
-        if not flight.average:
-            self.outer_optimizer.step()  # the parameters without a gradient (other fragments) stay
+        self.outer_optimizer.step()  # the parameters without a gradient (other fragments) stay
         offset = 0
         for g, p in zip(globals_, params):
             if flight.snapshot is None:
@@ -340,13 +406,19 @@ class DiLoCo:
                 p.copy_(g + since)
             offset += p.numel()
             g.grad = None
-        if fragment.index == 0:
-            for b in self._buffers:
-                dist.all_reduce(b, group=group)
-                b.div_(dist.get_world_size(group))
-                if self.replica_group is not None:  # the replica's ranks averaged with others
-                    dist.broadcast(b, src=dist.get_global_rank(self.replica_group, 0), group=self.replica_group)
-        self.outer_steps += not flight.average
+        self._average_buffers(fragment)
+        self.outer_steps += 1
+
+    def _average_buffers(self, fragment: _Fragment) -> None:
+        """BatchNorm's statistics, averaged with the first fragment."""
+        if fragment.index != 0:
+            return
+        group = self._group()
+        for b in self._buffers:
+            dist.all_reduce(b, group=group)
+            b.div_(dist.get_world_size(group))
+            if self.replica_group is not None:  # the replica's ranks averaged with others
+                dist.broadcast(b, src=dist.get_global_rank(self.replica_group, 0), group=self.replica_group)
 
     def state_dict(self) -> dict[str, Any]:
         """What this rank needs to resume exactly: the global weights, the outer optimizer, the
@@ -370,6 +442,8 @@ class DiLoCo:
             "outer_optimizer": self.outer_optimizer.state_dict(),
             "worker_residual": None if self._worker is None else self._worker.clone(),
             "server_residual": None if self._server is None else self._server.clone(),
+            "warmup_worker_residual": None if self._warm_worker is None else self._warm_worker.clone(),
+            "warmup_server_residual": None if self._warm_server is None else self._warm_server.clone(),
             "stats": vars(self.stats).copy(),
         }
 
@@ -388,8 +462,10 @@ class DiLoCo:
         shapes = [g.shape for g in self._globals]
         if [g.shape for g in state["globals"]] != shapes:
             raise ValueError("DiLoCo: the saved global weights do not match this model's parameters")
-        for name, mine in (("worker_residual", self._worker), ("server_residual", self._server)):
-            theirs = state[name]
+        for name, mine in (("worker_residual", self._worker), ("server_residual", self._server),
+                           ("warmup_worker_residual", self._warm_worker),
+                           ("warmup_server_residual", self._warm_server)):
+            theirs = state.get(name)
             if (mine is None) != (theirs is None) or (mine is not None and mine.shape != theirs.shape):
                 raise ValueError(f"DiLoCo: the saved {name} does not match this compressor and model")
             if mine is not None:
@@ -404,6 +480,9 @@ class DiLoCo:
                                      None if f["snapshot"] is None else f["snapshot"].clone(), None)
                            for f in state["in_flight"]]
         self.stats = CompressionStats(**state["stats"])
+        if self.warmup_steps:  # again, should this object have finished its own warm-up
+            self._hook.remove()
+            self._hook = self.inner_optimizer.register_step_pre_hook(self._average_gradients)
 
 
 def replica_groups(ranks_per_replica: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:

@@ -52,7 +52,7 @@ from .compressors import BF16, FP16, Compressor, OneBit, RandomK, Ternary, TopK,
 from .compressed import native_backend, start_compressed_all_reduce, wire_bytes
 from .ddp_memory import FeedbackMemory, Signature
 from .hook_checkpoint import HookCheckpoint
-from .optim import DirectionOptimizer
+from .optim import DirectionOptimizer, averages_directions
 from .options import CompressionOptions, CompressionStats
 from .wire import call_stream, ring_all_reduce_bytes
 
@@ -198,7 +198,7 @@ class CompressionState(CompressionOptions, HookCheckpoint):
         ``ddlcomm.optim`` optimizer with a lossy compressor): ``.grad`` then holds directions
         after a compressed ``backward()``, which ``clip_grad_norm_`` and ``GradScaler`` must
         not rewrite. FP16 and BF16 only round, so they always average the gradient."""
-        return self.optimizer is not None and not isinstance(self.compressor, (FP16, BF16))
+        return averages_directions(self.optimizer, self.compressor)
 
     # -- bookkeeping --------------------------------------------------------------------
     def _world(self) -> tuple[int, int]:
@@ -405,16 +405,8 @@ def _compress(state: CompressionState, buffer: torch.Tensor, params: list[torch.
         if torch.isfinite(norm) and norm > limit:
             buffer.mul_(limit / norm)
     directions = state.averages_directions
-    if directions:
-        # FP16 and BF16 only round: they average the gradient, and the optimizer steps as torch's.
-        # Random-k keeps each rank's own second moment (ranks=1): with the correction for the
-        # ranks' smaller batches it reached 0.599 against 0.632 without (tests/workers/gpu.py's DDP task).
-        # Top-k keeps SGD's momentum on each rank (its largest entries wait for their turn);
-        # random-k, whose entries all wait about as long, trained better with the shared one (MLP,
-        # nesterov lr 0.05: 94.3% against 93.6%; at lr 0.4 each rank's own diverged).
-        samples = compressor is not None and compressor.samples_randomly
-        state.optimizer.local_directions(params, _gradients(buffer, params), ranks=1 if samples else world,
-                                         sparse=sparse and not samples)
+    if directions:  # FP16 and BF16 only round: they average the gradient (averages_directions)
+        state.optimizer.directions_for(params, _gradients(buffer, params), compressor, world)
     if momentum is not None:
         # Momentum factor masking: entries sent last time (zero residual) restart from zero.
         momentum.masked_fill_(worker == 0, 0.0).mul_(state.momentum).add_(buffer)

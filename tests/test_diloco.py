@@ -24,7 +24,13 @@ def test_error_feedback_conserves_the_pseudo_gradient(backend: str, names: str) 
     assert_all_ok(launch("diloco", "conservation", 4, timeout=120, args=(backend, names)))
 
 
-@pytest.mark.parametrize("backend,names", [("ddlcomm", "ternary,none,ternary+stream,ternary+warmup"),
+@pytest.mark.parametrize("backend,names", [("ddlcomm", "ternary,topk,onebit+directions"),
+                                           ("gloo", "onebit,ternary+directions")])
+def test_compressed_warmup_shares_the_step_and_conserves_the_gradient(backend: str, names: str) -> None:
+    assert_all_ok(launch("diloco", "warmup_conservation", 4, timeout=120, args=(backend, names)))
+
+
+@pytest.mark.parametrize("backend,names", [("ddlcomm", "ternary,none,ternary+stream,ternary+warmup,onebit+cwarmup"),
                                            ("gloo", "onebit+stream")])
 def test_replicas_agree_and_resume_is_exact(backend: str, names: str) -> None:
     assert_all_ok(launch("diloco", "resume", 2, timeout=120, args=(backend, names)))

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 import ddlcomm  # noqa: F401  (registers the backend)
-from ddlcomm import compressors
+from ddlcomm import compressors, optim
 from ddlcomm.bench import init_ranks
 from ddlcomm.bench.convergence import METHODS as DDP_METHODS
 from ddlcomm.bench.convergence import RECIPES, Recipe, train
@@ -41,16 +41,20 @@ METHODS: dict[str, tuple[Optional[Callable[[], compressors.Compressor]], dict[st
 
 
 def run(task: Task, recipe: Recipe, method: str, seed: int, sync_every: int, outer_lr: float,
-        outer_momentum: float = 0.9) -> dict:
-    """One DiLoCo run on every rank: the final metric and the traffic saved."""
+        outer_momentum: float = 0.9, warmup_steps: int = 0, warmup_compressed: bool = False) -> dict:
+    """One DiLoCo run on every rank: the final metric and the traffic saved. With
+    ``warmup_compressed`` the warm-up's averages go through the method's compressor (update
+    directions of a ``ddlcomm.optim`` optimizer)."""
     make, options = METHODS[method]
     rank = dist.get_rank()
     torch.manual_seed(seed)
     model = task.model()
-    inner = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[recipe.optimizer](
+    family = optim if warmup_compressed else torch.optim
+    inner = {"sgd": family.SGD, "adam": family.Adam, "adamw": family.AdamW}[recipe.optimizer](
         model.parameters(), lr=recipe.lr, **recipe.options)
     schedule = torch.optim.lr_scheduler.LambdaLR(inner, lr_lambda(task.steps))
     diloco = DiLoCo(model, inner, sync_every=sync_every, compressor=make() if make else None,
+                    warmup_steps=warmup_steps, warmup_compressor=make() if make and warmup_compressed else None,
                     **{"outer_lr": outer_lr, "outer_momentum": outer_momentum, **options})
     g = torch.Generator().manual_seed(seed * 1000 + rank)  # the DDP run's batches
     for _ in range(task.steps):
@@ -100,6 +104,10 @@ def main() -> None:
     parser.add_argument("--outer-lr", type=float, default=0.7, help="the outer Nesterov SGD's learning rate")
     parser.add_argument("--outer-momentum", type=float, default=0.5,
                         help="its momentum (default 0.5: better than DiLoCo's 0.9 on 300 steps, docs/diloco.md)")
+    parser.add_argument("--warmup-steps", type=int, default=0,
+                        help="first inner steps on the replicas' average gradient (clipped on each rank first)")
+    parser.add_argument("--warmup-compressed", action="store_true",
+                        help="the warm-up through each method's compressor (ddlcomm.optim's update directions)")
     parser.add_argument("--out", type=Path, default=None, help="directory for diloco.md and diloco.json")
     args = parser.parse_args()
     init_ranks("ddlcomm")
@@ -113,11 +121,13 @@ def main() -> None:
     results: dict[str, list[dict]] = {}
     results["DDP all-reduce"] = [train(task, DDP_METHODS["all-reduce"], recipe.optimizer, s, recipe=recipe)
                                  for s in range(args.seeds)]
+    warmup = (f", {args.warmup_steps}{' compressed' if args.warmup_compressed else ''} warm-up steps"
+              if args.warmup_steps else "")
     for method in methods:
-        results[method] = [run(task, recipe, method, s, args.sync_every, args.outer_lr, args.outer_momentum)
-                           for s in range(args.seeds)]
+        results[method + warmup] = [run(task, recipe, method, s, args.sync_every, args.outer_lr, args.outer_momentum,
+                                        args.warmup_steps, args.warmup_compressed) for s in range(args.seeds)]
         if dist.get_rank() == 0:
-            print(f"RESULT {method}: {json.dumps(results[method])}", flush=True)
+            print(f"RESULT {method + warmup}: {json.dumps(results[method + warmup])}", flush=True)
     if dist.get_rank() == 0:
         text = table(task, args.recipe, results, args.sync_every, args.outer_lr, args.outer_momentum)
         print(text, flush=True)

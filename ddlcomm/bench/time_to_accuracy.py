@@ -63,10 +63,11 @@ def check_methods(methods: list[str]) -> None:
         raise SystemExit(f"unknown methods {unknown}; choose from {METHODS}")
 
 
-def run(task, method: str, opt_name: str, gloo: dist.ProcessGroup, eval_every: int, outer: dict) -> dict:
+def run(task, method: str, opt_name: str, gloo: dist.ProcessGroup, eval_every: int, outer: dict,
+        seed: int = 0) -> dict:
     check_methods([method])
     rank = dist.get_rank()
-    torch.manual_seed(0)
+    torch.manual_seed(seed)  # the model's initial weights
     model = task.model()
     group = gloo if method.startswith("gloo") else None
     outer = dict(outer)
@@ -78,12 +79,15 @@ def run(task, method: str, opt_name: str, gloo: dist.ProcessGroup, eval_every: i
         ddp = DistributedDataParallel(model, process_group=replica)
     else:
         ddp = model if method in OUTER else DistributedDataParallel(model, process_group=group)
-    family = optim if method in COMPRESSORS else torch.optim
+    # The hooks, and a compressed warm-up, average a ddlcomm.optim optimizer's update directions.
+    family = optim if method in COMPRESSORS or outer.get("warmup_compressed") else torch.optim
     lr = task.lr[opt_name]
     opt = family.SGD(model.parameters(), lr=lr, momentum=0.9) if opt_name == "sgd" else family.AdamW(model.parameters(), lr=lr)
     diloco = None
     if method in OUTER:
         make = OUTER[method][0]
+        if outer.pop("warmup_compressed", False):  # the warm-up's gradients through the method's compressor
+            options["warmup_compressor"] = make() if make else None
         diloco = DiLoCo(model, opt, compressor=make() if make else None, **outer, **options)
     elif method in COMPRESSORS:
         state = hooks.CompressionState(compressor=COMPRESSORS[method](), start_compress_iter=START_COMPRESS_ITER,
@@ -96,7 +100,7 @@ def run(task, method: str, opt_name: str, gloo: dist.ProcessGroup, eval_every: i
                                                            start_powerSGD_iter=START_COMPRESS_ITER),
                                powerSGD_hook.powerSGD_hook)
     schedule = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(task.steps))
-    g = torch.Generator().manual_seed(1000 + rank)
+    g = torch.Generator().manual_seed(1000 + rank + 100_000 * seed)  # each rank's batches
     curve = [(0.0, 0, task.evaluate(model))]
     clock = 0.0
     dist.barrier(group=gloo)
@@ -117,8 +121,9 @@ def run(task, method: str, opt_name: str, gloo: dist.ProcessGroup, eval_every: i
             curve.append((float(elapsed), step, task.evaluate(model)))
             dist.barrier(group=gloo)
     if diloco is not None and diloco.warmup_steps:  # a row of its own beside the method without one
-        method = f"{method}, {diloco.warmup_steps} warm-up steps"
-    result = {"method": method, "optimizer": opt_name, "seconds_per_step": curve[-1][0] / task.steps, "curve": curve}
+        kind = " compressed" if diloco.warmup_compressor is not None else ""
+        method = f"{method}, {diloco.warmup_steps}{kind} warm-up steps"
+    result = {"method": method, "optimizer": opt_name, "seed": seed, "seconds_per_step": curve[-1][0] / task.steps, "curve": curve}
     if diloco is not None:
         result["outer"] = dict(outer, ranks_per_host=per_host) if "replica_group" in options else outer
         result["traffic_reduction"] = diloco.stats.ratio
@@ -133,13 +138,16 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=None, help="per-rank batch")
     parser.add_argument("--steps", type=int, default=None, help="override the task's step count")
     parser.add_argument("--lr", type=float, default=None, help="override the task's learning rate")
+    parser.add_argument("--seed", type=int, default=0, help="the initial weights' and the batches' seed")
     parser.add_argument("--eval-every", type=int, default=20, help="steps between evaluations of the curve")
     parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated names from METHODS")
     parser.add_argument("--sync-every", type=int, default=10, help="DiLoCo: inner steps between outer steps")
     parser.add_argument("--outer-lr", type=float, default=0.7, help="DiLoCo: the outer SGD's learning rate")
     parser.add_argument("--outer-momentum", type=float, default=0.5, help="DiLoCo: the outer Nesterov momentum")
     parser.add_argument("--warmup-steps", type=int, default=0,
-                        help="DiLoCo: first inner steps each followed by averaging the replicas")
+                        help="DiLoCo: first inner steps, each on the replicas' average gradient")
+    parser.add_argument("--warmup-compressed", action="store_true",
+                        help="DiLoCo: the warm-up's gradients through the method's compressor (else float32)")
     parser.add_argument("--ranks-per-host", type=int, default=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
                         help="two-level DiLoCo: the ranks of a host, which train one replica (default: "
                              "LOCAL_WORLD_SIZE, as torchrun sets it)")
@@ -155,8 +163,9 @@ def main() -> None:
     params = sum(p.numel() for p in task.model().parameters())
     for method in args.methods.split(","):
         outer = {"sync_every": args.sync_every, "outer_lr": args.outer_lr, "outer_momentum": args.outer_momentum,
-                 "warmup_steps": args.warmup_steps, "ranks_per_host": args.ranks_per_host}
-        result = run(task, method, args.optimizer, gloo, args.eval_every, outer)
+                 "warmup_steps": args.warmup_steps,
+                 "warmup_compressed": args.warmup_compressed, "ranks_per_host": args.ranks_per_host}
+        result = run(task, method, args.optimizer, gloo, args.eval_every, outer, args.seed)
         result.update(options, task=task.name, metric=task.metric, params=params, steps=task.steps,
                       lr=task.lr[args.optimizer])
         if dist.get_rank() == 0:

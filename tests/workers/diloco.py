@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from common import init, run
-from ddlcomm import compressors
+from ddlcomm import compressors, optim
 from ddlcomm.diloco import DiLoCo, replica_groups
 from torch.nn.parallel import DistributedDataParallel
 
@@ -144,29 +144,33 @@ def streaming_matches_reference(backend: str) -> None:
 
 
 def warmup_matches_ddp(backend: str) -> None:
-    """warmup_steps=6, SGD with momentum and weight decay, with and without a compressor: after
-    each warm-up step every replica equals DDP's model (to float32 rounding: the replicas' mean
-    against the gradients' mean) and nothing was compressed (the residuals are zero); the outer
-    optimizer stays untouched until the first outer step, at step 8 (sync_every=4); every
-    warm-up step sends what DDP sends."""
+    """warmup_steps=6 (float32), SGD with momentum and weight decay and AdamW, with and without
+    an outer compressor: after each warm-up step every replica equals DDP's model (to float32
+    rounding: DDP divides before it sums) and nothing was compressed (the residuals are zero);
+    the outer optimizer stays untouched until the first outer step, at step 8 (sync_every=4);
+    every warm-up step sends what DDP sends."""
     rank, n = init(backend)
     gloo = dist.new_group(backend="gloo")
-    for name in ("none", "ternary"):
-        _warmup_matches_ddp(name, rank, gloo)
+    for name, optimizer in (("none", "sgd"), ("ternary", "sgd"), ("ternary", "adamw")):
+        _warmup_matches_ddp(name, optimizer, rank, gloo)
 
 
-def _warmup_matches_ddp(name: str, rank: int, gloo: dist.ProcessGroup) -> None:
+def _warmup_matches_ddp(name: str, optimizer: str, rank: int, gloo: dist.ProcessGroup) -> None:
     def plain() -> torch.nn.Module:  # no BatchNorm: DDP broadcasts rank 0's statistics, DiLoCo averages them
         torch.manual_seed(0)
         return torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
 
     model, reference = plain(), plain()
-    options = dict(lr=0.05, momentum=0.9, weight_decay=1e-3)
-    inner = torch.optim.SGD(model.parameters(), **options)
+    if optimizer == "sgd":
+        make = lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9, weight_decay=1e-3)  # noqa: E731
+    else:
+        make = lambda params: torch.optim.AdamW(params, lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)  # noqa: E731
+    name = f"{name}, {optimizer}"
+    inner = make(model.parameters())
     ddp = DistributedDataParallel(reference, process_group=gloo)
-    ddp_inner = torch.optim.SGD(reference.parameters(), **options)
-    diloco = DiLoCo(model, inner, sync_every=4, warmup_steps=6, compressor=COMPRESSORS[name](), outer_lr=0.7,
-                    outer_momentum=0.9)
+    ddp_inner = make(reference.parameters())
+    diloco = DiLoCo(model, inner, sync_every=4, warmup_steps=6, compressor=COMPRESSORS[name.split(",")[0]](),
+                    outer_lr=0.7, outer_momentum=0.9)
     for step in range(10):
         t = step + 1
         _inner_step(model, inner, rank, step)
@@ -181,7 +185,7 @@ def _warmup_matches_ddp(name: str, rank: int, gloo: dist.ProcessGroup) -> None:
             for key in ("worker_residual", "server_residual"):
                 assert state[key] is None or not state[key].any(), f"{name}: warm-up step {t} compressed ({key})"
     assert (diloco.outer_steps, diloco.inner_steps) == (1, 10), (diloco.outer_steps, diloco.inner_steps)
-    if name == "none":  # 6 warm-up averages and 1 outer step, each DDP's bytes for one step
+    if name.startswith("none"):  # 6 warm-up averages and 1 outer step, each DDP's bytes for one step
         assert abs(diloco.stats.ratio - 10 / 7) < 1e-9, diloco.stats
 
 
@@ -205,7 +209,6 @@ def conservation(backend: str, names: str) -> None:
 
 
 def _conservation(name: str, rank: int, n: int, gloo: dist.ProcessGroup) -> None:
-    backend = dist.get_backend()
     model = _model()
     inner = torch.optim.SGD(model.parameters(), lr=0.05)
     diloco = DiLoCo(model, inner, sync_every=3, compressor=COMPRESSORS[name](), outer_lr=1.0, outer_momentum=0.0)
@@ -224,21 +227,71 @@ def _conservation(name: str, rank: int, n: int, gloo: dist.ProcessGroup) -> None
         if diloco.step():
             global_ = params()
             applied += before - global_
-    end = diloco.state_dict()
-    worker = (start["worker_residual"] - end["worker_residual"]).double()
+    _assert_conserved(name, applied, true, start, diloco.state_dict(), "", gloo)
+
+
+def _assert_conserved(name: str, applied: torch.Tensor, true: torch.Tensor, start: dict, end: dict, prefix: str,
+                      gloo: dist.ProcessGroup) -> None:
+    """sum_t A_t = sum_t mean_r(D_t,r) + mean_r(w_0,r - w_T,r) + (s_0 - s_T) with the
+    ``prefix``-ed residuals of the states ``start`` and ``end``."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    worker = (start[prefix + "worker_residual"] - end[prefix + "worker_residual"]).double()
     dist.all_reduce(worker, group=gloo)
     expected = true + worker / n
-    if end["server_residual"] is not None:
-        numel = global_.numel()
+    if end[prefix + "server_residual"] is not None:
+        numel = true.numel()
         server = torch.zeros(numel, dtype=torch.float64)
         begin, stop = numel * rank // n, numel * (rank + 1) // n  # one piece: chunk `rank`
-        server[begin:stop] = (start["server_residual"] - end["server_residual"]).double()
+        server[begin:stop] = (start[prefix + "server_residual"] - end[prefix + "server_residual"]).double()
         dist.all_reduce(server, group=gloo)
         expected += server
     scale = float(true.abs().max()) + float(worker.abs().max()) / n
     torch.testing.assert_close(applied, expected, rtol=0, atol=1e-5 * scale,
-                               msg=lambda m: f"{name} on {backend}: error feedback lost something: {m}")
+                               msg=lambda m: f"{name} on {dist.get_backend()}: error feedback lost something: {m}")
     assert float((applied - true).abs().max()) > 1e-4 * scale or name == "none", "the compressor changed nothing?"
+
+
+def warmup_conservation(backend: str, names: str) -> None:
+    """A compressed warm-up (warmup_compressor=, 8 steps of SGD with momentum): the gradient
+    each inner step takes is the same on every rank (so are the replicas and the momentum),
+    and its error feedback loses nothing: sum_t A_t = sum_t mean_r(g_t,r) + the residuals'
+    change, g_t,r this rank's own gradient, read here before the step. The outer residuals
+    stay zero. "+directions": a ddlcomm.optim.SGD, whose update directions travel instead,
+    d_t,r = 0.9 * buf + g_t,r with the momentum buffer every rank shares (computed here)."""
+    rank, n = init(backend)
+    gloo = dist.new_group(backend="gloo")
+    for name in names.split(","):
+        name, directions = name.removesuffix("+directions"), name.endswith("+directions")
+        model = _model()
+        # No weight decay: p.grad stays A_t.
+        inner = (optim.SGD if directions else torch.optim.SGD)(model.parameters(), lr=0.05, momentum=0.9)
+        diloco = DiLoCo(model, inner, sync_every=100, warmup_steps=8, compressor=compressors.OneBit(),
+                        warmup_compressor=COMPRESSORS[name]())
+        flat = lambda ts: torch.cat([t.reshape(-1).double() for t in ts])  # noqa: E731
+        start = diloco.state_dict()
+        applied, true = 0, 0
+        for step in range(8):
+            x, y = _batch(rank, step)
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            mine = flat([p.grad for p in model.parameters()])
+            if directions:
+                mine += 0.9 * flat([inner.state[p].get("momentum_buffer", torch.zeros_like(p))
+                                    for p in model.parameters()])
+            dist.all_reduce(mine, group=gloo)
+            true = true + mine / n
+            inner.step()
+            applied = applied + flat([p.grad for p in model.parameters()])
+            inner.zero_grad()
+            assert diloco.step()
+            _assert_replicas_equal(model, f"{name}, warm-up step {step + 1}")
+            momentum = flat([inner.state[p]["momentum_buffer"] for p in model.parameters()])
+            everyone = [torch.empty_like(momentum) for _ in range(n)]
+            dist.all_gather(everyone, momentum, group=gloo)
+            assert all(torch.equal(m, momentum) for m in everyone), f"{name}: the momentum differs between ranks"
+        end = diloco.state_dict()
+        _assert_conserved(name, applied, true, start, end, "warmup_", gloo)
+        assert end["worker_residual"] is not None and not end["worker_residual"].any(), "the warm-up used the outer memory"
+        assert not diloco.outer_optimizer.state and diloco.outer_steps == 0, "the warm-up took an outer step"
 
 
 def resume(backend: str, names: str) -> None:
@@ -252,12 +305,16 @@ def resume(backend: str, names: str) -> None:
 
 def _resume(name: str, rank: int) -> None:
     # "+stream": 2 fragments applied 1 step late; at step 9 fragment 0's average is in flight.
-    # "+warmup": 6 steps of averaging, then outer steps at 8, 12 and 16.
+    # "+warmup": 6 steps of averaging, then outer steps at 8, 12 and 16; "+cwarmup": 12 steps
+    # of compressed averaging (saved in the middle), then an outer step at 16.
+    name, cwarmup = name.removesuffix("+cwarmup"), name.endswith("+cwarmup")
     name, warmup = name.removesuffix("+warmup"), name.endswith("+warmup")
     name, streaming = name.removesuffix("+stream"), name.endswith("+stream")
     options = {"fragments": 2, "overlap_steps": 1} if streaming else {}
     if warmup:
         options["warmup_steps"] = 6
+    if cwarmup:
+        options.update(warmup_steps=12, warmup_compressor=COMPRESSORS["ternary"]())
 
     def build() -> tuple[torch.nn.Module, torch.optim.Optimizer, DiLoCo]:
         model = _model()
@@ -286,7 +343,7 @@ def _resume(name: str, rank: int) -> None:
         _inner_step(model, inner, rank, step)
         diloco.step()
     assert torch.equal(_flat(model), uninterrupted), f"{name}: the resumed run differs from the uninterrupted one"
-    assert diloco.outer_steps == (7 if streaming else 3 if warmup else 4), diloco.outer_steps
+    assert diloco.outer_steps == (7 if streaming else 3 if warmup else 1 if cwarmup else 4), diloco.outer_steps
 
 
 def errors() -> None:
@@ -300,13 +357,21 @@ def errors() -> None:
                             (dict(sync_every=4, overlap_steps=4), ValueError, "overlap_steps (4) must be less than"),
                             (dict(fragments=7), ValueError, "7 fragments for 6 parameters"),
                             (dict(fragments=True), ValueError, "fragments must be an integer"),
-                            (dict(warmup_steps=-1), ValueError, "warmup_steps must be an integer >= 0")):
+                            (dict(warmup_steps=-1), ValueError, "warmup_steps must be an integer >= 0"),
+                            (dict(warmup_steps=2, warmup_compressor="ternary"), TypeError, "warmup_compressor")):
         try:
             DiLoCo(model, inner, **bad)
         except kind as e:
             assert text in str(e), e
         else:
             raise AssertionError(f"{bad} was accepted")
+    warm = DiLoCo(model, inner, warmup_steps=2)
+    try:  # no inner_optimizer.step() (as when a GradScaler skips it): no average on this rank
+        warm.step()
+    except RuntimeError as e:
+        assert f"warm-up step 1 on rank {rank} did not run inner_optimizer.step()" in str(e), e
+    else:
+        raise AssertionError("a warm-up step without the gradient average was accepted")
     diloco = DiLoCo(model, inner, sync_every=2, compressor=compressors.OneBit())
     state = diloco.state_dict()
     other = DiLoCo(model, inner, sync_every=3, compressor=compressors.OneBit())
@@ -367,6 +432,23 @@ def two_levels(backend: str) -> None:
             assert diloco.stats.bytes_sent * 2 == whole, (name, diloco.stats.bytes_sent, whole)
         else:  # half the elements; the payloads' headers and scales do not halve on so small a model
             assert diloco.stats.bytes_sent < 0.75 * whole, (name, diloco.stats.bytes_sent, whole)
+    # A float32 warm-up: each rank averages its half of the replica's gradient across the
+    # replicas, so the 4 ranks train as DDP over all of them (BatchNorm in eval: its
+    # statistics stay out of it).
+    gloo = dist.new_group(backend="gloo")
+    model, reference = _model().eval(), _model().eval()
+    inner = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    ref_inner = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9)
+    diloco = DiLoCo(model, inner, sync_every=3, warmup_steps=3, process_group=outer, replica_group=replica)
+    ddp, world_ddp = (DistributedDataParallel(model, process_group=replica),
+                      DistributedDataParallel(reference, process_group=gloo))
+    for step in range(3):
+        _inner_step(ddp, inner, rank, step)
+        _inner_step(world_ddp, ref_inner, rank, step)
+        assert diloco.step()
+        torch.testing.assert_close(_flat(model), _flat(reference), rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"two levels, warm-up step {step + 1}: {m}")
+        _assert_replicas_equal(model, f"two levels, warm-up step {step + 1}")
     try:
         DiLoCo(_model(), torch.optim.SGD(_model().parameters(), lr=0.1), fragments=2, process_group=outer,
                replica_group=replica)
@@ -393,4 +475,4 @@ def ring_bytes(numel: int, name: str) -> int:
 
 if __name__ == "__main__":
     run({"matches_reference": matches_reference, "warmup_matches_ddp": warmup_matches_ddp, "streaming_matches_reference": streaming_matches_reference,
-         "conservation": conservation, "resume": resume, "errors": errors, "two_levels": two_levels})
+         "conservation": conservation, "warmup_conservation": warmup_conservation, "resume": resume, "errors": errors, "two_levels": two_levels})

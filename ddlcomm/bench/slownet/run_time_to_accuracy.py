@@ -138,8 +138,11 @@ def main() -> None:
     parser.add_argument("--delay", default="0", help="one-way delay of every link (tc syntax, e.g. 20ms)")
     parser.add_argument("--sync-every", type=int, default=None, help="passed to the worker (DiLoCo's inner steps)")
     parser.add_argument("--steps", type=int, default=None, help="passed to the worker instead of each task's steps")
+    parser.add_argument("--seed", type=int, default=None, help="passed to the worker (initial weights and batches)")
     for flag in ("--outer-lr", "--outer-momentum", "--warmup-steps"):
         parser.add_argument(flag, default=None, help="passed to the worker (DiLoCo's outer settings)")
+    parser.add_argument("--warmup-compressed", action="store_true",
+                        help="passed to the worker (DiLoCo's warm-up through the method's compressor)")
     parser.add_argument("--render", default=None, metavar="JSON",
                         help="rewrite the .md and .png beside a saved time_to_accuracy.json, print the tables and exit")
     args = parser.parse_args()
@@ -158,9 +161,10 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     results: list[dict] = []
     for rate in args.rates.split(","):
-        passed = {"--sync-every": args.sync_every, "--steps": args.steps, "--outer-lr": args.outer_lr,
+        passed = {"--sync-every": args.sync_every, "--steps": args.steps, "--seed": args.seed, "--outer-lr": args.outer_lr,
                   "--outer-momentum": args.outer_momentum, "--warmup-steps": args.warmup_steps}
         extra = [str(v) for flag, value in passed.items() if value is not None for v in (flag, value)]
+        extra += ["--warmup-compressed"] if args.warmup_compressed else []
         results += run_rate(rate, args.delay, runs, methods, args.timeout, extra, args.ranks_per_host)
         # Saved after each rate: an interrupted run keeps what it measured (--render reads it).
         (out / "time_to_accuracy.json").write_text(json.dumps(results, indent=1))
