@@ -18,8 +18,10 @@ arXiv 2311.08105) applies it to the global weights, which every replica then tak
 The compressed average is bitwise the same on every rank (``ddlcomm.compressed``), so the
 replicas are bitwise equal after every outer step. The residual each rank keeps carries what
 compression left out into the next outer step; with ``outer_momentum=0`` that memory is the
-only one, as SparseLoCo (arXiv 2508.15706) uses it. Floating-point buffers (BatchNorm's
-running statistics) are averaged uncompressed at each outer step (of the first fragment).
+only one, as SparseLoCo (arXiv 2508.15706) uses it. Floating-point buffers that the model's
+``state_dict`` holds (BatchNorm's running statistics) are averaged exactly, in one all-reduce
+that travels with the first fragment's average (and with each warm-up average); buffers
+registered with ``persistent=False`` (an attention mask) are derived, and left alone.
 
 Streaming (Streaming DiLoCo, arXiv 2501.18512): with ``fragments=F`` the parameters are cut
 into F contiguous parts of about equal size, and part ``k`` takes its outer step at inner
@@ -27,7 +29,8 @@ steps ``(k + 1) * sync_every / F`` (mod ``sync_every``), so the network carries 
 model at a time, F times as often. With ``overlap_steps=d`` a fragment's average travels
 while the next ``d`` inner steps compute and is applied ``d`` steps late: the fragment's
 global weights take the outer step, and the replica keeps what its own inner steps added to
-the fragment since it was sent (``local = global + (local - local_at_send)``). The global
+the fragment since it was sent (``local = global + (local - local_at_send)``; the buffers
+likewise: ``average + (buffer - buffer_at_send)``). The global
 weights stay bitwise equal on every rank; the replicas differ by those ``d`` steps, as they
 do between outer steps anyway.
 
@@ -50,50 +53,23 @@ step. Whole-model outer steps only (``fragments=1``, ``overlap_steps=0``).
 
 from __future__ import annotations
 
+import functools
 import logging
-from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
-from .compressed import compressed_all_reduce, server_residual_numel, wire_bytes
+from .compressed import compressed_all_reduce
 from .compressors import BF16, FP16, Compressor
+from .fragments import Fragment, InFlight, split
 from .optim import averages_directions
 from .options import CompressionStats
 from .wire import ring_all_reduce_bytes
 
 __all__ = ["DiLoCo", "replica_groups"]
 
-_STATE_VERSION = 2  # 2: fragments, overlap_steps and the syncs in flight
-
-
-@dataclass
-class _Fragment:
-    """A contiguous run of the model's parameters that takes its outer step on its own."""
-
-    index: int
-    first: int  # its parameters are DiLoCo._params[first:last]
-    last: int
-    begin: int  # its elements in the flat vector of all parameters
-    end: int
-    server: slice  # its server residual in DiLoCo's flat one
-    phase: int  # inner steps (mod sync_every) at which it syncs
-    sent_bytes: int  # per outer step
-    warmup_bytes: int  # per warm-up average of the gradient
-    syncs: int = 0
-
-
-@dataclass
-class _InFlight:
-    """A fragment's average on the wire: applied at inner step ``due``."""
-
-    fragment: _Fragment
-    due: int
-    delta: torch.Tensor  # the pseudo-gradient, then (after wait()) its average
-    snapshot: Optional[torch.Tensor]  # the replica's fragment when sent (overlap only)
-    future: Any  # the collective's Future or Work; None once waited
-    gradient: bool = False  # a warm-up step's gradient average, not an outer step
+_STATE_VERSION = 3  # 2: fragments, overlap_steps and the syncs in flight; 3: their buffers
 
 
 class DiLoCo:
@@ -172,7 +148,10 @@ class DiLoCo:
         # pseudo-gradient it syncs
         self._part = ((dist.get_rank(replica_group), dist.get_world_size(replica_group)) if replica_group is not None
                       else (0, 1))
-        self._buffers = [b for b in model.buffers() if b.is_floating_point()]
+        # The buffers a checkpoint holds: a non-persistent one (an attention mask) is derived.
+        saved = {id(t) for t in model.state_dict(keep_vars=True).values()}
+        self._buffers = [b for b in model.buffers() if b.is_floating_point() and id(b) in saved]
+        self._buffer_dtype = functools.reduce(torch.promote_types, (b.dtype for b in self._buffers), torch.float32)
         with torch.no_grad():
             self._check_parts()
             for t in self._params + self._buffers:
@@ -186,8 +165,8 @@ class DiLoCo:
                                                nesterov=nesterov and outer_momentum > 0)
         rank, n = dist.get_rank(self._group()), dist.get_world_size(self._group())
         sizes = [p.numel() for p in self._params]
-        device = self._params[0].device
-        self._fragments = self._split(sizes, fragments, sync_every, rank, n)
+        self._fragments = split(sizes, fragments, sync_every, self._part[1], rank, n, compressor,
+                                self.warmup_compressor)
         synced = self._fragments[-1].end  # elements this rank syncs: all, or its part
         # One flat residual each, the fragments' in order (one fragment: the same layout as
         # a single compressed all-reduce of every parameter).
@@ -197,7 +176,7 @@ class DiLoCo:
         self._warm_worker, self._warm_server = self._residuals(
             self.warmup_compressor if error_feedback else None, synced)
         self.fragment_parameters = [self._params[f.first:f.last] for f in self._fragments]
-        self._in_flight: list[_InFlight] = []
+        self._in_flight: list[InFlight] = []
         self._plain_bytes = ring_all_reduce_bytes(synced * 4, n)  # DDP's float32 all-reduce (of this part)
         self.stats = CompressionStats()
         self.inner_steps = 0
@@ -220,32 +199,6 @@ class DiLoCo:
         device = self._params[0].device
         server = None if compressor.is_sparse else torch.zeros(self._fragments[-1].server.stop, device=device)
         return torch.zeros(synced, device=device), server
-
-    def _split(self, sizes: list[int], fragments: int, sync_every: int, rank: int, n: int) -> list[_Fragment]:
-        """Contiguous runs of parameters of about equal size, fragment k syncing at phase
-        (k + 1) * sync_every / fragments."""
-        total, cuts, running = sum(sizes), [0], 0
-        for i, size in enumerate(sizes):
-            running += size
-            # Cut once the run reaches its share, leaving a parameter for each later fragment.
-            left = len(sizes) - i - 1
-            if len(cuts) < fragments and running * fragments >= total * len(cuts) and left >= fragments - len(cuts):
-                cuts.append(i + 1)
-        while len(cuts) < fragments:  # huge last parameters: one fragment each
-            cuts.append(cuts[-1] + 1)
-        cuts.append(len(sizes))
-        out, begin, server = [], 0, 0
-        for k in range(fragments):
-            count = sum(sizes[cuts[k]:cuts[k + 1]])
-            if self._part[1] > 1:  # one fragment: this rank syncs its part of the model
-                count = -(-count // self._part[1])
-            sent, warm = (ring_all_reduce_bytes(count * 4, n) if c is None else wire_bytes(c, count, n, rank)
-                          for c in (self.compressor, self.warmup_compressor))
-            residual = server_residual_numel(count, rank, n)
-            out.append(_Fragment(k, cuts[k], cuts[k + 1], begin, begin + count, slice(server, server + residual),
-                                 (k + 1) * sync_every // fragments % sync_every, sent, warm))
-            begin, server = begin + count, server + residual
-        return out
 
     def _group(self) -> dist.ProcessGroup:
         return self.process_group or dist.group.WORLD
@@ -296,7 +249,7 @@ class DiLoCo:
             self._start(fragment, 0)
             self._finish(lambda flight: True)
 
-    def _slice(self, fragment: _Fragment) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def _slice(self, fragment: Fragment) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         return self._globals[fragment.first:fragment.last], self._params[fragment.first:fragment.last]
 
     @torch.no_grad()
@@ -322,7 +275,7 @@ class DiLoCo:
         self._averaged = self.inner_steps + 1
 
     @torch.no_grad()
-    def _start(self, fragment: _Fragment, overlap: int, gradient: bool = False) -> None:
+    def _start(self, fragment: Fragment, overlap: int, gradient: bool = False) -> None:
         """Sends the fragment's pseudo-gradient (global minus local weights), or in the warm-up
         its gradient, to be averaged."""
         globals_, params = self._slice(fragment)
@@ -352,9 +305,16 @@ class DiLoCo:
                                            stream=syncs * len(self._fragments) + fragment.index)
         fragment.syncs += not gradient
         self.stats.bytes_sent += fragment.warmup_bytes if gradient else fragment.sent_bytes
-        self._in_flight.append(_InFlight(fragment, self.inner_steps + overlap, delta, snapshot, future, gradient))
+        flight = InFlight(fragment, self.inner_steps + overlap, delta, snapshot, future, gradient)
+        if fragment.index == 0 and self._buffers:
+            # Exact, in one all-reduce that travels with the fragment (and overlaps as it does):
+            # one per buffer, waited for at once, cost a round trip each on a slow network.
+            flight.buffers = torch.cat([b.reshape(-1).to(self._buffer_dtype) for b in self._buffers])
+            flight.buffers_snapshot = flight.buffers.clone() if overlap else None
+            flight.buffers_work = dist.all_reduce(flight.buffers, group=group, async_op=True)
+        self._in_flight.append(flight)
 
-    def _wait(self, flight: _InFlight) -> torch.Tensor:
+    def _wait(self, flight: InFlight) -> torch.Tensor:
         """The fragment's average (waiting for it once; with parts, gathered in the replica)."""
         if flight.future is not None:
             flight.future.wait()
@@ -367,6 +327,10 @@ class DiLoCo:
                 dist.all_gather(list(rows), rows[index].clone(), group=self.replica_group)
                 numel = sum(g.numel() for g in self._slice(flight.fragment)[0])
                 flight.delta = flight.delta[:numel]
+        if flight.buffers_work is not None:
+            flight.buffers_work.wait()
+            flight.buffers_work = None
+            flight.buffers.div_(dist.get_world_size(self._group()))
         return flight.delta
 
     @torch.no_grad()
@@ -378,7 +342,7 @@ class DiLoCo:
             self._apply(flight)
         return bool(ready)
 
-    def _apply(self, flight: _InFlight) -> None:
+    def _apply(self, flight: InFlight) -> None:
         delta, fragment, group = self._wait(flight), flight.fragment, self._group()
         globals_, params = self._slice(fragment)
         if flight.gradient:  # the inner optimizer steps with the average (non-finite: as with DDP)
@@ -386,7 +350,7 @@ class DiLoCo:
             for p in params:
                 p.grad = delta[offset : offset + p.numel()].view_as(p).to(p.dtype)
                 offset += p.numel()
-            self._average_buffers(fragment)
+            self._take_buffers(flight)
             return
         if not bool(torch.isfinite(delta).all()):
             # The average is the same on every rank, so every rank raises here.
@@ -406,17 +370,23 @@ class DiLoCo:
                 p.copy_(g + since)
             offset += p.numel()
             g.grad = None
-        self._average_buffers(fragment)
+        self._take_buffers(flight)
         self.outer_steps += 1
 
-    def _average_buffers(self, fragment: _Fragment) -> None:
-        """BatchNorm's statistics, averaged with the first fragment."""
-        if fragment.index != 0:
+    def _take_buffers(self, flight: InFlight) -> None:
+        """BatchNorm's statistics, the first fragment's flight's average (plus, sent earlier,
+        what this replica's steps changed since)."""
+        if flight.buffers is None:
             return
-        group = self._group()
+        average = flight.buffers
+        if flight.buffers_snapshot is not None:
+            now = torch.cat([b.reshape(-1).to(self._buffer_dtype) for b in self._buffers])
+            # Unchanged entries add nothing, infinite ones too (an attention mask's -inf).
+            average = average + torch.where(now == flight.buffers_snapshot, 0.0, now - flight.buffers_snapshot)
+        offset = 0
         for b in self._buffers:
-            dist.all_reduce(b, group=group)
-            b.div_(dist.get_world_size(group))
+            b.copy_(average[offset : offset + b.numel()].view_as(b))
+            offset += b.numel()
             if self.replica_group is not None:  # the replica's ranks averaged with others
                 dist.broadcast(b, src=dist.get_global_rank(self.replica_group, 0), group=self.replica_group)
 
@@ -435,7 +405,8 @@ class DiLoCo:
             "part": self._part,
             "fragment_syncs": [f.syncs for f in self._fragments],
             "in_flight": [{"fragment": f.fragment.index, "due": f.due, "average": self._wait(f).clone(),
-                           "snapshot": None if f.snapshot is None else f.snapshot.clone()} for f in self._in_flight],
+                           "snapshot": _copy(f.snapshot), "buffers": _copy(f.buffers),
+                           "buffers_snapshot": _copy(f.buffers_snapshot)} for f in self._in_flight],
             "inner_steps": self.inner_steps,
             "outer_steps": self.outer_steps,
             "globals": [g.clone() for g in self._globals],
@@ -476,13 +447,18 @@ class DiLoCo:
         self.inner_steps, self.outer_steps = int(state["inner_steps"]), int(state["outer_steps"])
         for fragment, syncs in zip(self._fragments, state["fragment_syncs"]):
             fragment.syncs = int(syncs)
-        self._in_flight = [_InFlight(self._fragments[f["fragment"]], int(f["due"]), f["average"].clone(),
-                                     None if f["snapshot"] is None else f["snapshot"].clone(), None)
+        self._in_flight = [InFlight(self._fragments[f["fragment"]], int(f["due"]), f["average"].clone(),
+                                     _copy(f["snapshot"]), None, buffers=_copy(f["buffers"]),
+                                     buffers_snapshot=_copy(f["buffers_snapshot"]))
                            for f in state["in_flight"]]
         self.stats = CompressionStats(**state["stats"])
         if self.warmup_steps:  # again, should this object have finished its own warm-up
             self._hook.remove()
             self._hook = self.inner_optimizer.register_step_pre_hook(self._average_gradients)
+
+
+def _copy(tensor: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    return None if tensor is None else tensor.clone()
 
 
 def replica_groups(ranks_per_replica: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:

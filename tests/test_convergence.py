@@ -71,7 +71,7 @@ def test_time_to_accuracy_benchmark_runs_every_method() -> None:
     report sets the target from gloo fp32."""
     import math
 
-    from ddlcomm.bench.slownet.run_time_to_accuracy import report, summarise
+    from ddlcomm.bench.slownet.run_time_to_accuracy import compute_share, report, summarise
     from ddlcomm.bench.time_to_accuracy import METHODS
 
     # The MLP: the machinery is under test, and its evaluation is 20x cheaper than the CNN's.
@@ -88,6 +88,9 @@ def test_time_to_accuracy_benchmark_runs_every_method() -> None:
         assert all(math.isfinite(c[2]) and 0.0 <= c[2] <= 100.0 for c in r["curve"]), r
         if "DiLoCo" in r["method"]:  # two outer steps in 14 steps: float32 DDP would send 7x more
             assert r["traffic_reduction"] >= 7 * (0.99 if r["method"] == "DiLoCo fp32" else 1.5), r
+            # each rank's training seconds, and those in DiLoCo.step(): part of them
+            assert len(r["rank_seconds"]) == 2 and all(0 < w < c for c, w in r["rank_seconds"]), r
+            assert 0 < compute_share(r) < 1, r
     text, reached = summarise(records)
     assert reached[("mlp", "loopback", "gloo fp32")] is not None, text  # its own final figure
     assert all(f"| {method} |" in text for method in METHODS), text

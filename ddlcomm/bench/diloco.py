@@ -21,6 +21,7 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 import ddlcomm  # noqa: F401  (registers the backend)
 from ddlcomm import compressors, optim
@@ -28,7 +29,8 @@ from ddlcomm.bench import init_ranks
 from ddlcomm.bench.convergence import METHODS as DDP_METHODS
 from ddlcomm.bench.convergence import RECIPES, Recipe, train
 from ddlcomm.bench.tasks import Task, lr_lambda, make_task
-from ddlcomm.diloco import DiLoCo
+from ddlcomm.diloco import DiLoCo, replica_groups
+from ddlcomm.wire import ring_all_reduce_bytes
 
 # name -> (compressor factory or None for float32, DiLoCo options)
 METHODS: dict[str, tuple[Optional[Callable[[], compressors.Compressor]], dict[str, Any]]] = {
@@ -41,14 +43,21 @@ METHODS: dict[str, tuple[Optional[Callable[[], compressors.Compressor]], dict[st
 
 
 def run(task: Task, recipe: Recipe, method: str, seed: int, sync_every: int, outer_lr: float,
-        outer_momentum: float = 0.9, warmup_steps: int = 0, warmup_compressed: bool = False) -> dict:
+        outer_momentum: float = 0.9, warmup_steps: int = 0, warmup_compressed: bool = False,
+        ranks_per_replica: int = 1) -> dict:
     """One DiLoCo run on every rank: the final metric and the traffic saved. With
     ``warmup_compressed`` the warm-up's averages go through the method's compressor (update
-    directions of a ``ddlcomm.optim`` optimizer)."""
+    directions of a ``ddlcomm.optim`` optimizer); with ``ranks_per_replica`` > 1, consecutive
+    ranks train one replica with DDP (a host) and only the outer steps cross between them."""
     make, options = METHODS[method]
     rank = dist.get_rank()
     torch.manual_seed(seed)
     model = task.model()
+    ddp: torch.nn.Module = model
+    if ranks_per_replica > 1:
+        replica, across = replica_groups(ranks_per_replica)
+        ddp = DistributedDataParallel(model, process_group=replica)
+        options = dict(options, process_group=across, replica_group=replica)
     family = optim if warmup_compressed else torch.optim
     inner = {"sgd": family.SGD, "adam": family.Adam, "adamw": family.AdamW}[recipe.optimizer](
         model.parameters(), lr=recipe.lr, **recipe.options)
@@ -61,7 +70,7 @@ def run(task: Task, recipe: Recipe, method: str, seed: int, sync_every: int, out
         inner.zero_grad()
         for _ in range(recipe.micro_batches):
             x, y = task.batch(g)
-            task.loss(model, x, y).backward()  # summed, as the DDP run does
+            task.loss(ddp, x, y).backward()  # summed, as the DDP run does
         if recipe.clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.clip)
         inner.step()
@@ -69,7 +78,10 @@ def run(task: Task, recipe: Recipe, method: str, seed: int, sync_every: int, out
         diloco.step()
     if diloco.inner_steps % sync_every:
         diloco.sync()  # end on the global weights
-    return {"metric": task.evaluate(model), "reduction": diloco.stats.ratio}
+    # Against DDP's float32 ring over every rank: what a rank sends between replicas (hosts).
+    numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    ddp_bytes = task.steps * ring_all_reduce_bytes(numel * 4, dist.get_world_size())
+    return {"metric": task.evaluate(model), "reduction": ddp_bytes / diloco.stats.bytes_sent}
 
 
 def _cell(task: Task, runs: list[dict], base: Optional[float]) -> str:
@@ -108,6 +120,8 @@ def main() -> None:
                         help="first inner steps on the replicas' average gradient (clipped on each rank first)")
     parser.add_argument("--warmup-compressed", action="store_true",
                         help="the warm-up through each method's compressor (ddlcomm.optim's update directions)")
+    parser.add_argument("--ranks-per-replica", type=int, default=1,
+                        help="consecutive ranks that train one replica with DDP (two levels: a host's ranks)")
     parser.add_argument("--out", type=Path, default=None, help="directory for diloco.md and diloco.json")
     args = parser.parse_args()
     init_ranks("ddlcomm")
@@ -121,13 +135,17 @@ def main() -> None:
     results: dict[str, list[dict]] = {}
     results["DDP all-reduce"] = [train(task, DDP_METHODS["all-reduce"], recipe.optimizer, s, recipe=recipe)
                                  for s in range(args.seeds)]
-    warmup = (f", {args.warmup_steps}{' compressed' if args.warmup_compressed else ''} warm-up steps"
-              if args.warmup_steps else "")
     for method in methods:
-        results[method + warmup] = [run(task, recipe, method, s, args.sync_every, args.outer_lr, args.outer_momentum,
-                                        args.warmup_steps, args.warmup_compressed) for s in range(args.seeds)]
+        # float32 methods warm up in float32 even with --warmup-compressed
+        compressed = args.warmup_compressed and METHODS[method][0] is not None
+        name = method + (f", {args.warmup_steps}{' compressed' if compressed else ''} warm-up steps"
+                         if args.warmup_steps else "")
+        name += f", replicas of {args.ranks_per_replica} ranks" if args.ranks_per_replica > 1 else ""
+        results[name] = [run(task, recipe, method, s, args.sync_every, args.outer_lr, args.outer_momentum,
+                             args.warmup_steps, args.warmup_compressed, args.ranks_per_replica)
+                         for s in range(args.seeds)]
         if dist.get_rank() == 0:
-            print(f"RESULT {method + warmup}: {json.dumps(results[method + warmup])}", flush=True)
+            print(f"RESULT {name}: {json.dumps(results[name])}", flush=True)
     if dist.get_rank() == 0:
         text = table(task, args.recipe, results, args.sync_every, args.outer_lr, args.outer_momentum)
         print(text, flush=True)

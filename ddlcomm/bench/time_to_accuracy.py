@@ -52,6 +52,7 @@ OUTER = {
     "Streaming DiLoCo ternary (4 fragments; 2-step overlap)": (compressors.Ternary,
                                                                 {"fragments": 4, "overlap_steps": 2}),
     "Two-level DiLoCo ternary (DDP inside a host)": (compressors.Ternary, {"two_levels": True}),
+    "Overlapped DiLoCo 1-bit (2-step overlap)": (compressors.OneBit, {"overlap_steps": 2}),
 }
 METHODS = ["gloo fp32", "gloo fp16_compress_hook", "PowerSGD rank 4 (torch hook)", *COMPRESSORS, *OUTER]
 
@@ -102,16 +103,22 @@ def run(task, method: str, opt_name: str, gloo: dist.ProcessGroup, eval_every: i
     schedule = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(task.steps))
     g = torch.Generator().manual_seed(1000 + rank + 100_000 * seed)  # each rank's batches
     curve = [(0.0, 0, task.evaluate(model))]
-    clock = 0.0
+    # waited: in DiLoCo.step(), where outer steps wait for the wire, and in a warm-up step's
+    # opt.step(), whose pre-hook averages the gradients
+    clock = waited = 0.0
     dist.barrier(group=gloo)
     for step in range(1, task.steps + 1):
         start = time.perf_counter()
         x, y = task.batch(g)
         opt.zero_grad()
         task.loss(ddp, x, y).backward()
+        begin = time.perf_counter()
         opt.step()
         if diloco is not None:
+            if step > diloco.warmup_steps:
+                begin = time.perf_counter()
             diloco.step()
+            waited += time.perf_counter() - begin
         schedule.step()
         clock += time.perf_counter() - start
         if step % eval_every == 0 or step == task.steps:
@@ -125,6 +132,10 @@ def run(task, method: str, opt_name: str, gloo: dist.ProcessGroup, eval_every: i
         method = f"{method}, {diloco.warmup_steps}{kind} warm-up steps"
     result = {"method": method, "optimizer": opt_name, "seed": seed, "seconds_per_step": curve[-1][0] / task.steps, "curve": curve}
     if diloco is not None:
+        # Each rank's training seconds and those waited (above): the rest is its compute.
+        seconds = [torch.zeros(2, dtype=torch.float64) for _ in range(dist.get_world_size())]
+        dist.all_gather(seconds, torch.tensor([clock, waited], dtype=torch.float64), group=gloo)
+        result["rank_seconds"] = [[round(float(v), 3) for v in s] for s in seconds]
         result["outer"] = dict(outer, ranks_per_host=per_host) if "replica_group" in options else outer
         result["traffic_reduction"] = diloco.stats.ratio
     return result

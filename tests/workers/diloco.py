@@ -42,8 +42,8 @@ def _inner_step(model: torch.nn.Module, opt: torch.optim.Optimizer, rank: int, s
 
 
 def _flat(model: torch.nn.Module) -> torch.Tensor:
-    return torch.cat([t.detach().reshape(-1).float() for t in [*model.parameters(), *model.buffers()]
-                      if t.is_floating_point()])
+    """The parameters and the buffers a checkpoint holds, flat."""
+    return torch.cat([t.detach().reshape(-1).float() for t in model.state_dict().values() if t.is_floating_point()])
 
 
 def _assert_replicas_equal(model: torch.nn.Module, what: str) -> None:
@@ -57,9 +57,12 @@ def _assert_replicas_equal(model: torch.nn.Module, what: str) -> None:
 def matches_reference(backend: str) -> None:
     """Float32 outer steps (compressor=None) equal DiLoCo written out with torch alone: the
     mean pseudo-gradient per parameter, torch's Nesterov SGD on float32 global weights, the
-    replica set to them, BatchNorm's statistics averaged."""
+    replica set to them, BatchNorm's statistics averaged; a non-persistent buffer (a mask,
+    different on each rank) left alone."""
     rank, n = init(backend)
     model, reference = _model(), _model()
+    for m in (model, reference):
+        m.register_buffer("mask", torch.tensor([float("-inf"), float(rank)]), persistent=False)
     inner = torch.optim.AdamW(model.parameters(), lr=3e-3)
     ref_inner = torch.optim.AdamW(reference.parameters(), lr=3e-3)
     diloco = DiLoCo(model, inner, sync_every=5, outer_lr=0.7, outer_momentum=0.9)
@@ -79,12 +82,13 @@ def matches_reference(backend: str) -> None:
                 outer.step()
                 for g, p in zip(globals_, reference.parameters()):
                     p.copy_(g)
-                for b in reference.buffers():
-                    if b.is_floating_point():
+                for name, b in reference.named_buffers():
+                    if b.is_floating_point() and name != "mask":
                         dist.all_reduce(b)
                         b /= n
             torch.testing.assert_close(_flat(model), _flat(reference), rtol=0, atol=0,
                                        msg=lambda m: f"outer step {diloco.outer_steps}: {m}")
+            assert model.mask.tolist() == [float("-inf"), float(rank)], model.mask
             _assert_replicas_equal(model, f"outer step {diloco.outer_steps}")
     assert diloco.outer_steps == 4 and diloco.inner_steps == 20
     # float32 every 5 steps: a fifth of what DDP sends in float32 at every step
@@ -95,7 +99,8 @@ def streaming_matches_reference(backend: str) -> None:
     """Streaming (2 fragments, every 4 steps, applied 1 step late), float32, against the schedule
     and the update written out with torch alone: fragment k sends at inner steps t with
     t % 4 == (k + 1) * 4 // 2 % 4, its average moves its global weights one step later, and the
-    replica keeps what its inner step added meanwhile. Global weights bitwise equal everywhere."""
+    replica keeps what its inner step added meanwhile; BatchNorm's statistics are averaged when
+    fragment 0 is sent and kept as they changed since. Global weights bitwise equal everywhere."""
     rank, n = init(backend)
     model, reference = _model(), _model()
     inner = torch.optim.AdamW(model.parameters(), lr=3e-3)
@@ -108,7 +113,8 @@ def streaming_matches_reference(backend: str) -> None:
     params = list(reference.parameters())
     globals_ = [p.detach().clone() for p in params]
     outer = torch.optim.SGD(globals_, lr=0.7, momentum=0.9, nesterov=True)
-    in_flight = []  # (fragment, due step, averages, the replica's parameters when sent)
+    in_flight = []  # (fragment, due step, averages, the replica's parameters when sent, buffers' and theirs)
+    buffers = [b for b in reference.buffers() if b.is_floating_point()]
     for step in range(17):
         t = step + 1
         _inner_step(model, inner, rank, step)
@@ -117,7 +123,7 @@ def streaming_matches_reference(backend: str) -> None:
         with torch.no_grad():
             due = [f for f in in_flight if f[1] <= t]
             in_flight = [f for f in in_flight if f[1] > t]
-            for k, _, averages, sent in due:
+            for k, _, averages, sent, (buffer_average, buffers_sent) in due:
                 for i, average in zip(fragments[k], averages):
                     globals_[i].grad = average
                 outer.step()
@@ -125,17 +131,23 @@ def streaming_matches_reference(backend: str) -> None:
                     params[i].copy_(globals_[i] + (params[i] - before))
                     globals_[i].grad = None
                 if k == 0:
-                    for b in reference.buffers():
-                        if b.is_floating_point():
-                            dist.all_reduce(b)
-                            b /= n
+                    kept = buffer_average + (torch.cat([b.reshape(-1) for b in buffers]) - buffers_sent)
+                    for b, value in zip(buffers, kept.split([b.numel() for b in buffers])):
+                        b.copy_(value.view_as(b))
             for k in range(2):
                 if t % 4 == (k + 1) * 4 // 2 % 4:
                     averages = [globals_[i] - params[i] for i in fragments[k]]
                     for a in averages:
                         dist.all_reduce(a)
                         a /= n
-                    in_flight.append((k, t + 1, averages, [params[i].clone() for i in fragments[k]]))
+                    sent_buffers = buffer_average = None
+                    if k == 0:
+                        sent_buffers = torch.cat([b.reshape(-1) for b in buffers])
+                        buffer_average = sent_buffers.clone()
+                        dist.all_reduce(buffer_average)
+                        buffer_average /= n
+                    in_flight.append((k, t + 1, averages, [params[i].clone() for i in fragments[k]],
+                                      (buffer_average, sent_buffers)))
         assert applied == bool(due), (t, applied, due)
         torch.testing.assert_close(_flat(model), _flat(reference), rtol=0, atol=0, msg=lambda m: f"step {t}: {m}")
         _assert_globals_equal(diloco, f"step {t}")

@@ -45,9 +45,17 @@ def run_rate(rate: str, delay: str, runs: list, methods: str, timeout: float, ex
             for record in collect_results(net, argv, timeout, f"{task} at {name}", ranks_per_host):
                 record["rate"] = name
                 results.append(record)
+                share = compute_share(record)
                 print(f"  [{rate}] {task:<4} {record['method']:<30} {record['seconds_per_step']:.3f} s/step, "
-                      f"final {record['curve'][-1][2]:.3f}", flush=True)
+                      f"final {record['curve'][-1][2]:.3f}" + (f", compute {share:.0%}" if share else ""), flush=True)
     return results
+
+
+def compute_share(record: dict) -> float | None:
+    """DiLoCo: the ranks' mean share of their training time not spent waiting for averages
+    (in ``DiLoCo.step()``, and in a warm-up step's ``optimizer.step()``)."""
+    ranks = record.get("rank_seconds")
+    return sum(1 - waited / clock for clock, waited in ranks) / len(ranks) if ranks else None
 
 
 def time_to_target(record: dict, target: float, higher: bool) -> float | None:
