@@ -114,8 +114,8 @@ def inspect(payload: torch.Tensor) -> dict:
     """Validates a payload completely and describes it.
 
     Returns a dict with ``format`` ("one_bit", "ternary", "top_k", "random_k", "float16",
-    "bfloat16"), ``version``, ``two_scales``, ``stochastic``, ``block_size``, ``numel``, ``k``
-    and ``nbytes``.
+    "bfloat16"), ``version``, ``two_scales``, ``stochastic``, ``block_size``, ``numel``, ``k``,
+    ``value_bits`` (top-k's value codes; 32 for float32 values) and ``nbytes``.
     Raises ValueError for a truncated, corrupt or unknown payload.
     """
     _check_payload(payload)
@@ -398,7 +398,7 @@ class _Sparse(Compressor):
 
 
 class TopK(_Sparse):
-    """The k largest-magnitude entries (indices ascending + float32 values), ties to the lower index.
+    """The k largest-magnitude entries (indices ascending + their values), ties to the lower index.
 
     Keeps a fraction ``ratio`` (default 0.01) of the entries, or exactly ``k``: give one, not both.
 
@@ -406,15 +406,26 @@ class TopK(_Sparse):
     random sample, an exact selection among the candidates above it, and a fallback to the
     exact method when the sample was wrong. The payload is identical to exact top-k; only the
     speed differs (much faster for small ratios).
+
+    ``value_bits`` (SparseLoCo's quantized values): 32 sends float32 values; 1, 2, 4 or 8 sends
+    a code per entry instead: its sign and one of 2**(value_bits - 1) magnitude bins of equal
+    count, decoded to the mean of the entries that share the code (a table of 2**value_bits
+    float32 in the payload). A kept entry then costs 32 + value_bits bits instead of 64, and
+    what the code loses stays in the residual. CPU tensors only for now.
     """
 
     _format = _native.Format.TOP_K
 
-    def __init__(self, ratio: Optional[float] = None, k: Optional[int] = None, approximate: bool = False) -> None:
-        super().__init__(ratio, k, approximate=bool(approximate))
+    def __init__(self, ratio: Optional[float] = None, k: Optional[int] = None, approximate: bool = False,
+                 value_bits: int = 32) -> None:
+        if _integer(value_bits, "value_bits", 1, 6) not in (1, 2, 4, 8, 32):
+            raise ValueError(f"value_bits must be 1, 2, 4, 8 or 32 (float32 values), got {value_bits}")
+        options = {} if value_bits == 32 else {"value_bits": int(value_bits)}
+        super().__init__(ratio, k, approximate=bool(approximate), **options)
 
     def _describe(self) -> str:
-        return f"{super()._describe()}, approximate={self._config.approximate}"
+        bits = "" if self._config.value_bits == 32 else f", value_bits={self._config.value_bits}"
+        return f"{super()._describe()}, approximate={self._config.approximate}{bits}"
 
 
 class RandomK(_Sparse):

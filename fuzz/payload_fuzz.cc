@@ -3,7 +3,7 @@
 //   control bits 0-1: output dtype of decode (float32, float16, bfloat16, float32)
 //   control bit 2:    the wrong element count tried is below the payload's (else above)
 //   control bits 3-7: how far below or above
-// Like compressed_allreduce.cc, a receiver checks the config (format, block size) it expects
+// Like compressed_allreduce.cc, a receiver checks the config (format, block size, value bits) it expects
 // and sizes its output from the count it expects, never from the header. ddlcomm::Error is the
 // expected way to refuse; a crash, a sanitizer report, any other exception, a timeout or a huge
 // allocation (-malloc_limit_mb) is a finding.
@@ -119,7 +119,13 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   config.blockSize = info.blockSize;
   config.twoScales = info.flags & kFlagTwoScales;
   config.stochastic = info.flags & kFlagStochastic;
+  config.valueBits = info.valueBits ? info.valueBits : 32;
   checkPayloadConfig(payload, bytes, config);
+  if (info.format == Format::TopK) {  // value codes, or their width, are part of the compressor too
+    Config other = config;
+    other.valueBits = config.valueBits == 2 ? 4 : 2;
+    mustThrow("checkPayloadConfig accepted other value bits", [&] { checkPayloadConfig(payload, bytes, other); });
+  }
   // A flag that changes the encoding is part of the compressor a peer must match.
   if (info.format == Format::OneBit || info.format == Format::Ternary) {
     Config flipped = config;

@@ -24,6 +24,8 @@ COMPRESSORS = {
     "ternary_stochastic_clip_block5": lambda: Ternary(block_size=5, stochastic=True, clip=1.5, seed=7),
     "top_k": lambda: TopK(ratio=0.05),
     "top_k_approx": lambda: TopK(ratio=0.05, approximate=True),
+    "top_k_2bit": lambda: TopK(ratio=0.05, value_bits=2),
+    "top_k_8bit": lambda: TopK(k=37, value_bits=8),
     "random_k": lambda: RandomK(ratio=0.1, seed=3),
     "random_k_scaled": lambda: RandomK(k=5, seed=3, scaled=True),
     "fp16": lambda: FP16(),
@@ -41,9 +43,9 @@ def make_input(numel: int, dtype: torch.dtype, seed: int = 0) -> tuple[torch.Ten
 
 
 def header(payload: torch.Tensor) -> dict:
-    magic, version, fmt, flags, res0, block, res1, numel, k = HEADER.unpack(bytes(payload[:32].tolist()))
+    magic, version, fmt, flags, res0, block, value_bits, numel, k = HEADER.unpack(bytes(payload[:32].tolist()))
     return dict(magic=magic, version=version, format=fmt, flags=flags, reserved0=res0, block_size=block,
-                reserved1=res1, numel=numel, k=k)
+                value_bits=value_bits, numel=numel, k=k)
 
 
 def with_header(payload: torch.Tensor, **fields: int) -> torch.Tensor:
@@ -59,8 +61,23 @@ def section(payload: torch.Tensor, offset: int, count: int, dtype: torch.dtype) 
 
 
 def sparse_entries(payload: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    k = header(payload)["k"]
-    return section(payload, 0, k, torch.int32).long(), section(payload, 4 * k, k, torch.float32)
+    """Indices and values of a top-k / random-k payload; value codes are looked up in their table."""
+    h = header(payload)
+    k, bits = h["k"], h["value_bits"]
+    indices = section(payload, 0, k, torch.int32).long()
+    if bits == 0:
+        return indices, section(payload, 4 * k, k, torch.float32)
+    return indices, section(payload, 4 * k, 1 << bits, torch.float32)[value_codes(payload)]
+
+
+def value_codes(payload: torch.Tensor) -> torch.Tensor:
+    """The b-bit codes of a top-k payload with value codes (wire_format.h), one int64 per entry."""
+    h = header(payload)
+    k, bits = h["k"], h["value_bits"]
+    packed = payload[32 + 4 * k + (4 << bits):].long()
+    shifts = torch.arange(0, 8, bits)
+    codes = (packed[:, None] >> shifts) & ((1 << bits) - 1)
+    return codes.reshape(-1)[:k]
 
 
 def assert_error_feedback(y: torch.Tensor, decoded: torch.Tensor, residual: torch.Tensor) -> None:

@@ -49,7 +49,7 @@ def test_corrupt_header_is_rejected(name: str) -> None:
     corruptions = [
         dict(magic=h["magic"] ^ 1), dict(version=0), dict(version=2), dict(format=0), dict(format=7),
         dict(format=255), dict(flags=h["flags"] | 4), dict(flags=h["flags"] ^ 1), dict(reserved0=1),
-        dict(reserved1=1), dict(block_size=1), dict(k=h["k"] + 1), dict(k=2**64 - 1),
+        dict(value_bits=1), dict(block_size=1), dict(k=h["k"] + 1), dict(k=2**64 - 1),
     ]
     if h["block_size"]:
         corruptions += [dict(block_size=0), dict(numel=2**62), dict(numel=2**64 - 1)]

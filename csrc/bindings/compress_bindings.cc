@@ -66,7 +66,8 @@ void bindCompression(py::module_& m) {
       .def_readwrite("k", &Config::k)
       .def_readwrite("approximate", &Config::approximate)
       .def_readwrite("scaled", &Config::scaled)
-      .def_readwrite("seed", &Config::seed);
+      .def_readwrite("seed", &Config::seed)
+      .def_readwrite("value_bits", &Config::valueBits);
 
   c.def("kept_entries", &compress::keptEntries, py::arg("config"), py::arg("numel"));
   c.def("encoded_bytes", &compress::encodedBytes, py::arg("config"), py::arg("numel"));
@@ -131,6 +132,7 @@ void bindCompression(py::module_& m) {
         d["block_size"] = info.blockSize;
         d["numel"] = info.numel;
         d["k"] = info.k;
+        d["value_bits"] = info.valueBits ? info.valueBits : 32u;
         d["nbytes"] = bytes;
         return d;
       },

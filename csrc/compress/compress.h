@@ -30,6 +30,13 @@
 //    all-reduce (ddlcomm/compressed.py) checks for that separately.
 //  - Top-k keeps the k largest |y| (NaN largest), ties to the lower index; approximate top-k
 //    selects exactly the same entries (it only finds them faster, see topk.cc).
+//  - Top-k value codes (valueBits b, SparseLoCo's quantized values): the kept entries ranked
+//    by |y| as above (rank 0 largest) fall into L = 2^(b-1) magnitude bins of equal count,
+//    bin = rank * L / k (integer division); code = bin, plus L when !(y >= 0) (NaN counts as
+//    negative). table[c] = float32(sum of y over the entries with code c, in index order, in
+//    float64, / their count), 0 when none has it. Each entry decodes to table[its code], so
+//    every code's entries keep their sum (up to float32 rounding) and the residual holds the
+//    rest; ranks are integers, so the codes are the same on any device.
 #pragma once
 
 #include <algorithm>
@@ -60,6 +67,7 @@ struct Config {
   bool approximate = false;  // top-k: sampled threshold (Deep Gradient Compression), same result
   bool scaled = false;       // random-k: values times float(double(numel) / k): unbiased estimate
   uint64_t seed = 0;         // stochastic ternary / random-k randomness (top-k sampling)
+  unsigned valueBits = 32;   // top-k: 32 sends float32 values; 1, 2, 4 or 8 sends value codes
 };
 
 // The header fields that follow from the config alone (shared by the CPU and CUDA encoders).
@@ -71,6 +79,9 @@ inline uint8_t headerFlags(const Config& config) {
   return 0;
 }
 inline uint32_t headerBlockSize(const Config& config) { return hasBlocks(config.format) ? config.blockSize : 0; }
+inline uint32_t headerValueBits(const Config& config) {
+  return config.format == Format::TopK && config.valueBits != 32 ? config.valueBits : 0;
+}
 
 // Entries kept by top-k / random-k for a vector of numel elements: min(k, numel) when k is
 // set, else round(ratio * numel) (half away from zero) clamped to [1, numel]; 0 when numel is 0.
@@ -89,12 +100,14 @@ inline PayloadHeader makeHeader(const Config& config, uint64_t numel) {
   header.format = uint8_t(config.format);
   header.flags = headerFlags(config);
   header.blockSize = headerBlockSize(config);
+  header.valueBits = headerValueBits(config);
   header.numel = numel;
   header.k = keptEntries(config, numel);
   return header;
 }
 inline PayloadLayout payloadLayout(const Config& config, size_t numel) {
-  return payloadLayout(config.format, config.twoScales, config.blockSize, numel, keptEntries(config, numel));
+  return payloadLayout(config.format, config.twoScales, config.blockSize, numel, keptEntries(config, numel),
+                       headerValueBits(config));
 }
 
 // "one_bit", "ternary", "top_k", "random_k", "float16", "bfloat16".
@@ -123,13 +136,14 @@ struct PayloadInfo {
   uint32_t blockSize;
   uint64_t numel;
   uint64_t k;
+  uint32_t valueBits;  // top-k value codes; 0: float32 values
 };
 // Validates a payload completely (header, exact size, index order and range, codes);
 // throws Error(Protocol) describing the first problem.
 PayloadInfo inspect(const uint8_t* payload, size_t bytes);
 
-// Throws Error(Mismatch) unless the payload's header has config's format, block size and
-// two-scales flag (a payload shorter than a header: Error(Protocol)). decode() checks only the
+// Throws Error(Mismatch) unless the payload's header has config's format, block size, flags
+// and value bits (a payload shorter than a header: Error(Protocol)). decode() checks only the
 // caller's element count; a receiver that knows the config to expect checks it here: float16 and
 // bfloat16 payloads, or 1-bit ones with block sizes 250 and 256, can have the same size.
 void checkPayloadConfig(const uint8_t* payload, size_t bytes, const Config& config);

@@ -33,6 +33,11 @@ void checkConfig(const Config& config) {
     DDLCOMM_CHECK(config.stochastic || config.clip == 0.f, ErrorKind::InvalidArgument,
                   "clip applies to stochastic ternary only");
   }
+  DDLCOMM_CHECK(config.valueBits == 32 || (isValueBits(config.valueBits) && config.valueBits > 0),
+                ErrorKind::InvalidArgument, "value_bits must be 1, 2, 4, 8 or 32 (float32 values), got ",
+                config.valueBits);
+  DDLCOMM_CHECK(config.valueBits == 32 || config.format == Format::TopK, ErrorKind::InvalidArgument,
+                "value_bits applies to top-k only");
   if (isSparse(config.format) && config.k == 0) {
     DDLCOMM_CHECK(config.ratio > 0.0 && config.ratio <= 1.0, ErrorKind::InvalidArgument,
                   "ratio must be in (0, 1], got ", config.ratio);
@@ -55,10 +60,12 @@ void checkUnusedBits(const uint8_t* section, size_t bytes, uint64_t numel, unsig
                 " payload: unused bits of the last byte are not zero");
 }
 
-// "one_bit (block size 256, flags 0)", for mismatch messages.
-std::string describeHeader(uint8_t format, uint32_t blockSize, uint8_t flags) {
+// "one_bit (block size 256, flags 0)", "top_k (block size 0, flags 0, 2-bit values)", for
+// mismatch messages.
+std::string describeHeader(uint8_t format, uint32_t blockSize, uint8_t flags, uint32_t valueBits) {
   return detail::concat(isKnownFormat(format) ? formatName(Format(format)) : "an unknown format", " (block size ",
-                        blockSize, ", flags ", int(flags), ")");
+                        blockSize, ", flags ", int(flags),
+                        valueBits ? detail::concat(", ", valueBits, "-bit values") : std::string(), ")");
 }
 
 void writeHeader(const Config& config, uint64_t numel, uint8_t* payload) {
@@ -72,14 +79,15 @@ void decodeInto(const uint8_t* payload, size_t bytes, const Output& out, size_t 
                 " elements, the output has ", numel);
   DDLCOMM_CHECK(numel == 0 || out.data != nullptr, ErrorKind::InvalidArgument, "decode: null output");
   const bool twoScales = info.flags & kFlagTwoScales;
-  const PayloadLayout layout = payloadLayout(info.format, twoScales, info.blockSize, info.numel, info.k);
+  const PayloadLayout layout =
+      payloadLayout(info.format, twoScales, info.blockSize, info.numel, info.k, info.valueBits);
   const uint8_t* first = payload + layout.first;
   const uint8_t* second = payload + layout.second;
   switch (info.format) {
     case Format::OneBit:
     case Format::Ternary: return decodeBlocks(info.format, twoScales, numel, info.blockSize, first, second, out);
     case Format::TopK:
-    case Format::RandomK: return decodeSparse(numel, info.k, first, second, out);
+    case Format::RandomK: return decodeSparse(numel, SparseSection::of(payload, layout, info.k, info.valueBits), out);
     case Format::Float16:
     case Format::BFloat16: return decodeCast(info.format, numel, first, out);
   }
@@ -127,7 +135,17 @@ size_t encode(const Config& config, DataType xType, const void* x, float* residu
   switch (config.format) {
     case Format::OneBit:
     case Format::Ternary: encodeBlocks(config, in, stream, first, second); break;
-    case Format::TopK: encodeTopK(config, in, stream, k, first, second, topKStats); break;
+    case Format::TopK: {
+      const unsigned valueBits = headerValueBits(config);
+      if (valueBits == 0) {
+        encodeTopK(config, in, stream, k, first, second, topKStats);
+        break;
+      }
+      std::vector<float> y(k);  // the kept entries' values, then coded
+      encodeTopK(config, in, stream, k, first, reinterpret_cast<uint8_t*>(y.data()), topKStats);
+      encodeValueCodes(k, valueBits, first, y.data(), residual, second, payload + layout.codes);
+      break;
+    }
     case Format::RandomK: encodeRandomK(config, in, stream, k, first, second); break;
     case Format::Float16:
     case Format::BFloat16: encodeCast(config.format, in, first); break;
@@ -147,8 +165,7 @@ PayloadInfo inspect(const uint8_t* payload, size_t bytes) {
   DDLCOMM_CHECK(isKnownFormat(h.format), ErrorKind::Protocol, "unknown payload format ", int(h.format));
   const auto format = Format(h.format);
   const char* name = formatName(format);
-  DDLCOMM_CHECK(h.reserved0 == 0 && h.reserved1 == 0, ErrorKind::Protocol, name,
-                " payload: reserved header fields are not zero");
+  DDLCOMM_CHECK(h.reserved0 == 0, ErrorKind::Protocol, name, " payload: the reserved header byte is not zero");
   const uint8_t allowedFlags = format == Format::OneBit ? kFlagTwoScales : format == Format::Ternary ? kFlagStochastic : 0;
   DDLCOMM_CHECK((h.flags & ~allowedFlags) == 0, ErrorKind::Protocol, name, " payload: invalid flags ", int(h.flags));
   if (hasBlocks(format)) {
@@ -156,12 +173,14 @@ PayloadInfo inspect(const uint8_t* payload, size_t bytes) {
   } else {
     DDLCOMM_CHECK(h.blockSize == 0, ErrorKind::Protocol, name, " payload: block size must be 0, got ", h.blockSize);
   }
+  DDLCOMM_CHECK(h.valueBits == 0 || (format == Format::TopK && isValueBits(h.valueBits)), ErrorKind::Protocol,
+                name, " payload: invalid value bits ", h.valueBits);
   if (isSparse(format)) {
     DDLCOMM_CHECK(h.k <= h.numel, ErrorKind::Protocol, name, " payload: k = ", h.k, " exceeds numel = ", h.numel);
   } else {
     DDLCOMM_CHECK(h.k == 0, ErrorKind::Protocol, name, " payload: k must be 0, got ", h.k);
   }
-  const PayloadLayout layout = payloadLayout(format, h.flags & kFlagTwoScales, h.blockSize, h.numel, h.k);
+  const PayloadLayout layout = payloadLayout(format, h.flags & kFlagTwoScales, h.blockSize, h.numel, h.k, h.valueBits);
   DDLCOMM_CHECK(layout.fits, ErrorKind::Protocol, name, " payload: header sizes overflow (numel ", h.numel, ", k ",
                 h.k, ")");
   DDLCOMM_CHECK(bytes == layout.bytes, ErrorKind::Protocol, name, " payload has ", bytes, " bytes, its header (numel ",
@@ -176,11 +195,14 @@ PayloadInfo inspect(const uint8_t* payload, size_t bytes) {
       checkTernaryCodes(second, h.numel);
       break;
     case Format::TopK:
-    case Format::RandomK: checkSparseIndices(first, h.k, h.numel); break;
+    case Format::RandomK:
+      checkSparseIndices(first, h.k, h.numel);
+      if (h.valueBits != 0) checkUnusedBits(payload + layout.codes, layout.bytes - layout.codes, h.k, h.valueBits, name);
+      break;
     case Format::Float16:
     case Format::BFloat16: break;
   }
-  return {format, h.flags, h.blockSize, h.numel, h.k};
+  return {format, h.flags, h.blockSize, h.numel, h.k, h.valueBits};
 }
 
 void checkPayloadConfig(const uint8_t* payload, size_t bytes, const Config& config) {
@@ -190,9 +212,11 @@ void checkPayloadConfig(const uint8_t* payload, size_t bytes, const Config& conf
   std::memcpy(&h, payload, kHeaderBytes);
   const uint8_t flags = headerFlags(config);
   const uint32_t blockSize = headerBlockSize(config);
-  DDLCOMM_CHECK(h.format == uint8_t(config.format) && h.flags == flags && h.blockSize == blockSize,
-                ErrorKind::Mismatch, "the payload is ", describeHeader(h.format, h.blockSize, h.flags),
-                ", this rank expects ", describeHeader(uint8_t(config.format), blockSize, flags),
+  const uint32_t valueBits = headerValueBits(config);
+  DDLCOMM_CHECK(h.format == uint8_t(config.format) && h.flags == flags && h.blockSize == blockSize &&
+                    h.valueBits == valueBits,
+                ErrorKind::Mismatch, "the payload is ", describeHeader(h.format, h.blockSize, h.flags, h.valueBits),
+                ", this rank expects ", describeHeader(uint8_t(config.format), blockSize, flags, valueBits),
                 ": every rank must use the same compressor");
 }
 
@@ -271,8 +295,8 @@ void sumSparse(const Config& config, const uint8_t* const* payloads, size_t coun
   std::vector<SparseSection> sections;
   for (size_t j = 0; j < count; ++j) {
     const PayloadInfo info = checkSummand(config, payloads[j], payloadBytes, numel);
-    const PayloadLayout layout = payloadLayout(info.format, false, 0, info.numel, info.k);
-    sections.push_back({size_t(info.k), payloads[j] + layout.first, payloads[j] + layout.second});
+    const PayloadLayout layout = payloadLayout(info.format, false, 0, info.numel, info.k, info.valueBits);
+    sections.push_back(SparseSection::of(payloads[j], layout, size_t(info.k), info.valueBits));
   }
   sumSections(sections, numel, factor, outType, out);
 }

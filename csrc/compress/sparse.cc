@@ -1,6 +1,8 @@
 // What top-k and random-k share: their payload (uint32 indices ascending, then float32
-// values), decoded, merge-summed across payloads, and validated.
+// values or top-k's value codes), encoded codes, decoded, merge-summed across payloads, and
+// validated.
 #include <algorithm>
+#include <numeric>
 #include <vector>
 
 #include "common/error.h"
@@ -40,7 +42,7 @@ void sumRange(const std::vector<SparseSection>& in, float factor, typename E::Ra
   };
   std::vector<Cursor> cursors;
   for (const SparseSection& s : in) cursors.push_back({lowerBound(s.indices, s.k, begin), lowerBound(s.indices, s.k, end)});
-  auto indexAt = [&](size_t j) { return loadLE<uint32_t>(in[j].indices + 4 * cursors[j].at); };
+  auto indexAt = [&](size_t j) { return in[j].index(cursors[j].at); };
   while (true) {
     size_t next = end;
     for (size_t j = 0; j < in.size(); ++j) {
@@ -50,7 +52,7 @@ void sumRange(const std::vector<SparseSection>& in, float factor, typename E::Ra
     float sum = 0.f;
     for (size_t j = 0; j < in.size(); ++j) {
       if (cursors[j].at < cursors[j].end && indexAt(j) == next) {
-        sum += loadLE<float>(in[j].values + 4 * cursors[j].at);
+        sum += in[j].value(cursors[j].at);
         ++cursors[j].at;
       }
     }
@@ -61,10 +63,42 @@ void sumRange(const std::vector<SparseSection>& in, float factor, typename E::Ra
 
 }  // namespace
 
-void decodeSparse(size_t numel, size_t k, const uint8_t* indices, const uint8_t* values, const Output& out) {
+void encodeValueCodes(size_t k, unsigned valueBits, const uint8_t* indices, const float* y, float* residual,
+                      uint8_t* table, uint8_t* codes) {
+  const size_t levels = size_t(1) << (valueBits - 1);
+  // Rank by magnitude, ties to the lower index (the entries are in index order): a total order.
+  std::vector<uint32_t> order(k);
+  std::iota(order.begin(), order.end(), 0u);
+  std::sort(order.begin(), order.end(), [&](uint32_t a, uint32_t b) {
+    const uint32_t ka = magnitudeBits(y[a]), kb = magnitudeBits(y[b]);
+    return ka != kb ? ka > kb : a < b;
+  });
+  std::vector<uint8_t> code(k);
+  for (size_t rank = 0; rank < k; ++rank) {
+    const uint32_t e = order[rank];
+    code[e] = uint8_t(rank * levels / k + (y[e] >= 0.f ? 0 : levels));
+  }
+  std::vector<double> sum(2 * levels, 0.0);
+  std::vector<uint64_t> count(2 * levels, 0);
+  for (size_t e = 0; e < k; ++e) {
+    sum[code[e]] += double(y[e]);
+    ++count[code[e]];
+  }
+  std::vector<float> decoded(2 * levels);
+  for (size_t c = 0; c < decoded.size(); ++c) {
+    decoded[c] = count[c] == 0 ? 0.f : float(sum[c] / double(count[c]));
+    storeLE(table + 4 * c, decoded[c]);
+  }
+  std::fill(codes, codes + (k * valueBits + 7) / 8, uint8_t(0));
+  for (size_t e = 0; e < k; ++e) codes[e * valueBits / 8] |= uint8_t(code[e] << (e * valueBits % 8));
+  if (residual == nullptr) return;
+  for (size_t e = 0; e < k; ++e) residual[loadLE<uint32_t>(indices + 4 * e)] = residualOf(y[e], decoded[code[e]]);
+}
+
+void decodeSparse(size_t numel, const SparseSection& in, const Output& out) {
   if (!out.accumulate) parallelFor(numel, 1, kAlign, [&](size_t begin, size_t end) { fillZero(out, begin, end); });
   withSink(out, [&](auto sink) {
-    for (size_t e = 0; e < k; ++e) sink(loadLE<uint32_t>(indices + 4 * e), loadLE<float>(values + 4 * e));
+    for (size_t e = 0; e < in.k; ++e) sink(in.index(e), in.value(e));
   });
 }
 

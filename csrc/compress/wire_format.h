@@ -10,7 +10,8 @@
 //                 kFlagStochastic: ternary by stochastic rounding; decoding ignores both)
 //   7       1     reserved (0)
 //   8       4     blockSize: elements per scale block (1-bit, ternary); 0 otherwise
-//   12      4     reserved (0)
+//   12      4     valueBits: bits per top-k value code (1, 2, 4 or 8); 0 for float32 values
+//                 and for every other format
 //   16      8     numel: elements of the original vector
 //   24      8     k: entries carried (top-k, random-k); 0 otherwise
 //   32      ...   sections, in this order:
@@ -20,6 +21,9 @@
 //              2*(i % 4) .. 2*(i % 4)+1 of byte i / 4; 0 -> 0, 1 -> +s, 2 -> -s, 3 is invalid
 //     TopK,    uint32 indices[k], strictly increasing, < numel; then float32 values[k]
 //     RandomK
+//     TopK     (valueBits b > 0) uint32 indices[k] as above; then float32 table[2^b]; then
+//              b-bit codes[ceil(k * b / 8)]: code of entry e in bits b*(e % (8/b)) .. of byte
+//              e*b/8; entry e decodes to table[code]
 //     Float16  uint16 values[numel] (IEEE half / bfloat16 bits)
 //     BFloat16
 // nblocks = ceil(numel / blockSize). All integers little endian. Unused bits are zero.
@@ -55,7 +59,7 @@ struct PayloadHeader {
   uint8_t flags;
   uint8_t reserved0;
   uint32_t blockSize;
-  uint32_t reserved1;
+  uint32_t valueBits;
   uint64_t numel;
   uint64_t k;
 };
@@ -69,12 +73,18 @@ constexpr uint64_t blockScaleBytes(Format format, bool twoScales) {
   return format == Format::OneBit && twoScales ? 8 : 4;
 }
 
+// Top-k value codes: the widths a payload may carry (0: float32 values).
+constexpr bool isValueBits(uint64_t bits) { return bits == 0 || bits == 1 || bits == 2 || bits == 4 || bits == 8; }
+constexpr uint64_t valueTableBytes(unsigned valueBits) { return valueBits == 0 ? 0 : uint64_t(4) << valueBits; }
+
 // Where the sections above lie, from the header fields alone: the one computation of payload
 // sizes for the CPU (payload.cc) and the CUDA host code. Plain C++, usable by either build.
 struct PayloadLayout {
   uint64_t nblocks = 0;  // scale blocks (1-bit, ternary)
   uint64_t first = 0;    // offset of the first section: scales, indices, or the 16-bit values
-  uint64_t second = 0;   // offset of the second: sign bits, codes, or float32 values (casts: = bytes)
+  uint64_t second = 0;   // offset of the second: sign bits, codes, float32 values or the value
+                         // table (casts: = bytes)
+  uint64_t codes = 0;    // top-k with value codes: offset of the codes (after the table); else 0
   uint64_t bytes = 0;    // the whole payload
   bool fits = false;     // false when a size overflows size_t: then nothing else is meaningful
 
@@ -83,7 +93,9 @@ struct PayloadLayout {
 };
 
 // blockSize 0 gives no blocks (only reached for an empty vector: decoders check the rest).
-inline PayloadLayout payloadLayout(Format format, bool twoScales, uint64_t blockSize, uint64_t numel, uint64_t k) {
+// valueBits: top-k's value codes (0: float32 values; checked by the caller).
+inline PayloadLayout payloadLayout(Format format, bool twoScales, uint64_t blockSize, uint64_t numel, uint64_t k,
+                                   unsigned valueBits) {
   bool fits = true;
   auto times = [&](uint64_t a, uint64_t b) {  // a * b, noting an overflow
     fits = fits && (a == 0 || b <= SIZE_MAX / a);
@@ -106,7 +118,8 @@ inline PayloadLayout payloadLayout(Format format, bool twoScales, uint64_t block
       break;
     case Format::TopK:
     case Format::RandomK:
-      firstBytes = secondBytes = times(k, 4);
+      firstBytes = times(k, 4);
+      secondBytes = valueBits == 0 ? firstBytes : plus(valueTableBytes(valueBits), ceilDiv(times(k, valueBits), 8));
       break;
     case Format::Float16:
     case Format::BFloat16:
@@ -115,6 +128,8 @@ inline PayloadLayout payloadLayout(Format format, bool twoScales, uint64_t block
   }
   l.second = plus(l.first, firstBytes);
   l.bytes = plus(l.second, secondBytes);
+  const bool sparse = format == Format::TopK || format == Format::RandomK;
+  if (valueBits != 0 && sparse) l.codes = l.second + valueTableBytes(valueBits);
   l.fits = fits;
   return l;
 }

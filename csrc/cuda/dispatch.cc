@@ -27,6 +27,8 @@ void checkConfig(const compress::Config& c, size_t numel) {
                     " elements, got ", numel);
       DDLCOMM_CHECK(c.k > 0 || (c.ratio > 0.0 && c.ratio <= 1.0), ErrorKind::InvalidArgument,
                     "top-k / random-k ratio must be in (0, 1], got ", c.ratio);
+      DDLCOMM_CHECK(compress::headerValueBits(c) == 0, ErrorKind::UnsupportedType, "top-k with ", c.valueBits,
+                    "-bit values has no CUDA kernel yet: compress a CPU tensor, or use float32 values");
       return;
     case compress::Format::Float16:
     case compress::Format::BFloat16: return;
@@ -55,8 +57,10 @@ detail::DecodeArgs decodeArgs(const compress::PayloadInfo& info, const uint8_t* 
                 ": block size 0");
   DDLCOMM_CHECK(!compress::isSparse(info.format) || info.k <= numel, ErrorKind::Protocol, what, ": ", info.k,
                 " entries for ", numel, " elements");
+  DDLCOMM_CHECK(info.valueBits == 0, ErrorKind::UnsupportedType, what, ": top-k with ", info.valueBits,
+                "-bit values has no CUDA kernel yet: decode on the CPU");
   const bool two = info.format == compress::Format::OneBit && (info.flags & compress::kFlagTwoScales);
-  const compress::PayloadLayout layout = compress::payloadLayout(info.format, two, info.blockSize, numel, info.k);
+  const compress::PayloadLayout layout = compress::payloadLayout(info.format, two, info.blockSize, numel, info.k, 0);
   DDLCOMM_CHECK(bytes == layout.bytes, ErrorKind::Protocol, what, ": payload has ", bytes, " bytes, its header says ",
                 layout.bytes);
   checkPayloadPointer(payload, what);

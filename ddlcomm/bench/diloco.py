@@ -39,6 +39,11 @@ METHODS: dict[str, tuple[Optional[Callable[[], compressors.Compressor]], dict[st
     "DiLoCo 1-bit": (compressors.OneBit, {}),
     "DiLoCo top-k 1%": (compressors.TopK, {}),
     "DiLoCo ternary, no outer momentum (SparseLoCo)": (compressors.Ternary, {"outer_momentum": 0.0, "outer_lr": 1.0}),
+    "DiLoCo top-k 1% 2-bit": (lambda: compressors.TopK(0.01, approximate=True, value_bits=2), {}),
+    "DiLoCo top-k 5% 2-bit": (lambda: compressors.TopK(0.05, approximate=True, value_bits=2), {}),
+    "DiLoCo top-k 5% fp32": (lambda: compressors.TopK(0.05, approximate=True), {}),
+    "SparseLoCo (top-k 5% 2-bit, no outer momentum, outer lr 1)": (
+        lambda: compressors.TopK(0.05, approximate=True, value_bits=2), {"outer_momentum": 0.0, "outer_lr": 1.0}),
 }
 
 

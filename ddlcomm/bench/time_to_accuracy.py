@@ -53,6 +53,8 @@ OUTER = {
                                                                 {"fragments": 4, "overlap_steps": 2}),
     "Two-level DiLoCo ternary (DDP inside a host)": (compressors.Ternary, {"two_levels": True}),
     "Overlapped DiLoCo 1-bit (2-step overlap)": (compressors.OneBit, {"overlap_steps": 2}),
+    "DiLoCo top-k 5% 2-bit": (lambda: compressors.TopK(0.05, approximate=True, value_bits=2), {}),
+    "DiLoCo top-k 1% 2-bit": (lambda: compressors.TopK(0.01, approximate=True, value_bits=2), {}),
 }
 METHODS = ["gloo fp32", "gloo fp16_compress_hook", "PowerSGD rank 4 (torch hook)", *COMPRESSORS, *OUTER]
 

@@ -22,6 +22,7 @@ COMPRESSORS = {
     "ternary_stochastic": lambda: compressors.Ternary(block_size=64, stochastic=True, seed=3),
     "topk": lambda: compressors.TopK(ratio=0.05),
     "topk_approx": lambda: compressors.TopK(ratio=0.05, approximate=True),
+    "topk_2bit": lambda: compressors.TopK(ratio=0.05, value_bits=2),
     "randomk": lambda: compressors.RandomK(ratio=0.05, seed=5),
     "fp16": compressors.FP16,
     "bf16": compressors.BF16,
@@ -29,7 +30,7 @@ COMPRESSORS = {
 HOOKS = {
     "onebit": hooks.onebit_hook, "onebit2": hooks.onebit_hook, "ternary": hooks.ternary_hook,
     "ternary_stochastic": hooks.ternary_hook,
-    "topk": hooks.topk_hook, "topk_approx": hooks.topk_hook, "randomk": hooks.randomk_hook,
+    "topk": hooks.topk_hook, "topk_approx": hooks.topk_hook, "topk_2bit": hooks.topk_hook, "randomk": hooks.randomk_hook,
     "fp16": hooks.fp16_hook, "bf16": hooks.bf16_hook,
 }
 
@@ -281,7 +282,7 @@ def direction_mode() -> None:
         "adam_l2": lambda ps: optim.Adam(ps, lr=1e-2, weight_decay=1e-3),
     }
     for opt_name, make_opt in optimizers.items():
-        for comp_name in ("onebit", "ternary", "topk", "randomk", "bf16"):
+        for comp_name in ("onebit", "ternary", "topk", "topk_2bit", "randomk", "bf16"):
             trained = []
             for group in (None, gloo):
                 model = small_model()
