@@ -1,8 +1,8 @@
 """The CUDA paths, where a GPU is present (skipped elsewhere): the kernels through
-ddlcomm.compressors, the backend with CUDA tensors, compressed all-reduces, DDP hooks and FSDP2's
-compressed reduce-scatter on CUDA gradients, over ddlcomm and gloo groups (two ranks share
-GPU 0) and nccl groups (one GPU per rank, so world size 1 on a one-GPU machine: NCCL refuses
-two ranks on one GPU; two ranks where there are two GPUs)."""
+ddlcomm.compressors, the backend with CUDA tensors, compressed all-reduces, DDP hooks, FSDP2's
+compressed reduce-scatter on CUDA gradients and DiLoCo's outer steps, over ddlcomm and gloo
+groups (two ranks share GPU 0) and nccl groups (one GPU per rank, so world size 1 on a one-GPU
+machine: NCCL refuses two ranks on one GPU; two ranks where there are two GPUs)."""
 
 from __future__ import annotations
 
@@ -117,5 +117,12 @@ def test_fsdp_reduce_scatter_on_cuda_matches_cpu(backend: str, ranks: int) -> No
 @pytest.mark.parametrize("backend,ranks", [GROUPS[0], GROUPS[3]])  # FSDP2 on one rank reduces nothing
 def test_fsdp_training_on_cuda_matches_cpu_accuracy(backend: str, ranks: int) -> None:
     results = launch("gpu", "fsdp_training", ranks, timeout=600, args=(backend,))
+    _print_accuracy(results)
+    assert_all_ok(results)
+
+
+@pytest.mark.parametrize("backend,ranks", GROUPS)
+def test_diloco_on_cuda_matches_cpu_accuracy(backend: str, ranks: int) -> None:
+    results = launch("gpu", "diloco", ranks, timeout=600, args=(backend,))
     _print_accuracy(results)
     assert_all_ok(results)

@@ -1,8 +1,15 @@
 """The hosts a group spans (DDLCOMM_HOST_ID names them here; network namespaces in
-tests/test_slownet_ddlcomm.py) and the hierarchical all-reduce over them."""
+tests/test_slownet_ddlcomm.py), the hierarchical all-reduce over them, and the network
+transport auto takes from every rank's record."""
 
 from __future__ import annotations
 
+import os
+import shutil
+
+import pytest
+
+import ddlcomm
 from harness import assert_all_ok, launch
 
 
@@ -14,3 +21,46 @@ def test_hierarchical_all_reduce_over_two_hosts_of_two_ranks() -> None:
 def test_hierarchy_needs_as_many_ranks_on_every_host() -> None:
     hosts = {0: {"DDLCOMM_HOST_ID": "a"}, 1: {"DDLCOMM_HOST_ID": "a"}, 2: {"DDLCOMM_HOST_ID": "b"}}
     assert_all_ok(launch("topology", "unequal_hosts", 3, timeout=120, rank_env=hosts))
+
+
+# A rank's view of /sys/class in a mount namespace of its own: the real entries bound back
+# over a tmpfs, with an RDMA device listed (rdma) or /sys/class/infiniband hidden (none).
+_SYS_CLASS = """set -e
+mount --make-rprivate /
+real=$(mktemp -d)
+mount --bind /sys/class "$real"
+mount -t tmpfs ddlcomm-test /sys/class
+for entry in "$real"/*; do
+  name=$(basename "$entry")
+  [ "$name" = infiniband ] && continue
+  mkdir "/sys/class/$name"
+  mount --bind "$entry" "/sys/class/$name"
+done
+if [ "$DDLCOMM_TEST_RDMA" = rdma ]; then mkdir -p /sys/class/infiniband/ddlcomm_test0; fi
+exec "$@"
+"""
+
+
+def _with_rdma(view: str) -> list[str]:
+    return ["env", f"DDLCOMM_TEST_RDMA={view}", "unshare", "--mount", "sh", "-c", _SYS_CLASS, "sh"]
+
+
+needs_mount_namespaces = pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("unshare") is None, reason="needs root and unshare (util-linux)")
+
+
+@needs_mount_namespaces
+def test_auto_takes_tcp_unless_every_rank_has_rdma() -> None:
+    """Rank 0 lists an RDMA device and rank 1 none: both take TCP (each deciding alone, rank 0
+    took UCX and rank 1 TCP, and neither connected)."""
+    results = launch("topology", "network", 2, timeout=120, args=("tcp",),
+                     rank_prefix={0: _with_rdma("rdma"), 1: _with_rdma("none")})
+    assert_all_ok(results)
+
+
+@needs_mount_namespaces
+@pytest.mark.skipif("ucx" not in ddlcomm.transports(), reason="this build has no UCX transport")
+def test_auto_takes_ucx_when_every_rank_has_rdma() -> None:
+    results = launch("topology", "network", 2, timeout=120, args=("ucx",),
+                     rank_prefix={0: _with_rdma("rdma"), 1: _with_rdma("rdma")})
+    assert_all_ok(results)

@@ -168,6 +168,7 @@ PYBIND11_MODULE(_C, m) {
             d["hierarchical_allreduces"] = s.collectives.hierarchicalAllreduces;
             d["hierarchical_compressed_allreduces"] = s.collectives.hierarchicalCompressedAllreduces;
             d["topology"] = s.topology;
+            d["network"] = s.transport.network;
             d["connections_per_peer"] = s.transport.connectionsPerPeer;
             d["bytes_sent"] = s.transport.bytesSent;
             d["shared_memory_peers"] = s.transport.sharedMemoryPeers;
@@ -179,8 +180,8 @@ PYBIND11_MODULE(_C, m) {
           "This group's counters, taken after everything submitted before: all-reduces per algorithm "
           "(ring_allreduces, recursive_doubling_allreduces, shared_memory_allreduces, hierarchical_allreduces; "
           "hierarchical_compressed_allreduces: exact inside hosts, compressed across), "
-          "the hosts its ranks are on (topology: '2 hosts x 2 ranks'), the network transport's "
-          "connections to each rank (connections_per_peer) and bytes_sent on them (TCP: TCP_INFO "
+          "the hosts its ranks are on (topology: '2 hosts x 2 ranks'), the network transport (network: 'tcp' or "
+          "'ucx', the same on every rank) and its connections to each rank (connections_per_peer) and bytes_sent on them (TCP: TCP_INFO "
           "tcpi_bytes_sent, frame headers, the handshake and retransmissions included; UCX: header and payload "
           "bytes of completed sends), the ranks reached through shared "
           "memory (shared_memory_peers) and the message bytes written to their rings (shared_memory_bytes_sent), "

@@ -27,11 +27,12 @@ class Setup {
     Topology::publish(store, rank);  // DDLCOMM_HOST_ID is checked here, with the other settings
   }
 
-  // How `entry` waits: its DDLCOMM_*_SPIN_US, else its default for this host's load. Asked
-  // first once the network is connected (see topology()), then kept for the layers.
+  // How `entry` waits: its DDLCOMM_*_SPIN_US, else its default for this host's load.
   SpinPolicy spin(const TransportEntry& entry);
 
-  // Every rank's record: read once the network is connected (every rank has published).
+  // Every rank's record, read when a choice first needs it: before the network connects when
+  // auto may choose UCX (every rank must choose the same network), else once it is connected.
+  // Every rank publishes before it connects, so the reads wait at most for the slowest to start.
   const Topology& topology() {
     if (!topology_) topology_ = Topology::read(store, rank, size);
     return *topology_;
@@ -67,7 +68,9 @@ struct TransportEntry {
   const char* spinVariable;
   int spinMicros;
   int oversubscribedSpinMicros;
-  bool (*applies)(const TransportEntry& self, const std::string& choice);
+  // From the choice and the records of every rank (setup.topology()), never from this rank's
+  // facts alone: every rank must take the same entries.
+  bool (*applies)(const TransportEntry& self, Setup& setup);
   // `network` is null for a Network entry, the transport to wrap for a Layer; a Layer may
   // hand `network` back when it reaches no peer itself.
   std::unique_ptr<Transport> (*connect)(Setup& setup, const TransportEntry& self, std::unique_ptr<Transport> network);
@@ -99,9 +102,9 @@ std::unique_ptr<Transport> layerShm(Setup& s, const TransportEntry& self, std::u
 
 #ifdef DDLCOMM_WITH_UCX
 constexpr bool kUcxBuilt = true;
-// Named, or auto between hosts with RDMA devices.
-bool ucxApplies(const TransportEntry& self, const std::string& choice) {
-  return choice == self.name || (choice == "auto" && ucx::rdmaDevicePresent());
+// Named, or auto when every rank's machine has an RDMA device.
+bool ucxApplies(const TransportEntry& self, Setup& s) {
+  return s.options.choice == self.name || (s.options.choice == "auto" && s.topology().rdmaOnEveryRank());
 }
 std::unique_ptr<Transport> connectUcx(Setup& s, const TransportEntry& self, std::unique_ptr<Transport>) {
   std::unique_ptr<Transport> t = ucx::UcxTransport::connect(s.rank, s.size, s.store, s.options.connectTimeout);
@@ -110,7 +113,7 @@ std::unique_ptr<Transport> connectUcx(Setup& s, const TransportEntry& self, std:
 }
 #else
 constexpr bool kUcxBuilt = false;
-bool ucxApplies(const TransportEntry&, const std::string&) { return false; }
+bool ucxApplies(const TransportEntry&, Setup&) { return false; }
 std::unique_ptr<Transport> connectUcx(Setup&, const TransportEntry&, std::unique_ptr<Transport>) {
   fail(ErrorKind::InvalidArgument, "this build of ddlcomm has no UCX transport");  // not built: never chosen
 }
@@ -120,9 +123,9 @@ std::unique_ptr<Transport> connectUcx(Setup&, const TransportEntry&, std::unique
 // preference: tcp, always applicable, is the fallback.
 const TransportEntry kTransports[] = {
     {"tcp", true, nullptr, TransportEntry::Network, "DDLCOMM_TCP_SPIN_US", 50, 10,
-     [](const TransportEntry&, const std::string&) { return true; }, connectTcp},
+     [](const TransportEntry&, Setup&) { return true; }, connectTcp},
     {"shm", true, nullptr, TransportEntry::Layer, "DDLCOMM_SHM_SPIN_US", 50, 5,
-     [](const TransportEntry& self, const std::string& choice) { return choice == "auto" || choice == self.name; },
+     [](const TransportEntry& self, Setup& s) { return s.options.choice == "auto" || s.options.choice == self.name; },
      layerShm},
     {"ucx", kUcxBuilt,
      "this build of ddlcomm has no UCX transport: UCX was not found (pkg-config ucx) when it was built",
@@ -200,11 +203,11 @@ Connection connectTransport(int rank, int size, KeyValueStore& store, const Tran
   Setup setup(rank, size, store, options);
   const TransportEntry* network = nullptr;
   for (const TransportEntry& e : kTransports) {
-    if (e.built && e.role == TransportEntry::Network && e.applies(e, options.choice)) network = &e;
+    if (e.built && e.role == TransportEntry::Network && e.applies(e, setup)) network = &e;
   }
   std::unique_ptr<Transport> transport = network->connect(setup, *network, nullptr);
   for (const TransportEntry& e : kTransports) {
-    if (e.built && e.role == TransportEntry::Layer && e.applies(e, options.choice)) {
+    if (e.built && e.role == TransportEntry::Layer && e.applies(e, setup)) {
       transport = e.connect(setup, e, std::move(transport));
     }
   }

@@ -3,6 +3,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <filesystem>
 #include <fstream>
 
 #include "common/env.h"
@@ -40,6 +41,12 @@ std::string hostIdentity() {
 }
 
 std::string machineIdentity() { return firstLine("/proc/sys/kernel/random/boot_id"); }
+
+bool rdmaDevicePresent() {
+  std::error_code ignored;
+  std::filesystem::directory_iterator devices("/sys/class/infiniband", ignored);
+  return !ignored && devices != std::filesystem::directory_iterator();
+}
 
 std::string kernelFacts() {
   return detail::concat("boot=", machineIdentity(), " userns=",

@@ -18,6 +18,10 @@ std::string hostIdentity();
 // of ddlcomm.bench.slownet do).
 std::string machineIdentity();
 
+// Whether this machine has an RDMA device (InfiniBand or RoCE, as rdma-core lists them in
+// /sys/class/infiniband): where UCX is worth it.
+bool rdmaDevicePresent();
+
 // Facts of this process that another must share to map its memory (same machine, user and
 // pid namespace, user id), whatever the host identity says.
 std::string kernelFacts();

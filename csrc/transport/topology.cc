@@ -10,8 +10,9 @@ namespace {
 
 std::string recordKey(int rank) { return "ddlcomm/rank/" + std::to_string(rank); }
 
-// A record: the machine's identity (no spaces: a boot id), a space, the host's.
-std::string record() { return machineIdentity() + " " + hostIdentity(); }
+// A record: the machine's identity (a boot id), the host's and "rdma" or "-", one space
+// between (the identities hold none).
+std::string record() { return machineIdentity() + " " + hostIdentity() + (rdmaDevicePresent() ? " rdma" : " -"); }
 
 }  // namespace
 
@@ -22,19 +23,22 @@ Topology Topology::read(KeyValueStore& store, int rank, int size) {
   const std::string machine = mine.substr(0, mine.find(' '));
   std::map<std::string, int> numbers;
   std::vector<int> hostOf(static_cast<size_t>(size));
-  int onThisMachine = 0;
+  int onThisMachine = 0, firstWithoutRdma = -1;
   for (int r = 0; r < size; ++r) {
     const std::string theirs = r == rank ? mine : store.get(recordKey(r));
-    const size_t space = theirs.find(' ');
-    DDLCOMM_CHECK(space != std::string::npos, ErrorKind::Protocol, "rank ", r, " published a malformed host record");
-    hostOf[size_t(r)] = numbers.emplace(theirs.substr(space + 1), int(numbers.size())).first->second;
+    const size_t space = theirs.find(' '), last = theirs.rfind(' ');
+    DDLCOMM_CHECK(space != std::string::npos && last > space, ErrorKind::Protocol, "rank ", r,
+                  " published a malformed host record (mixed ddlcomm versions in one job?)");
+    hostOf[size_t(r)] = numbers.emplace(theirs.substr(space + 1, last - space - 1), int(numbers.size())).first->second;
     if (theirs.compare(0, space, machine) == 0 && space == machine.size()) ++onThisMachine;
+    if (firstWithoutRdma < 0 && theirs.compare(last + 1, std::string::npos, "rdma") != 0) firstWithoutRdma = r;
   }
-  return Topology(std::move(hostOf), rank, onThisMachine);
+  return Topology(std::move(hostOf), rank, onThisMachine, firstWithoutRdma);
 }
 
-Topology::Topology(std::vector<int> hostOf, int rank, int onThisMachine)
-    : hostOf_(std::move(hostOf)), rank_(rank), onThisMachine_(onThisMachine) {
+Topology::Topology(std::vector<int> hostOf, int rank, int onThisMachine, int firstWithoutRdma)
+    : hostOf_(std::move(hostOf)), rank_(rank), onThisMachine_(onThisMachine),
+      firstWithoutRdma_(firstWithoutRdma) {
   for (size_t r = 0; r < hostOf_.size(); ++r) {
     const size_t host = size_t(hostOf_[r]);
     if (members_.size() <= host) members_.resize(host + 1);

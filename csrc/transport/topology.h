@@ -1,6 +1,6 @@
-// Which ranks of a group share a host, and which a machine's cores: read once, at connect time,
-// from the one record every rank publishes (host.h's identities), so that every rank takes the
-// same decisions from the same facts.
+// Which ranks of a group share a host, which a machine's cores, and which have RDMA devices:
+// read once, at connect time, from the one record every rank publishes (host.h's facts), so
+// that every rank takes the same decisions from the same facts.
 #pragma once
 
 #include <string>
@@ -17,8 +17,9 @@ class Topology {
   // Every rank's record: call once the network is connected (every rank has published).
   static Topology read(KeyValueStore& store, int rank, int size);
   // `hostOf[r]`: the host of rank r, hosts numbered in order of their lowest rank;
-  // `onThisMachine`: the ranks that share this rank's machine (this one included).
-  Topology(std::vector<int> hostOf, int rank, int onThisMachine);
+  // `onThisMachine`: the ranks that share this rank's machine (this one included);
+  // `firstWithoutRdma`: the lowest rank with no RDMA device, -1 for none.
+  Topology(std::vector<int> hostOf, int rank, int onThisMachine, int firstWithoutRdma);
 
   int hosts() const { return int(members_.size()); }
   // The ranks of this rank's host, ascending (this one included).
@@ -36,6 +37,10 @@ class Topology {
   // The ranks whose processes share this machine's cores (host.h's machineIdentity), this one
   // included, whatever their host identities say.
   int ranksOnThisMachine() const { return onThisMachine_; }
+  // Every rank's machine has an RDMA device: DDLCOMM_TRANSPORT=auto then connects with UCX.
+  bool rdmaOnEveryRank() const { return firstWithoutRdma_ < 0; }
+  // The lowest rank without an RDMA device, -1 when every rank has one.
+  int firstRankWithoutRdma() const { return firstWithoutRdma_; }
   // "2 hosts x 2 ranks" or "3 hosts of 1, 2 and 1 ranks": for logs and errors.
   std::string describe() const;
 
@@ -44,6 +49,7 @@ class Topology {
   std::vector<std::vector<int>> members_;  // by host
   int rank_;
   int onThisMachine_;
+  int firstWithoutRdma_;
 };
 
 }  // namespace ddlcomm

@@ -51,6 +51,7 @@ struct SpinPolicy {
 
 // What a transport says about its connections (tests and diagnostics).
 struct TransportStats {
+  std::string network;  // the network transport's name: "tcp" or "ucx"
   std::vector<int> connectionsPerPeer;  // established connections to each rank (0 for itself)
   // What the network transport sent: TCP, TCP_INFO tcpi_bytes_sent summed over its open sockets
   // (retransmissions too); UCX, header and payload bytes of completed sends.

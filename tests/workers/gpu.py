@@ -19,12 +19,15 @@ from torch.distributed.fsdp import fully_shard
 
 from common import OPS, init, make_input, op_valid, run
 from compression import COMPRESSORS, HOOKS, synthetic
+from ddlcomm import compressors, hooks, optim
 from ddlcomm import fsdp as ddlcomm_fsdp
-from ddlcomm import hooks, optim
 from ddlcomm.compressed import compressed_all_reduce, server_residual_numel
+from ddlcomm.diloco import DiLoCo
 
 GPU = torch.device("cuda", 0)
 CPU = torch.device("cpu")
+# Top-k's value codes have no CUDA kernel yet: `compressed` checks that they are refused.
+ON_CUDA = {name: make for name, make in COMPRESSORS.items() if make().config.value_bits == 32}
 
 
 def _init_on_gpu(backend: str) -> tuple[int, int, torch.device]:
@@ -116,7 +119,7 @@ def compressed(backend: str) -> None:
     rank, n, gpu = _init_on_gpu(backend)
     g = torch.Generator().manual_seed(rank)
     numel = 300_001
-    for name, make in COMPRESSORS.items():
+    for name, make in ON_CUDA.items():
         for dtype in (torch.float32, torch.bfloat16):
             x = torch.randn(numel, generator=g).to(dtype)
             worker = torch.randn(numel, generator=g) * 0.01
@@ -128,6 +131,12 @@ def compressed(backend: str) -> None:
             for what, c, d in zip(("result", "worker residual", "server residual"), on_cpu, on_gpu):
                 assert torch.equal(d.cpu(), c), f"{name} {dtype}: {what} differs from the CPU run"
             _same_everywhere(on_cpu[0], name)
+    try:
+        compressors.TopK(ratio=0.01, value_bits=2).encode(torch.randn(1000, device=gpu))
+    except TypeError as e:
+        assert "no CUDA kernel" in str(e), e
+    else:
+        raise AssertionError("top-k value codes on a CUDA tensor were not refused")
 
 
 def _train(device: torch.device, name: str, opt_name: str, steps: int) -> float:
@@ -199,7 +208,7 @@ def fsdp_reduce_scatter(backend: str) -> None:
     world = dist.group.WORLD
     g = torch.Generator().manual_seed(rank)
     m = 70_001
-    for name, make in COMPRESSORS.items():
+    for name, make in ON_CUDA.items():
         for dtype in (torch.float32, torch.bfloat16):
             for op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
                 states = {d: ddlcomm_fsdp.FSDPCompressionState(make(), start_compress_iter=0, min_compression_bytes=0)
@@ -267,6 +276,57 @@ def fsdp_training(backend: str) -> None:
     _assert_close_to_cpu(results, plain)
 
 
+def _train_diloco(device: torch.device, name: Optional[str], options: dict, steps: int) -> tuple[float, torch.Tensor]:
+    """Held-out accuracy after `steps` of AdamW with DiLoCo outer steps every 10 (name None:
+    float32), and the global weights at the end."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256),
+                                torch.nn.BatchNorm1d(256), torch.nn.ReLU(), torch.nn.Linear(256, 10)).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=1e-2)
+    diloco = DiLoCo(model, opt, sync_every=10, compressor=COMPRESSORS[name]() if name else None, outer_lr=0.7,
+                    outer_momentum=0.5, **options)
+    stepped = _OuterSteps(opt, diloco)
+    accuracy = _fit(device, model, model, stepped, steps)
+    diloco.sync()
+    assert diloco.outer_steps > (steps - options.get("warmup_steps", 0)) // 10, (name, options, diloco.outer_steps)
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()] +
+                     [b.reshape(-1).float() for b in model.buffers()])
+    assert flat.device == device
+    return accuracy, flat
+
+
+class _OuterSteps:
+    """The inner optimizer as _fit drives it, with DiLoCo.step() after each of its steps."""
+
+    def __init__(self, opt: torch.optim.Optimizer, diloco: DiLoCo) -> None:
+        self.opt, self.diloco = opt, diloco
+
+    def zero_grad(self) -> None:
+        self.opt.zero_grad()
+
+    def step(self) -> None:
+        self.opt.step()
+        self.diloco.step()
+
+
+def diloco(backend: str) -> None:
+    """DiLoCo on a CUDA model (float32, 1-bit, ternary, top-k; streamed with overlap; a warm-up)
+    reaches its CPU run's accuracy, and every rank ends with the same weights and buffers."""
+    rank, n, gpu = _init_on_gpu(backend)
+    runs = {"fp32": (None, {}), "onebit": ("onebit", {}), "ternary": ("ternary", {}),
+            "topk_approx": ("topk_approx", {}), "ternary streamed": ("ternary", {"fragments": 2, "overlap_steps": 1}),
+            "onebit warm-up": ("onebit", {"warmup_steps": 20})}
+    results = {}
+    for key, (name, options) in runs.items():
+        on_cpu, _ = _train_diloco(CPU, name, options, 200)
+        on_gpu, weights = _train_diloco(gpu, name, options, 200)
+        _same_everywhere(weights, f"DiLoCo {key} on {gpu}")
+        results[f"adamw/{key}"] = (on_cpu, on_gpu)
+    if rank == 0:
+        print("ACCURACY " + json.dumps(results), flush=True)
+    _assert_close_to_cpu(results, None)
+
+
 if __name__ == "__main__":
     run({"collectives": collectives, "compressed": compressed, "ddp": ddp, "fsdp_reduce_scatter": fsdp_reduce_scatter,
-         "fsdp_training": fsdp_training})
+         "fsdp_training": fsdp_training, "diloco": diloco})

@@ -110,5 +110,16 @@ def unequal_hosts() -> None:
         raise AssertionError("a hierarchical group over unequal hosts was accepted")
 
 
+def network(expected: str) -> None:
+    """Every rank connected over the `expected` network transport (auto's choice from every
+    rank's record), and an all-reduce over it gives the plain sum."""
+    rank, n = init(timeout_s=30)
+    assert ddlcomm_stats()["network"] == expected, (rank, ddlcomm_stats())
+    x = make_input(rank, LARGE, torch.float32)
+    expected_sum = reference([make_input(r, LARGE, torch.float32) for r in range(n)], "SUM")
+    dist.all_reduce(x)
+    assert_equal(x, expected_sum, "all_reduce")
+
+
 if __name__ == "__main__":
-    run({"hierarchical": hierarchical, "unequal_hosts": unequal_hosts})
+    run({"hierarchical": hierarchical, "unequal_hosts": unequal_hosts, "network": network})

@@ -142,6 +142,7 @@ void TcpTransport::poll(std::chrono::milliseconds timeout) {
 
 TransportStats TcpTransport::stats() const {
   TransportStats s;
+  s.network = "tcp";
   s.connectionsPerPeer.assign(size_t(size_), 0);
   for (const Connection& c : connections_) {
     if (c.peer == rank_ || !c.fd.valid()) continue;

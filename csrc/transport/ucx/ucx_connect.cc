@@ -5,7 +5,6 @@
 
 #include <algorithm>
 #include <cstdlib>
-#include <filesystem>
 #include <fstream>
 #include <optional>
 #include <sstream>
@@ -309,12 +308,6 @@ void UcxTransport::establish(KeyValueStore& store, std::chrono::milliseconds con
                     " answered as rank ", h.rank, " of ", h.size, "; this rank has world size ", size_);
     }
   });
-}
-
-bool rdmaDevicePresent() {
-  std::error_code ignored;
-  std::filesystem::directory_iterator devices("/sys/class/infiniband", ignored);
-  return !ignored && devices != std::filesystem::directory_iterator();
 }
 
 }  // namespace ddlcomm::ucx

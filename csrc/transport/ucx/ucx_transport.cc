@@ -353,6 +353,7 @@ void UcxTransport::wakeup() {
 
 TransportStats UcxTransport::stats() const {
   TransportStats s;
+  s.network = "ucx";
   s.connectionsPerPeer.assign(size_t(size_), 0);
   for (int p = 0; p < size_; ++p) {
     if (endpoints_[size_t(p)].get() && peerStatus_[size_t(p)] == UCS_OK) s.connectionsPerPeer[size_t(p)] = 1;

@@ -34,10 +34,6 @@
 
 namespace ddlcomm::ucx {
 
-// Whether this machine has an RDMA device (InfiniBand or RoCE, as rdma-core lists them in
-// /sys/class/infiniband): DDLCOMM_TRANSPORT=auto then uses UCX between hosts.
-bool rdmaDevicePresent();
-
 class UcxTransport final : public Transport {
  public:
   // Publishes this rank's worker address in `store`, connects to every peer and returns once
