@@ -81,7 +81,8 @@ def test_approximate_top_k_equals_exact(kind: str) -> None:
 
 def reference_value_codes(y: torch.Tensor, k: int, bits: int) -> tuple[list[int], list[float]]:
     """The codes and table of compress.h's contract, in plain Python: equal-count magnitude bins
-    by rank (ties to the lower index), a sign, and each code's mean in float64, in index order."""
+    by rank (ties to the lower index), a sign, and each code's mean in float64 (32 lanes of
+    sums in index order, then their tree)."""
     kept = reference_top_k(y, k).tolist()
     values = [float(y[i]) for i in kept]
     keys = [int(y[i].view(torch.int32)) & 0x7FFFFFFF for i in kept]
@@ -92,12 +93,17 @@ def reference_value_codes(y: torch.Tensor, k: int, bits: int) -> tuple[list[int]
         codes[e] = rank * levels // k + (0 if values[e] >= 0 else levels)
     table = []
     for c in range(2 * levels):
-        total, count = 0.0, 0
+        lanes, count = [0.0] * 32, 0
         for e in range(k):
             if codes[e] == c:
-                total += values[e]
+                lanes[e % 32] += values[e]
                 count += 1
-        table.append(float(torch.tensor(total / count if count else 0.0, dtype=torch.float64).float()))
+        width = 16
+        while width:
+            for j in range(width):
+                lanes[j] += lanes[j + width]
+            width //= 2
+        table.append(float(torch.tensor(lanes[0] / count if count else 0.0, dtype=torch.float64).float()))
     return codes, table
 
 

@@ -33,10 +33,11 @@
 //  - Top-k value codes (valueBits b, SparseLoCo's quantized values): the kept entries ranked
 //    by |y| as above (rank 0 largest) fall into L = 2^(b-1) magnitude bins of equal count,
 //    bin = rank * L / k (integer division); code = bin, plus L when !(y >= 0) (NaN counts as
-//    negative). table[c] = float32(sum of y over the entries with code c, in index order, in
-//    float64, / their count), 0 when none has it. Each entry decodes to table[its code], so
-//    every code's entries keep their sum (up to float32 rounding) and the residual holds the
-//    rest; ranks are integers, so the codes are the same on any device.
+//    negative). table[c] = float32(sum / count) over the entries with code c, 0 when none has
+//    it; the sum in float64 in the block sums' order (lane j sums, in index order, the entries
+//    e with e % 32 == j, then the lanes' tree), the division in float64. Each entry decodes to
+//    table[its code], so every code's entries keep their sum (up to float32 rounding) and the
+//    residual holds the rest; ranks are integers, so the codes are the same on any device.
 #pragma once
 
 #include <algorithm>

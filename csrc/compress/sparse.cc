@@ -2,12 +2,14 @@
 // values or top-k's value codes), encoded codes, decoded, merge-summed across payloads, and
 // validated.
 #include <algorithm>
+#include <array>
 #include <numeric>
 #include <vector>
 
 #include "common/error.h"
 #include "common/half.h"
 #include "compress/bits.h"
+#include "compress/block_sum.h"
 #include "compress/kernels.h"
 #include "compress/parallel.h"
 
@@ -78,15 +80,20 @@ void encodeValueCodes(size_t k, unsigned valueBits, const uint8_t* indices, cons
     const uint32_t e = order[rank];
     code[e] = uint8_t(rank * levels / k + (y[e] >= 0.f ? 0 : levels));
   }
-  std::vector<double> sum(2 * levels, 0.0);
+  // Each code's sum in float64 lanes, in the block sums' order (compress.h): parallel on a GPU.
+  std::vector<std::array<double, kLanes>> lanes(2 * levels, std::array<double, kLanes>{});
   std::vector<uint64_t> count(2 * levels, 0);
   for (size_t e = 0; e < k; ++e) {
-    sum[code[e]] += double(y[e]);
+    lanes[code[e]][e % kLanes] += double(y[e]);
     ++count[code[e]];
   }
   std::vector<float> decoded(2 * levels);
   for (size_t c = 0; c < decoded.size(); ++c) {
-    decoded[c] = count[c] == 0 ? 0.f : float(sum[c] / double(count[c]));
+    std::array<double, kLanes>& t = lanes[c];
+    for (size_t width = kLanes / 2; width > 0; width /= 2) {
+      for (size_t j = 0; j < width; ++j) t[j] += t[j + width];
+    }
+    decoded[c] = count[c] == 0 ? 0.f : float(t[0] / double(count[c]));
     storeLE(table + 4 * c, decoded[c]);
   }
   std::fill(codes, codes + (k * valueBits + 7) / 8, uint8_t(0));
