@@ -66,8 +66,16 @@ void testErrors(cudaStream_t s) {
   c.ratio = 1.5;
   expectError("encode: top-k ratio > 1", ErrorKind::InvalidArgument,
               [&] { gpu::encodeCuda(c, DataType::Float32, x.ptr, nullptr, n, 0, pay.as(), 4096, ws.ptr, 1 << 20, s); });
+  c.ratio = 0.01;
+  c.valueBits = 2;  // top-k's value codes: no CUDA kernel yet, refused before any launch
+  expectError("encode: top-k value codes", ErrorKind::UnsupportedType,
+              [&] { gpu::encodeCuda(c, DataType::Float32, x.ptr, nullptr, n, 0, pay.as(), 4096, ws.ptr, 1 << 20, s); });
+  expectError("decode: top-k value codes", ErrorKind::UnsupportedType, [&] {
+    const compress::PayloadInfo coded{Format::TopK, 0, 0, n, 10, 2};
+    gpu::decodeCuda(coded, pay.as(), 32 + 40 + 16 + 3, DataType::Float32, x.ptr, n, s);
+  });
   c = Config{};
-  compress::PayloadInfo info{Format::OneBit, 0, 256, n, 0};
+  compress::PayloadInfo info{Format::OneBit, 0, 256, n, 0, 0};
   const size_t bytes = gpu::encodedBytesCuda(c, n);
   expectError("decode: numel mismatch", ErrorKind::InvalidArgument,
               [&] { gpu::decodeCuda(info, pay.as(), bytes, DataType::Float32, x.ptr, n - 1, s); });
