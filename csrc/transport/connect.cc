@@ -5,6 +5,7 @@
 
 #include "common/cores.h"
 #include "common/env.h"
+#include "transport/host.h"
 #include "transport/shm/shm_transport.h"
 #include "transport/tcp/tcp_transport.h"
 #ifdef DDLCOMM_WITH_UCX
@@ -30,9 +31,9 @@ class Setup {
   // How `entry` waits: its DDLCOMM_*_SPIN_US, else its default for this host's load.
   SpinPolicy spin(const TransportEntry& entry);
 
-  // Every rank's record, read when a choice first needs it: before the network connects when
-  // auto may choose UCX (every rank must choose the same network), else once it is connected.
-  // Every rank publishes before it connects, so the reads wait at most for the slowest to start.
+  // Every rank's record, read when a choice first needs it: once the network is connected,
+  // or before when auto may choose UCX on a rank with an RDMA device (see ucxApplies). Every
+  // rank publishes before it connects, so the reads wait at most for the slowest to start.
   const Topology& topology() {
     if (!topology_) topology_ = Topology::read(store, rank, size);
     return *topology_;
@@ -102,9 +103,13 @@ std::unique_ptr<Transport> layerShm(Setup& s, const TransportEntry& self, std::u
 
 #ifdef DDLCOMM_WITH_UCX
 constexpr bool kUcxBuilt = true;
-// Named, or auto when every rank's machine has an RDMA device.
+// Named, or auto when every rank's machine has an RDMA device. A rank without one knows the
+// answer (no) without the others' records; one with it reads them before anything connects,
+// which is the only case that waits on the store rather than in the network's handshake (whose
+// errors name a missing rank or a disagreeing world size).
 bool ucxApplies(const TransportEntry& self, Setup& s) {
-  return s.options.choice == self.name || (s.options.choice == "auto" && s.topology().rdmaOnEveryRank());
+  if (s.options.choice != "auto") return s.options.choice == self.name;
+  return rdmaDevicePresent() && s.topology().rdmaOnEveryRank();
 }
 std::unique_ptr<Transport> connectUcx(Setup& s, const TransportEntry& self, std::unique_ptr<Transport>) {
   std::unique_ptr<Transport> t = ucx::UcxTransport::connect(s.rank, s.size, s.store, s.options.connectTimeout);
