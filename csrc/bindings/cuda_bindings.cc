@@ -44,7 +44,7 @@ compress::PayloadInfo expectedInfo(const Config& config, size_t numel, size_t nb
   DDLCOMM_CHECK(nbytes == expected, ErrorKind::Protocol, "a ", compress::formatName(config.format), " payload of ",
                 numel, " elements has ", expected, " bytes, got ", nbytes);
   return {config.format, compress::headerFlags(config), compress::headerBlockSize(config), uint64_t(numel),
-          compress::keptEntries(config, numel)};
+          compress::keptEntries(config, numel), compress::headerValueBits(config)};
 }
 
 }  // namespace

@@ -80,6 +80,10 @@ inline uint8_t headerFlags(const Config& config) {
   return 0;
 }
 inline uint32_t headerBlockSize(const Config& config) { return hasBlocks(config.format) ? config.blockSize : 0; }
+// Value codes are top-k's: 1, 2, 4 or 8 bits; 32 (float32 values) for every format.
+inline bool validValueBits(const Config& config) {
+  return config.valueBits == 32 || (config.format == Format::TopK && config.valueBits > 0 && isValueBits(config.valueBits));
+}
 inline uint32_t headerValueBits(const Config& config) {
   return config.format == Format::TopK && config.valueBits != 32 ? config.valueBits : 0;
 }

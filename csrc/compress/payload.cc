@@ -33,11 +33,9 @@ void checkConfig(const Config& config) {
     DDLCOMM_CHECK(config.stochastic || config.clip == 0.f, ErrorKind::InvalidArgument,
                   "clip applies to stochastic ternary only");
   }
-  DDLCOMM_CHECK(config.valueBits == 32 || (isValueBits(config.valueBits) && config.valueBits > 0),
-                ErrorKind::InvalidArgument, "value_bits must be 1, 2, 4, 8 or 32 (float32 values), got ",
-                config.valueBits);
-  DDLCOMM_CHECK(config.valueBits == 32 || config.format == Format::TopK, ErrorKind::InvalidArgument,
-                "value_bits applies to top-k only");
+  DDLCOMM_CHECK(validValueBits(config), ErrorKind::InvalidArgument,
+                "value_bits must be 32 (float32 values), or 1, 2, 4 or 8 for top-k; got ", config.valueBits, " for ",
+                formatName(config.format));
   if (isSparse(config.format) && config.k == 0) {
     DDLCOMM_CHECK(config.ratio > 0.0 && config.ratio <= 1.0, ErrorKind::InvalidArgument,
                   "ratio must be in (0, 1], got ", config.ratio);

@@ -19,7 +19,7 @@ void checkConfig(const compress::Config& c, size_t numel) {
                     ErrorKind::InvalidArgument, "ternary clip must be a finite value >= 0, got ", c.clip);
       DDLCOMM_CHECK(c.format != compress::Format::Ternary || c.stochastic || c.clip == 0.f,
                     ErrorKind::InvalidArgument, "clip applies to stochastic ternary only");
-      return;
+      break;
     case compress::Format::TopK:
     case compress::Format::RandomK:
       DDLCOMM_CHECK(numel <= compress::kMaxSparseNumel, ErrorKind::InvalidArgument,
@@ -27,13 +27,13 @@ void checkConfig(const compress::Config& c, size_t numel) {
                     " elements, got ", numel);
       DDLCOMM_CHECK(c.k > 0 || (c.ratio > 0.0 && c.ratio <= 1.0), ErrorKind::InvalidArgument,
                     "top-k / random-k ratio must be in (0, 1], got ", c.ratio);
-      DDLCOMM_CHECK(compress::headerValueBits(c) == 0, ErrorKind::UnsupportedType, "top-k with ", c.valueBits,
-                    "-bit values has no CUDA kernel yet: compress a CPU tensor, or use float32 values");
-      return;
+      break;
     case compress::Format::Float16:
-    case compress::Format::BFloat16: return;
+    case compress::Format::BFloat16: break;
+    default: fail(ErrorKind::InvalidArgument, "unknown compression format ", int(c.format));
   }
-  fail(ErrorKind::InvalidArgument, "unknown compression format ", int(c.format));
+  DDLCOMM_CHECK(compress::validValueBits(c), ErrorKind::InvalidArgument,
+                "value_bits must be 32 (float32 values), or 1, 2, 4 or 8 for top-k; got ", c.valueBits);
 }
 
 void checkPayloadPointer(const void* payload, const char* what) {
@@ -57,16 +57,17 @@ detail::DecodeArgs decodeArgs(const compress::PayloadInfo& info, const uint8_t* 
                 ": block size 0");
   DDLCOMM_CHECK(!compress::isSparse(info.format) || info.k <= numel, ErrorKind::Protocol, what, ": ", info.k,
                 " entries for ", numel, " elements");
-  DDLCOMM_CHECK(info.valueBits == 0, ErrorKind::UnsupportedType, what, ": top-k with ", info.valueBits,
-                "-bit values has no CUDA kernel yet: decode on the CPU");
+  DDLCOMM_CHECK(compress::isValueBits(info.valueBits) && (info.valueBits == 0 || info.format == compress::Format::TopK),
+                ErrorKind::Protocol, what, ": invalid value bits ", info.valueBits);
   const bool two = info.format == compress::Format::OneBit && (info.flags & compress::kFlagTwoScales);
-  const compress::PayloadLayout layout = compress::payloadLayout(info.format, two, info.blockSize, numel, info.k, 0);
+  const compress::PayloadLayout layout =
+      compress::payloadLayout(info.format, two, info.blockSize, numel, info.k, info.valueBits);
   DDLCOMM_CHECK(bytes == layout.bytes, ErrorKind::Protocol, what, ": payload has ", bytes, " bytes, its header says ",
                 layout.bytes);
   checkPayloadPointer(payload, what);
   DDLCOMM_CHECK(out != nullptr || numel == 0, ErrorKind::InvalidArgument, what, ": null output");
-  return detail::DecodeArgs{info.format, two, info.blockSize, numel, info.k, payload, layout,
-                            outType, out, accumulate, s};
+  return detail::DecodeArgs{info.format, two,    info.blockSize, numel, info.k,     info.valueBits,
+                            payload,     layout, outType,        out,   accumulate, s};
 }
 
 void runDecode(const detail::DecodeArgs& a) {
@@ -93,7 +94,8 @@ size_t encodeWorkspaceBytes(const compress::Config& config, DataType, size_t num
   checkConfig(config, numel);
   switch (config.format) {
     case compress::Format::TopK:
-      return detail::topkWorkspaceBytes(config.approximate, numel, compress::keptEntries(config, numel));
+      return detail::topkWorkspaceBytes(config.approximate, numel, compress::keptEntries(config, numel),
+                                        compress::headerValueBits(config));
     case compress::Format::RandomK: return detail::randomkWorkspaceBytes(numel, compress::keptEntries(config, numel));
     case compress::Format::Ternary: return detail::ternaryWorkspaceBytes(config, numel);
     default: return 0;

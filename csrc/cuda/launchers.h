@@ -51,6 +51,7 @@ struct DecodeArgs {
   uint32_t blockSize;
   uint64_t numel;
   uint64_t k;
+  unsigned valueBits;  // top-k value codes; 0: float32 values
   const uint8_t* payload;
   compress::PayloadLayout layout;
   DataType outType;  // Float32 when accumulating
@@ -71,6 +72,6 @@ void decodeSparse(const DecodeArgs& a);
 
 size_t randomkWorkspaceBytes(uint64_t numel, uint64_t k);
 size_t ternaryWorkspaceBytes(const compress::Config& config, uint64_t numel);
-size_t topkWorkspaceBytes(bool approximate, uint64_t numel, uint64_t k);
+size_t topkWorkspaceBytes(bool approximate, uint64_t numel, uint64_t k, unsigned valueBits);
 
 }  // namespace ddlcomm::gpu::detail

@@ -2,7 +2,7 @@
 //
 // Order: key(v) = |v| as float32 bits (NaN above +inf); the k largest keys win,
 // equal keys are taken in index order; indices are written ascending. Selection is a radix
-// select on the key (digits of 11, 10, 10 bits: histogram, pick the bin holding the k-th
+// select on the key (digits of 11, 11, 10 bits: histogram, pick the bin holding the k-th
 // largest, refine) followed by an ordered compaction over tiles (per-tile counts, one scan,
 // per-tile writes), so the result is deterministic and equal to the CPU's.
 //
@@ -17,7 +17,8 @@
 //
 // Here: the sample, the prepare pass (y, and the candidates), the workspace and the launch
 // sequence. The radix select is in topk_select.cu, the ordered compaction in topk_output.cu,
-// what they share in topk.cuh; the sparse decoder (top-k's and random-k's) in sparse.cu.
+// the value codes (valueBits < 32) in topk_codes.cu, what they share in topk.cuh; the sparse
+// decoder (top-k's and random-k's) in sparse.cu.
 #include "cuda/topk.cuh"
 
 namespace ddlcomm::gpu::detail {
@@ -146,10 +147,11 @@ constexpr size_t align256(size_t v) { return (v + 255) / 256 * 256; }
 
 struct TopkWorkspace {
   uint64_t numTiles, sampleSize, sampleRank, candCap;
-  size_t stateOff, sampleOff, greaterOff, equalOff, tileOffOff, tileCntOff, candIdxOff, candValOff, bytes;
+  size_t stateOff, sampleOff, greaterOff, equalOff, tileOffOff, tileCntOff, candIdxOff, candValOff;
+  size_t keptValOff, codeOff, binsOff, bytes;  // value codes: the kept values, their codes, the bin starts
 };
 
-TopkWorkspace planWorkspace(bool approximate, uint64_t n, uint64_t k) {
+TopkWorkspace planWorkspace(bool approximate, uint64_t n, uint64_t k, unsigned valueBits) {
   TopkWorkspace w{};
   w.numTiles = (n + kTile - 1) / kTile;
   if (approximate) {
@@ -174,6 +176,10 @@ TopkWorkspace planWorkspace(bool approximate, uint64_t n, uint64_t k) {
   w.tileCntOff = take(approximate ? 4 * w.numTiles : 0);
   w.candIdxOff = take(4 * w.candCap);
   w.candValOff = take(4 * w.candCap);
+  const uint64_t coded = valueBits ? k : 0;
+  w.keptValOff = take(4 * coded);
+  w.codeOff = take(coded);
+  w.binsOff = take(valueBits ? sizeof(BinStart) << (valueBits - 1) : 0);
   w.bytes = off;
   return w;
 }
@@ -202,10 +208,12 @@ void encodeTopKTyped(const EncodeArgs& a) {
   const uint64_t n = a.numel, k = a.k;
   cudaStream_t s = a.cudaStream;
   const bool approx = a.config.approximate;
-  const TopkWorkspace w = planWorkspace(approx, n, k);
+  const unsigned valueBits = compress::headerValueBits(a.config);
+  const TopkWorkspace w = planWorkspace(approx, n, k, valueBits);
   auto* st = at<TopkState>(a.workspace, w.stateOff);
   auto* outIdx = reinterpret_cast<uint32_t*>(a.payload + a.layout.first);
-  auto* outVal = reinterpret_cast<float*>(a.payload + a.layout.second);
+  // Value codes: the kept values go to the workspace, to be coded once all are known.
+  auto* outVal = valueBits ? at<float>(a.workspace, w.keptValOff) : reinterpret_cast<float*>(a.payload + a.layout.second);
   const auto* x = static_cast<const typename XT::Raw*>(a.x);
 
   PrepareParams p{n, w.numTiles, st, at<uint32_t>(a.workspace, w.tileOffOff), at<uint32_t>(a.workspace, w.tileCntOff),
@@ -234,18 +242,23 @@ void encodeTopKTyped(const EncodeArgs& a) {
   auto* greater = at<uint32_t>(a.workspace, w.greaterOff);
   auto* equal = at<uint32_t>(a.workspace, w.equalOff);
   writeSelected(approx, cand, all, st, fast, full, w.numTiles, greater, equal, outIdx, outVal, a.residual, s);
+  if (valueBits) writeValueCodes(a, st, outVal, at<uint8_t>(a.workspace, w.codeOff), at<BinStart>(a.workspace, w.binsOff), s);
 }
 
 }  // namespace
 }  // namespace topk
 
-size_t topkWorkspaceBytes(bool approximate, uint64_t numel, uint64_t k) {
+size_t topkWorkspaceBytes(bool approximate, uint64_t numel, uint64_t k, unsigned valueBits) {
   if (k == 0 || numel == 0) return 0;
-  return topk::planWorkspace(approximate, numel, k).bytes;
+  return topk::planWorkspace(approximate, numel, k, valueBits).bytes;
 }
 
 void encodeTopK(const EncodeArgs& a) {
-  if (a.k == 0) return topk::storeYAndHeader<topk::kStoreUnsent>(a);  // nothing is sent
+  if (a.k == 0) {  // nothing is sent; value codes still carry a table, all zeros
+    if (a.layout.codes != 0)
+      DDLCOMM_CUDA_CHECK(cudaMemsetAsync(a.payload + a.layout.second, 0, a.layout.codes - a.layout.second, a.cudaStream));
+    return topk::storeYAndHeader<topk::kStoreUnsent>(a);
+  }
   withFloatType(a.xType, [&](auto xt) { topk::encodeTopKTyped<decltype(xt)>(a); });
 }
 

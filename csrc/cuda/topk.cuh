@@ -95,7 +95,35 @@ struct KeySource {
   __device__ __forceinline__ uint32_t key(uint64_t j) const { return keys[j]; }
 };
 
-// ---- the steps in topk_select.cu and topk_output.cu (their kernels are private to them) ----
+// The kept values, in index order (the payload's): the value codes' magnitude ranks.
+struct KeptSource {
+  const float* val;
+  uint64_t k;
+  __device__ __forceinline__ uint64_t size(const TopkState*) const { return k; }
+  __device__ __forceinline__ uint32_t key(uint64_t j) const { return magnitudeKey(val[j]); }
+};
+
+// The ties of `of->prefix` among the kept values, keyed ~position so the lower position ranks
+// first; every other entry has key 0, below all ties (positions are < 2^32 - 1).
+struct TieSource {
+  const float* val;
+  uint64_t k;
+  const RadixSelect* of;
+  __device__ __forceinline__ uint64_t size(const TopkState*) const { return k; }
+  __device__ __forceinline__ uint32_t key(uint64_t j) const {
+    return magnitudeKey(val[j]) == of->prefix ? ~uint32_t(j) : 0u;
+  }
+};
+
+// The first entry of one or more value-code bins (`bins` of them start at its rank): its
+// magnitude key and its position among the kept.
+struct BinStart {
+  uint32_t key;
+  uint32_t position;
+  uint32_t bins;
+};
+
+// ---- the steps in topk_select.cu, topk_output.cu and topk_codes.cu (their kernels are private to them) ----
 // Zeroes both selections' histograms and counts; `sampleRank` and `k` are the ranks they look
 // for (topk_select.cu).
 void initSelect(TopkState* st, uint64_t sampleRank, uint64_t k, cudaStream_t s);
@@ -111,5 +139,11 @@ void radixSelect(Src src, TopkState* st, RadixSelect* sel, uint64_t histGrid, Ga
 void writeSelected(bool approximate, const CandSource& cand, const FullSource& all, const TopkState* st,
                    const Gate& fast, const Gate& full, uint64_t numTiles, uint32_t* greater, uint32_t* equal,
                    uint32_t* outIdx, float* outVal, float* residual, cudaStream_t s);
+
+// Top-k's value codes from the k kept values val[] (index order) whose indices are in the
+// payload already: the table and the codes into the payload, the kept entries' residual
+// (topk_codes.cu). Scratch: code[k] and bins[2^(valueBits-1)]; st's selections are free.
+void writeValueCodes(const EncodeArgs& a, TopkState* st, const float* val, uint8_t* code, BinStart* bins,
+                     cudaStream_t s);
 
 }  // namespace ddlcomm::gpu::detail::topk

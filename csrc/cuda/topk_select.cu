@@ -1,6 +1,7 @@
-// Radix select of the k-th largest key (magnitudeKey's order, common.cuh): digits of 11, 10 and 10 bits, each a
-// histogram of the keys that match the prefix fixed so far and a pick of the bin holding the
-// wanted rank. Runs on the sample (the approximate threshold), the candidates or all elements.
+// Radix select of the k-th largest 32-bit key (magnitudeKey's order, common.cuh): digits of 11,
+// 11 and 10 bits, each a histogram of the keys that match the prefix fixed so far and a pick of
+// the bin holding the wanted rank. Runs on the sample (the approximate threshold), the
+// candidates, all elements, or the kept entries (top-k's value codes, topk_codes.cu).
 #include "cuda/topk.cuh"
 
 namespace ddlcomm::gpu::detail::topk {
@@ -11,7 +12,8 @@ struct Digit {
   uint32_t bins;   // 2^width
   int matchShift;  // keys must equal the prefix above this bit; 32: no condition
 };
-constexpr Digit kDigits[3] = {{20, 2048, 32}, {10, 1024, 20}, {0, 1024, 10}};
+// All 32 bits: magnitude keys leave bit 31 clear, the value codes' tie keys (~position) do not.
+constexpr Digit kDigits[3] = {{21, 2048, 32}, {10, 2048, 21}, {0, 1024, 10}};
 
 __device__ __forceinline__ bool matches(uint32_t key, uint32_t prefix, int matchShift) {
   return matchShift >= 32 || (key >> matchShift) == (prefix >> matchShift);
@@ -103,5 +105,7 @@ void radixSelect(Src src, TopkState* st, RadixSelect* sel, uint64_t histGrid, Ga
 template void radixSelect(KeySource, TopkState*, RadixSelect*, uint64_t, Gate, cudaStream_t);
 template void radixSelect(CandSource, TopkState*, RadixSelect*, uint64_t, Gate, cudaStream_t);
 template void radixSelect(FullSource, TopkState*, RadixSelect*, uint64_t, Gate, cudaStream_t);
+template void radixSelect(KeptSource, TopkState*, RadixSelect*, uint64_t, Gate, cudaStream_t);
+template void radixSelect(TieSource, TopkState*, RadixSelect*, uint64_t, Gate, cudaStream_t);
 
 }  // namespace ddlcomm::gpu::detail::topk

@@ -91,8 +91,9 @@ std::string comparePayloads(const std::vector<uint8_t>& got, const std::vector<u
   }
   const auto f = Format(want[5]);
   uint64_t numel, k;
-  uint32_t blockSize;
+  uint32_t blockSize, valueBits;
   std::memcpy(&blockSize, &want[8], 4);
+  std::memcpy(&valueBits, &want[12], 4);
   std::memcpy(&numel, &want[16], 8);
   std::memcpy(&k, &want[24], 8);
   size_t floatsAt = 0, floatsCount = 0, halfsAt = 0, halfsCount = 0;
@@ -108,7 +109,7 @@ std::string comparePayloads(const std::vector<uint8_t>& got, const std::vector<u
     case Format::TopK:
     case Format::RandomK:
       floatsAt = 32 + 4 * k;
-      floatsCount = k;
+      floatsCount = valueBits == 0 ? k : size_t(1) << valueBits;  // float32 values, or the value table
       break;
     case Format::Float16:
     case Format::BFloat16:

@@ -92,24 +92,25 @@ T get(const uint8_t* p, size_t offset) {
   return v;
 }
 
-void header(std::vector<uint8_t>& out, Format f, uint8_t flags, uint32_t blockSize, uint64_t numel, uint64_t k) {
+void header(std::vector<uint8_t>& out, Format f, uint8_t flags, uint32_t blockSize, uint64_t numel, uint64_t k,
+            uint32_t valueBits) {
   put<uint32_t>(out, 0, compress::kPayloadMagic);
   out[4] = compress::kPayloadVersion;
   out[5] = uint8_t(f);
   out[6] = flags;
   out[7] = 0;
   put<uint32_t>(out, 8, blockSize);
-  put<uint32_t>(out, 12, 0);
+  put<uint32_t>(out, 12, valueBits);
   put<uint64_t>(out, 16, numel);
   put<uint64_t>(out, 24, k);
 }
 
 struct Layout {
-  size_t scales = 32, data = 0, values = 0, bytes = 0;
+  size_t scales = 32, data = 0, values = 0, codes = 0, bytes = 0;  // top-k value codes: values = the table
   uint64_t nblocks = 0;
 };
 
-Layout layout(Format f, bool two, uint32_t blockSize, uint64_t numel, uint64_t k) {
+Layout layout(Format f, bool two, uint32_t blockSize, uint64_t numel, uint64_t k, uint32_t valueBits) {
   Layout l;
   switch (f) {
     case Format::OneBit:
@@ -127,6 +128,10 @@ Layout layout(Format f, bool two, uint32_t blockSize, uint64_t numel, uint64_t k
       l.data = 32;
       l.values = 32 + 4 * k;
       l.bytes = 32 + 8 * k;
+      if (valueBits != 0) {  // a table of 2^bits float32, then the codes packed from bit 0
+        l.codes = l.values + (size_t(4) << valueBits);
+        l.bytes = l.codes + (k * valueBits + 7) / 8;
+      }
       break;
     case Format::Float16:
     case Format::BFloat16:
@@ -246,6 +251,45 @@ void onebitBlock(const float* y, uint32_t count, bool two, float* scales, std::v
   }
 }
 
+namespace {
+
+// Top-k's value codes, from the contract's text: the kept entries (index order) fall into
+// L = 2^(bits-1) magnitude bins of equal count by rank, bin = rank * L / k; code = bin, plus
+// L when !(y >= 0). table[c] = float(sum / count) of its entries (0 for none), the sum in
+// float64, lane j summing entries e with e % 32 == j in order, then the lanes' tree.
+void valueCodes(const std::vector<float>& y, const std::vector<uint64_t>& chosen, const std::vector<uint64_t>& rankOf,
+                uint32_t valueBits, std::vector<uint8_t>& out, const Layout& l, float* residual) {
+  const uint64_t k = chosen.size(), levels = uint64_t(1) << (valueBits - 1);
+  std::vector<uint32_t> code(k);
+  std::vector<double> lanes(2 * levels * 32, 0.0);
+  std::vector<uint64_t> count(2 * levels, 0);
+  for (uint64_t e = 0; e < k; ++e) {
+    const float v = y[chosen[e]];
+    code[e] = uint32_t(rankOf[chosen[e]] * levels / k + (v >= 0.f ? 0 : levels));
+    lanes[code[e] * 32 + e % 32] += double(v);
+    ++count[code[e]];
+  }
+  std::vector<float> table(2 * levels);
+  for (uint64_t cd = 0; cd < 2 * levels; ++cd) {
+    double* lane = &lanes[cd * 32];
+    for (int d = 16; d >= 1; d /= 2)
+      for (int j = 0; j < d; ++j) lane[j] = lane[j] + lane[j + d];
+    table[cd] = count[cd] == 0 ? 0.f : float(lane[0] / double(count[cd]));
+    put<float>(out, l.values + 4 * cd, table[cd]);
+  }
+  std::vector<float> sent(y.size(), 0.f);
+  for (uint64_t e = 0; e < k; ++e) {
+    put<uint32_t>(out, l.data + 4 * e, uint32_t(chosen[e]));
+    const uint64_t bit = e * valueBits;
+    out[l.codes + bit / 8] |= uint8_t(code[e] << (bit % 8));
+    sent[chosen[e]] = table[code[e]];
+  }
+  if (residual)
+    for (size_t i = 0; i < y.size(); ++i) residual[i] = residualAfter(y[i], sent[i]);
+}
+
+}  // namespace
+
 std::vector<uint8_t> encode(const compress::Config& c, DataType xType, const void* x, float* residual, size_t n,
                             uint64_t stream, bool scaled) {
   std::vector<float> y(n);
@@ -257,12 +301,13 @@ std::vector<uint8_t> encode(const compress::Config& c, DataType xType, const voi
   const uint64_t k = sparse ? ref::keptEntries(c, n) : 0;
   const bool two = c.format == Format::OneBit && c.twoScales;
   const bool blocked = c.format == Format::OneBit || c.format == Format::Ternary;
-  const Layout l = layout(c.format, two, c.blockSize, n, k);
+  const uint32_t valueBits = c.format == Format::TopK && c.valueBits != 32 ? c.valueBits : 0;
+  const Layout l = layout(c.format, two, c.blockSize, n, k, valueBits);
   std::vector<uint8_t> out(l.bytes, 0);
   const uint8_t flags = two                                                 ? compress::kFlagTwoScales
                         : c.format == Format::Ternary && c.stochastic ? compress::kFlagStochastic
                                                                       : 0;
-  header(out, c.format, flags, blocked ? c.blockSize : 0, n, k);
+  header(out, c.format, flags, blocked ? c.blockSize : 0, n, k, valueBits);
 
   switch (c.format) {
     case Format::OneBit: {
@@ -304,11 +349,13 @@ std::vector<uint8_t> encode(const compress::Config& c, DataType xType, const voi
     case Format::TopK:
     case Format::RandomK: {
       std::vector<uint64_t> chosen;
+      std::vector<uint64_t> rankOf(n);  // top-k: rank by magnitude, 0 = largest, ties to the lower index
       if (c.format == Format::TopK) {
         std::vector<uint64_t> order(n);
         std::iota(order.begin(), order.end(), 0);
         std::stable_sort(order.begin(), order.end(), [&](uint64_t a, uint64_t b) { return key(y[a]) > key(y[b]); });
         chosen.assign(order.begin(), order.begin() + k);
+        for (uint64_t r = 0; r < n; ++r) rankOf[order[r]] = r;
       } else {  // Floyd's algorithm, step by step
         std::set<uint64_t> taken;
         for (uint64_t j = n - k; j < n; ++j) {
@@ -319,6 +366,10 @@ std::vector<uint8_t> encode(const compress::Config& c, DataType xType, const voi
         chosen.assign(taken.begin(), taken.end());
       }
       std::sort(chosen.begin(), chosen.end());
+      if (valueBits != 0) {
+        valueCodes(y, chosen, rankOf, valueBits, out, l, residual);
+        break;
+      }
       const float scale = scaled && k > 0 ? float(double(n) / double(k)) : 1.f;
       std::vector<float> sent(n, 0.f);
       for (uint64_t j = 0; j < k; ++j) {
@@ -352,8 +403,9 @@ std::vector<float> decodeAll(const uint8_t* p, size_t bytes, size_t n) {
   const auto f = Format(p[5]);
   const bool two = f == Format::OneBit && (p[6] & compress::kFlagTwoScales);
   const uint32_t blockSize = get<uint32_t>(p, 8);
+  const uint32_t valueBits = get<uint32_t>(p, 12);
   const uint64_t k = get<uint64_t>(p, 24);
-  const Layout l = layout(f, two, blockSize, n, k);
+  const Layout l = layout(f, two, blockSize, n, k, valueBits);
   if (l.bytes != bytes) throw std::runtime_error("reference decode: size mismatch");
   std::vector<float> out(n, 0.f);
   for (size_t i = 0; i < n; ++i) {
@@ -378,7 +430,11 @@ std::vector<float> decodeAll(const uint8_t* p, size_t bytes, size_t n) {
     }
   }
   if (f == Format::TopK || f == Format::RandomK)
-    for (uint64_t j = 0; j < k; ++j) out[get<uint32_t>(p, l.data + 4 * j)] = get<float>(p, l.values + 4 * j);
+    for (uint64_t j = 0; j < k; ++j) {
+      const uint64_t bit = j * valueBits;
+      const size_t at = valueBits == 0 ? j : (p[l.codes + bit / 8] >> (bit % 8)) & ((1u << valueBits) - 1);
+      out[get<uint32_t>(p, l.data + 4 * j)] = get<float>(p, l.values + 4 * at);
+    }
   return out;
 }
 

@@ -67,12 +67,20 @@ void testErrors(cudaStream_t s) {
   expectError("encode: top-k ratio > 1", ErrorKind::InvalidArgument,
               [&] { gpu::encodeCuda(c, DataType::Float32, x.ptr, nullptr, n, 0, pay.as(), 4096, ws.ptr, 1 << 20, s); });
   c.ratio = 0.01;
-  c.valueBits = 2;  // top-k's value codes: no CUDA kernel yet, refused before any launch
-  expectError("encode: top-k value codes", ErrorKind::UnsupportedType,
+  c.valueBits = 3;
+  expectError("encode: top-k value bits 3", ErrorKind::InvalidArgument,
               [&] { gpu::encodeCuda(c, DataType::Float32, x.ptr, nullptr, n, 0, pay.as(), 4096, ws.ptr, 1 << 20, s); });
-  expectError("decode: top-k value codes", ErrorKind::UnsupportedType, [&] {
+  c.format = Format::RandomK;
+  c.valueBits = 2;  // value codes are top-k's
+  expectError("encode: random-k value bits", ErrorKind::InvalidArgument,
+              [&] { gpu::encodeCuda(c, DataType::Float32, x.ptr, nullptr, n, 0, pay.as(), 4096, ws.ptr, 1 << 20, s); });
+  expectError("decode: value bits 3", ErrorKind::Protocol, [&] {
+    const compress::PayloadInfo coded{Format::TopK, 0, 0, n, 10, 3};
+    gpu::decodeCuda(coded, pay.as(), 32 + 40 + 32 + 4, DataType::Float32, x.ptr, n, s);
+  });
+  expectError("decode: value codes, wrong size", ErrorKind::Protocol, [&] {
     const compress::PayloadInfo coded{Format::TopK, 0, 0, n, 10, 2};
-    gpu::decodeCuda(coded, pay.as(), 32 + 40 + 16 + 3, DataType::Float32, x.ptr, n, s);
+    gpu::decodeCuda(coded, pay.as(), 32 + 40 + 16 + 2, DataType::Float32, x.ptr, n, s);
   });
   c = Config{};
   compress::PayloadInfo info{Format::OneBit, 0, 256, n, 0, 0};

@@ -53,6 +53,10 @@ std::vector<Compressor> compressors() {
   list.push_back({"topk-1%", c});
   c.approximate = true;
   list.push_back({"topk-approx-1%", c});
+  c.valueBits = 2;  // SparseLoCo's quantized values
+  list.push_back({"topk-approx-1%-2bit", c});
+  c.valueBits = 8;
+  list.push_back({"topk-approx-1%-8bit", c});
   c = Config{};
   c.format = Format::RandomK;
   c.ratio = 0.01;
@@ -188,7 +192,7 @@ int main(int argc, char** argv) {
                         static_cast<uint8_t*>(pays[k]->p), payCap, ws.p, wsCap, s);
       // The header fields every encode with this config writes (compress.h, wire_format.h).
       const compress::PayloadInfo info{c.cfg.format, compress::headerFlags(c.cfg), compress::headerBlockSize(c.cfg), n,
-                                       compress::keptEntries(c.cfg, n)};
+                                       compress::keptEntries(c.cfg, n), compress::headerValueBits(c.cfg)};
       const float decMs = medianMs(r, s, [&](int i) {
         gpu::decodeAccumulateCuda(info, static_cast<const uint8_t*>(pays[i % sets]->p), bytes,
                                   static_cast<float*>(outs[i % sets]->p), n, s);
