@@ -3,7 +3,6 @@
 // validated.
 #include <algorithm>
 #include <array>
-#include <numeric>
 #include <vector>
 
 #include "common/error.h"
@@ -63,23 +62,33 @@ void sumRange(const std::vector<SparseSection>& in, float factor, typename E::Ra
   }
 }
 
+// Bins [lo, hi) of the entries at ranks [first(lo), first(hi)) of order (ascending = rank
+// order), by recursive selection: O(k log L), where sorting all k would be O(k log k).
+void assignBins(uint64_t* begin, uint64_t* end, size_t lo, size_t hi, size_t k, size_t levels, uint8_t* bin) {
+  auto first = [&](size_t b) { return (b * k + levels - 1) / levels; };  // ceil(b k / L): bin b's first rank
+  if (hi - lo == 1) {
+    for (uint64_t* e = begin; e != end; ++e) bin[uint32_t(*e)] = uint8_t(lo);
+    return;
+  }
+  const size_t mid = (lo + hi) / 2;
+  uint64_t* split = begin + (first(mid) - first(lo));
+  std::nth_element(begin, split, end);
+  assignBins(begin, split, lo, mid, k, levels, bin);
+  assignBins(split, end, mid, hi, k, levels, bin);
+}
+
 }  // namespace
 
 void encodeValueCodes(size_t k, unsigned valueBits, const uint8_t* indices, const float* y, float* residual,
                       uint8_t* table, uint8_t* codes) {
   const size_t levels = size_t(1) << (valueBits - 1);
-  // Rank by magnitude, ties to the lower index (the entries are in index order): a total order.
-  std::vector<uint32_t> order(k);
-  std::iota(order.begin(), order.end(), 0u);
-  std::sort(order.begin(), order.end(), [&](uint32_t a, uint32_t b) {
-    const uint32_t ka = magnitudeBits(y[a]), kb = magnitudeBits(y[b]);
-    return ka != kb ? ka > kb : a < b;
-  });
+  // Rank by magnitude, ties to the lower index (the entries are in index order): a total order,
+  // ascending in (~|y| bits, entry).
+  std::vector<uint64_t> order(k);
+  for (size_t e = 0; e < k; ++e) order[e] = uint64_t(~magnitudeBits(y[e])) << 32 | e;
   std::vector<uint8_t> code(k);
-  for (size_t rank = 0; rank < k; ++rank) {
-    const uint32_t e = order[rank];
-    code[e] = uint8_t(rank * levels / k + (y[e] >= 0.f ? 0 : levels));
-  }
+  if (k > 0) assignBins(order.data(), order.data() + k, 0, levels, k, levels, code.data());
+  for (size_t e = 0; e < k; ++e) code[e] = uint8_t(code[e] + (y[e] >= 0.f ? 0 : levels));
   // Each code's sum in float64 lanes, in the block sums' order (compress.h): parallel on a GPU.
   std::vector<std::array<double, kLanes>> lanes(2 * levels, std::array<double, kLanes>{});
   std::vector<uint64_t> count(2 * levels, 0);
