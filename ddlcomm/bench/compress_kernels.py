@@ -107,6 +107,27 @@ def torch_top_k(x: torch.Tensor, r: torch.Tensor) -> tuple[torch.Tensor, torch.T
     return index.int(), values
 
 
+def torch_top_k_2bit(x: torch.Tensor, r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Top-k with 2-bit value codes (TopK(value_bits=2)): sign and an equal-count magnitude
+    half by rank; each code decodes to its entries' mean."""
+    index, values = torch_top_k(x, r)
+    k = values.numel()
+    rank = torch.empty(k, dtype=torch.int64)
+    rank[values.abs().argsort(descending=True, stable=True)] = torch.arange(k)
+    code = rank * 2 // k + (values < 0) * 2
+    table = torch.zeros(4, dtype=torch.float64).index_add_(0, code, values.double())
+    table = (table / torch.bincount(code, minlength=4).clamp_min(1)).float()
+    r[index] = values - table[code]
+    padded = torch.nn.functional.pad(code.to(torch.uint8), (0, -k % 4))
+    return index, table, (padded.view(-1, 4) << CODE_SHIFTS).sum(1, dtype=torch.uint8)
+
+
+def torch_coded_decode_acc(payload: tuple[torch.Tensor, torch.Tensor, torch.Tensor], out: torch.Tensor) -> None:
+    index, table, packed = payload
+    codes = ((packed[:, None] >> CODE_SHIFTS) & 3).view(-1)[: index.numel()]
+    out.index_add_(0, index, table[codes.long()])
+
+
 def torch_random_k(x: torch.Tensor, r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     y = x + r
     index = torch.randperm(y.numel())[: max(1, round(RATIO * y.numel()))].sort().values
@@ -141,6 +162,7 @@ CASES: list[tuple[str, Callable[[], Compressor], Callable, Callable]] = [
     ("ternary stochastic", lambda: Ternary(BLOCK, stochastic=True), torch_stochastic_ternary, torch_ternary_decode_acc),
     ("top-k 1%", lambda: TopK(RATIO), torch_top_k, torch_sparse_decode_acc),
     ("top-k 1% approx", lambda: TopK(RATIO, approximate=True), torch_top_k, torch_sparse_decode_acc),
+    ("top-k 1% 2-bit", lambda: TopK(RATIO, value_bits=2), torch_top_k_2bit, torch_coded_decode_acc),
     ("random-k 1%", lambda: RandomK(RATIO), torch_random_k, torch_sparse_decode_acc),
     ("fp16", FP16, torch_cast(torch.float16), torch_cast_decode_acc),
     ("bf16", BF16, torch_cast(torch.bfloat16), torch_cast_decode_acc),
