@@ -302,11 +302,12 @@ class _OuterSteps:
 
 
 def diloco(backend: str) -> None:
-    """DiLoCo on a CUDA model (float32, 1-bit, ternary, top-k; streamed with overlap; a warm-up)
+    """DiLoCo on a CUDA model (float32, 1-bit, ternary, top-k, with 2-bit values; streamed with
+    overlap; a warm-up)
     reaches its CPU run's accuracy, and every rank ends with the same weights and buffers."""
     rank, n, gpu = _init_on_gpu(backend)
     runs = {"fp32": (None, {}), "onebit": ("onebit", {}), "ternary": ("ternary", {}),
-            "topk_approx": ("topk_approx", {}), "ternary streamed": ("ternary", {"fragments": 2, "overlap_steps": 1}),
+            "topk_approx": ("topk_approx", {}), "SparseLoCo top-k 2-bit": ("topk_2bit", {}), "ternary streamed": ("ternary", {"fragments": 2, "overlap_steps": 1}),
             "onebit warm-up": ("onebit", {"warmup_steps": 20})}
     results = {}
     for key, (name, options) in runs.items():
