@@ -288,6 +288,22 @@ def test_every_command_line_option_is_described(tmp_path: Path):
     assert "UNDESCRIBED" not in result.stdout, result.stdout
 
 
+# How the code reads a DDLCOMM_* environment variable: the C++ helpers and the transport
+# table's spin entries (csrc), os.environ (ddlcomm/).
+_ENV_READS = [(ROOT / "csrc", "*.cc", re.compile(r'env(?:String|Integer)\("(DDLCOMM_[A-Z_]+)"|"(DDLCOMM_[A-Z]+_SPIN_US)"')),
+              (ROOT / "ddlcomm", "*.py", re.compile(r'environ(?:\.get\(|\[)"(DDLCOMM_[A-Z_]+)"'))]
+
+
+def test_every_environment_variable_is_in_the_configuration_table():
+    """Each DDLCOMM_* variable the code reads has its row in docs/configuration.md."""
+    table = (ROOT / "docs" / "configuration.md").read_text()
+    read = {name for folder, pattern, regex in _ENV_READS for path in folder.rglob(pattern)
+            for match in regex.finditer(path.read_text()) for name in match.groups() if name}
+    assert {"DDLCOMM_TRANSPORT", "DDLCOMM_NUM_THREADS", "DDLCOMM_SHM_SPIN_US"} <= read, sorted(read)
+    missing = sorted(name for name in read if f"| `{name}` |" not in table)
+    assert not missing, f"read by the code, not in docs/configuration.md's table: {missing}"
+
+
 def test_help_of_the_package_is_short():
     """help(ddlcomm) is the package's own text, not the backend class's inherited c10d methods."""
     import pydoc
