@@ -54,11 +54,13 @@ def test_shared_memory_rings_and_windows_smaller_than_the_messages() -> None:
     assert_all_ok(launch("collectives", "collectives", 2, timeout=240, env=env))
 
 
-@pytest.mark.parametrize("algorithm", ["ring", "recursive_doubling", "hierarchical"])
-def test_forced_allreduce_algorithms(algorithm: str) -> None:
+# Halving-doubling on 3 ranks folds the third into the first; on 4 it folds none.
+@pytest.mark.parametrize("algorithm, world_size", [("ring", 3), ("recursive_doubling", 3), ("hierarchical", 3),
+                                                   ("halving_doubling", 3), ("halving_doubling", 4)])
+def test_forced_allreduce_algorithms(algorithm: str, world_size: int) -> None:
     # The forced algorithms exchange messages: through the shared-memory rings here (auto).
     env = {"DDLCOMM_ALLREDUCE_ALGO": algorithm, "DDLCOMM_SEGMENT_BYTES": "4096"}
-    assert_all_ok(launch("collectives", "allreduce", 3, timeout=240, env=env))
+    assert_all_ok(launch("collectives", "allreduce", world_size, timeout=240, env=env))
 
 
 def test_striped_connections() -> None:
@@ -102,6 +104,7 @@ def test_compressed_allreduce_bytes_on_the_wire_match_wire_bytes() -> None:
 BAD_ENVIRONMENT = {
     "DDLCOMM_SEGMENT_BYTES": "-5",  # crashed in vector::_M_default_append
     "DDLCOMM_SMALL_MESSAGE_BYTES": "-1",  # was taken as 2**64 - 1
+    "DDLCOMM_HALVING_DOUBLING_BYTES": "1 MiB",
     "DDLCOMM_SOCKETS_PER_PEER": "0",
     "DDLCOMM_STRIPE_MIN_BYTES": "1MB",
     "DDLCOMM_SOCKET_BUFFER_BYTES": "99999999999999999999",

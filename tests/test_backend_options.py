@@ -47,13 +47,13 @@ def test_options_class() -> None:
     for name in ["auto", *ddlcomm.transports(), None]:
         options.transport = name
         assert options.transport == name
-    for name in ["auto", "ring", "recursive_doubling", "hierarchical", None]:
+    for name in ["auto", "ring", "recursive_doubling", "halving_doubling", "hierarchical", None]:
         options.allreduce_algorithm = name
         assert options.allreduce_algorithm == name
 
 
 def test_unknown_allreduce_algorithm_is_a_value_error_naming_the_valid_ones() -> None:
-    expected = "expected auto, ring, recursive_doubling or hierarchical"
+    expected = "expected auto, ring, recursive_doubling, halving_doubling or hierarchical"
     with pytest.raises(ValueError, match=f"ddlcomm.Options.allreduce_algorithm='tree' is invalid: {expected}"):
         ddlcomm.Options(allreduce_algorithm="tree")
     options = ddlcomm.Options(allreduce_algorithm="ring")

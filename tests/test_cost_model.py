@@ -19,7 +19,7 @@ def synthetic(noise: float = 0.0, seed: int = 0) -> list[dict]:
     rng = random.Random(seed)
     return [{"algorithm": a, "hosts": h, "ranks_per_host": 2, "bytes": m, "rate": rate, "delay": delay,
              "seconds": predict(a, Cluster(h, 2), m, Link.named(rate, delay), TRUE) * (1 + rng.uniform(-noise, noise))}
-            for rate, delay in LINKS for h in (2, 4) for a in ("ring", "recursive_doubling", "hierarchical")
+            for rate, delay in LINKS for h in (2, 4) for a in ("ring", "recursive_doubling", "halving_doubling", "hierarchical")
             for m in (65536, 1 << 20, 8 << 20)]
 
 
@@ -28,8 +28,8 @@ def test_algorithms_coincide_where_they_should() -> None:
     def cost(t):  # (streams matter only with bytes across hosts)
         return t.net_steps, t.net_bytes, t.shm_steps, t.shm_bytes
 
-    # One rank per host: the hierarchy is the flat ring over the hosts.
-    assert terms("hierarchical", Cluster(4, 1), m) == terms("ring", Cluster(4, 1), m)
+    # One rank per host: the hierarchy is the flat ring over 3 hosts (halving-doubling over 8, below).
+    assert terms("hierarchical", Cluster(3, 1), m) == terms("ring", Cluster(3, 1), m)
     # One host: the hierarchy is the ring inside it, and the ring uses shared memory only.
     assert cost(terms("hierarchical", Cluster(1, 4), m)) == cost(terms("ring", Cluster(1, 4), m))
     assert (terms("ring", Cluster(1, 4), m).net_steps, terms("ring", Cluster(1, 4), m).net_bytes) == (0, 0)
@@ -41,11 +41,22 @@ def test_algorithms_coincide_where_they_should() -> None:
     # Recursive doubling: log2(n) exchanges, log2(l) of them inside a host, l streams across.
     rd = terms("recursive_doubling", Cluster(4, 2), m)
     assert (rd.net_steps, rd.net_bytes, rd.streams, rd.shm_steps) == (2, 2 * 2 * m, 2, 1)
+    # Halving-doubling: the ring's bytes in 2 log2 steps; over one-rank hosts it is the hierarchy.
+    hd = terms("halving_doubling", Cluster(4, 2), m)
+    assert (hd.net_steps, hd.shm_steps, hd.streams) == (4, 2, 2)
+    assert hd.net_bytes == pytest.approx(2 * terms("hierarchical", Cluster(4, 2), m).net_bytes)
+    assert terms("halving_doubling", Cluster(8, 1), m) == terms("hierarchical", Cluster(8, 1), m)
+    assert terms("hierarchical", Cluster(8, 1), m).net_steps == 6  # 2 log2 8, where the ring takes 14
+    # ... up to a shard of DDLCOMM_HALVING_DOUBLING_BYTES, and from 8 hosts: a ring otherwise.
+    assert terms("hierarchical", Cluster(8, 2), 4 * m).net_steps == 14
+    assert terms("hierarchical", Cluster(8, 2), 4 * m, halving_bytes=2 * m).net_steps == 6
+    assert terms("hierarchical", Cluster(4, 1), m) == terms("ring", Cluster(4, 1), m)
     # One rank per host, every hop crosses hosts: NCCL's count and the ring's agree.
     link = Link.named("1gbit", "5ms")
     assert nccl_ring(Cluster(8, 1), m, link, TRUE) == pytest.approx(predict("ring", Cluster(8, 1), m, link, TRUE))
-    with pytest.raises(ValueError, match="power-of-two"):
-        terms("recursive_doubling", Cluster(3, 1), m)
+    for algorithm in ("recursive_doubling", "halving_doubling"):
+        with pytest.raises(ValueError, match="power-of-two"):
+            terms(algorithm, Cluster(3, 1), m)
 
 
 def test_a_window_limits_a_long_link() -> None:
@@ -79,8 +90,15 @@ def test_fit_stays_non_negative_and_close_under_noise() -> None:
 
 
 def test_projection_orders_the_algorithms_as_their_formulas_say() -> None:
-    rows = projections(TRUE, Link.named("1gbit", "5ms"), 100e6, compute=0.3, hosts=(8, 1000))
-    big = rows[-1]["allreduce"]
+    rows = projections(TRUE, Link.named("1gbit", "5ms"), 100e6, compute=0.3, hosts=(8, 1000, 1024))
+    big, power_of_two = rows[1]["allreduce"], rows[2]["allreduce"]
     # At 1000 hosts every ring's 2(h-1) latency steps dominate; the tree's are logarithmic.
     assert big["NCCL tree"] < big["hierarchical"] and big["NCCL tree"] < big["ring"]
+    # 12.5 MB shards take the ring across hosts by default; with halving-doubling across 1024
+    # hosts the hierarchy takes as many steps as the tree, with the same bytes on the link:
+    # within its phases inside the host of the tree.
+    halving = power_of_two["hierarchical, halving-doubling across"]
+    assert power_of_two["hierarchical"] > power_of_two["ring"] / 2
+    assert power_of_two["NCCL tree"] < halving < 1.1 * power_of_two["NCCL tree"]
+    assert halving < power_of_two["hierarchical"] / 5
     assert rows[0]["step"]["ring"] == pytest.approx(0.3 + rows[0]["allreduce"]["ring"])

@@ -18,6 +18,14 @@ def test_hierarchical_all_reduce_over_two_hosts_of_two_ranks() -> None:
     assert_all_ok(launch("topology", "hierarchical", 4, timeout=180, rank_env=hosts))
 
 
+@pytest.mark.parametrize("hosts, per_host", [(8, 1), (4, 2)])
+def test_hierarchical_all_reduce_over_more_hosts(hosts: int, per_host: int) -> None:
+    """8 hosts: halving-doubling across them (3 steps each way where a ring takes 7); 4: a ring."""
+    ranks = {r: {"DDLCOMM_HOST_ID": f"host-{r // per_host}"} for r in range(hosts * per_host)}
+    assert_all_ok(launch("topology", "many_hosts", hosts * per_host, timeout=240, rank_env=ranks,
+                         args=(f"{hosts} hosts x {per_host} rank{'s' if per_host > 1 else ''}",)))
+
+
 def test_hierarchy_needs_as_many_ranks_on_every_host() -> None:
     hosts = {0: {"DDLCOMM_HOST_ID": "a"}, 1: {"DDLCOMM_HOST_ID": "a"}, 2: {"DDLCOMM_HOST_ID": "b"}}
     assert_all_ok(launch("topology", "unequal_hosts", 3, timeout=120, rank_env=hosts))

@@ -44,15 +44,34 @@ void recursiveDoubling(Call& call, char* data, size_t count, DataType dtype, Red
   }
 }
 
-void ringAllreduce(Call& call, char* data, size_t count, DataType dtype, ReduceOp op) {
-  const int n = call.comm().size(), r = call.comm().rank();
-  const ring::Chunks chunks{count, n};
-  ring::reduceScatterInPlace(call, data, chunks, dtype, op);
-  // Dividing only the owned chunk, once, keeps AVG identical on every rank.
-  if (op == ReduceOp::Avg) {
-    divideBy(dtype, data + chunks.begin(r) * elementSize(dtype), chunks.length(r), double(n));
+// An all-reduce among `members` of this group, AVG dividing by `divisor`: a reduce-scatter,
+// the owner of each chunk divides it once (so AVG is identical on every rank), an all-gather.
+void allreduceAmong(Call& call, char* data, size_t count, DataType dtype, ReduceOp op, const ring::Members& members,
+                    bool halvingDoubling, double divisor) {
+  const size_t es = elementSize(dtype);
+  if (halvingDoubling) {
+    const ring::Chunks chunks{count, halving::owners(members.n())};
+    const bool owner = halving::reduceScatterInPlace(call, data, chunks, dtype, op, members);
+    if (op == ReduceOp::Avg && owner) {
+      divideBy(dtype, data + chunks.begin(members.self) * es, chunks.length(members.self), divisor);
+    }
+    halving::allgatherInPlace(call, data, chunks, dtype, members);
+    return;
   }
-  ring::allgatherInPlace(call, data, chunks, dtype);
+  const ring::Chunks chunks{count, members.n()};
+  ring::reduceScatterInPlace(call, data, chunks, dtype, op, members);
+  if (op == ReduceOp::Avg) divideBy(dtype, data + chunks.begin(members.self) * es, chunks.length(members.self), divisor);
+  ring::allgatherInPlace(call, data, chunks, dtype, members);
+}
+
+// Across hosts, halving-doubling takes 2 log2 h steps where the ring takes 2(h-1), for the same
+// bytes, over a power of two of hosts (elsewhere its folding costs a partner's whole buffer
+// twice). Measured on emulated links (docs/collectives.md), it wins where steps cost more
+// than bytes, from 8 hosts and for shards up to about 1 MiB; over 4 hosts it was as often
+// slower as faster, and on large shards slower: each of its steps starts a flow on another
+// connection, where the ring keeps one flow per link going (DDLCOMM_HALVING_DOUBLING_BYTES).
+bool halvingDoublingSuits(const Communicator& comm, int hosts, size_t shardBytes) {
+  return hosts >= 8 && halving::owners(hosts) == hosts && shardBytes <= comm.options().halvingDoublingBytes;
 }
 
 // Reduce-scatter inside the host, an all-reduce of this rank's shard with the ranks at its
@@ -63,19 +82,15 @@ void ringAllreduce(Call& call, char* data, size_t count, DataType dtype, ReduceO
 void hierarchicalAllreduce(Call& call, char* data, size_t count, DataType dtype, ReduceOp op) {
   const Topology& topology = call.comm().topology();
   const int r = call.comm().rank();
-  const size_t es = elementSize(dtype);
   const ring::Members host = ring::Members::of(topology.hostRanks(), r);
   const ring::Members across = ring::Members::of(topology.peersAcrossHosts(), r);
   const ring::Chunks inHost{count, host.n()};
   ring::reduceScatterInPlace(call, data, inHost, dtype, op, host);
-  char* shard = data + inHost.begin(host.self) * es;
-  const ring::Chunks acrossHosts{inHost.length(host.self), across.n()};
-  ring::reduceScatterInPlace(call, shard, acrossHosts, dtype, op, across);
-  if (op == ReduceOp::Avg) {
-    divideBy(dtype, shard + acrossHosts.begin(across.self) * es, acrossHosts.length(across.self),
-             double(call.comm().size()));
-  }
-  ring::allgatherInPlace(call, shard, acrossHosts, dtype, across);
+  char* shard = data + inHost.begin(host.self) * elementSize(dtype);
+  const size_t shardCount = inHost.length(host.self);
+  allreduceAmong(call, shard, shardCount, dtype, op, across,
+                 halvingDoublingSuits(call.comm(), across.n(), shardCount * elementSize(dtype)),
+                 double(call.comm().size()));
   ring::allgatherInPlace(call, data, inHost, dtype, host);
 }
 
@@ -99,12 +114,14 @@ void allreduce(Communicator& comm, void* data, size_t count, DataType dtype, Red
              : comm.topology().suitsHierarchy()             ? AllreduceAlgorithm::Hierarchical
                                                             : AllreduceAlgorithm::Ring;
     }
+    char* bytes = static_cast<char*>(data);
     if (algo == AllreduceAlgorithm::Hierarchical) {
       ++comm.counters().hierarchicalAllreduces;
-      hierarchicalAllreduce(call, static_cast<char*>(data), count, dtype, op);
-    } else if (algo == AllreduceAlgorithm::Ring) {
-      ++comm.counters().ringAllreduces;
-      ringAllreduce(call, static_cast<char*>(data), count, dtype, op);
+      hierarchicalAllreduce(call, bytes, count, dtype, op);
+    } else if (algo == AllreduceAlgorithm::Ring || algo == AllreduceAlgorithm::HalvingDoubling) {
+      const bool halvingDoubling = algo == AllreduceAlgorithm::HalvingDoubling;
+      ++(halvingDoubling ? comm.counters().halvingDoublingAllreduces : comm.counters().ringAllreduces);
+      allreduceAmong(call, bytes, count, dtype, op, ring::Members::all(comm), halvingDoubling, double(comm.size()));
     } else {
       ++comm.counters().recursiveDoublingAllreduces;
       recursiveDoubling(call, static_cast<char*>(data), count, dtype, op);

@@ -13,8 +13,9 @@ namespace ddlcomm {
 // In place. Ring (reduce-scatter + all-gather) for large buffers, recursive doubling for
 // small ones; on a group over several hosts with several ranks each (Topology), hierarchical:
 // reduce-scatter inside each host, an all-reduce of each rank's shard across the hosts (one
-// ring per local rank, so every rank's link carries its share), all-gather inside the host.
-// Every rank ends with bitwise identical results.
+// per local rank, so every rank's link carries its share: halving-doubling over a power of
+// two above 2 hosts, else a ring), all-gather inside the host. Every rank ends with bitwise
+// identical results.
 void allreduce(Communicator& comm, void* data, size_t count, DataType dtype, ReduceOp op);
 
 // In place from `root`: binomial tree for small buffers, pipelined chain for large ones.
@@ -71,6 +72,19 @@ void reduceScatterInPlace(Call& call, char* data, const Chunks& chunks, DataType
 void allgatherInPlace(Call& call, char* data, const Chunks& chunks, DataType dtype, const Members& members);
 void allgatherInPlace(Call& call, char* data, const Chunks& chunks, DataType dtype);
 }  // namespace ring
+
+namespace halving {
+// Recursive halving and doubling among `members` (halving_doubling.cc): with p = owners(n),
+// the largest power of two <= n, members 0..p-1 end the reduce-scatter owning chunk `self` of
+// `chunks` (whose n must be p) reduced over all members; members p.. fold into member
+// self - p and own none (it returns false for them). The all-gather then fills every chunk
+// on every member.
+int owners(int members);
+bool reduceScatterInPlace(Call& call, char* data, const ring::Chunks& chunks, DataType dtype, ReduceOp op,
+                          const ring::Members& members);
+void allgatherInPlace(Call& call, char* data, const ring::Chunks& chunks, DataType dtype,
+                      const ring::Members& members);
+}  // namespace halving
 
 namespace shared {
 // All-reduce through the windows of a shared-memory group (shared_allreduce.cc).

@@ -8,9 +8,10 @@ AllreduceAlgorithm allreduceAlgorithmNamed(const std::string& name, const std::s
   if (name == "auto") return AllreduceAlgorithm::Auto;
   if (name == "ring") return AllreduceAlgorithm::Ring;
   if (name == "rd" || name == "recursive_doubling") return AllreduceAlgorithm::RecursiveDoubling;
+  if (name == "halving_doubling") return AllreduceAlgorithm::HalvingDoubling;
   if (name == "hierarchical") return AllreduceAlgorithm::Hierarchical;
   fail(ErrorKind::InvalidArgument, what, "='", name,
-       "' is invalid: expected auto, ring, recursive_doubling or hierarchical");
+       "' is invalid: expected auto, ring, recursive_doubling, halving_doubling or hierarchical");
 }
 
 CollectiveOptions CollectiveOptions::fromEnvironment(std::chrono::milliseconds timeout,
@@ -18,6 +19,8 @@ CollectiveOptions CollectiveOptions::fromEnvironment(std::chrono::milliseconds t
   CollectiveOptions o;
   o.timeout = timeout;
   o.smallMessageBytes = size_t(envInteger("DDLCOMM_SMALL_MESSAGE_BYTES", int64_t(o.smallMessageBytes), 0));
+  o.halvingDoublingBytes =
+      size_t(envInteger("DDLCOMM_HALVING_DOUBLING_BYTES", int64_t(o.halvingDoublingBytes), 0));
   // Below 4 KiB per-message overhead dominates; above 1 GiB nothing is pipelined any more, and
   // the bound keeps the segment arithmetic (bytes + segment - 1) far from overflow.
   o.segmentBytes = size_t(envInteger("DDLCOMM_SEGMENT_BYTES", int64_t(o.segmentBytes), 4096, int64_t(1) << 30));

@@ -70,7 +70,7 @@ transport: "auto", "tcp", "shm" or "ucx" (ddlcomm.transports() lists this build'
     (the default) for DDLCOMM_TRANSPORT, else auto. It wins over DDLCOMM_TRANSPORT.
 spin_us: {transport name: microseconds} a waiting rank polls before it sleeps, over
     DDLCOMM_<NAME>_SPIN_US (assign a whole dict: the attribute returns a copy).
-allreduce_algorithm: "auto", "ring", "recursive_doubling" or "hierarchical", or None (the
+allreduce_algorithm: "auto", "ring", "recursive_doubling", "halving_doubling" or "hierarchical", or None (the
     default) for DDLCOMM_ALLREDUCE_ALGO, else auto. It wins over DDLCOMM_ALLREDUCE_ALGO.
 
 Bad values raise ValueError when set. The group's timeout is init_process_group's or
@@ -164,6 +164,7 @@ PYBIND11_MODULE(_C, m) {
             py::dict d;
             d["ring_allreduces"] = s.collectives.ringAllreduces;
             d["recursive_doubling_allreduces"] = s.collectives.recursiveDoublingAllreduces;
+            d["halving_doubling_allreduces"] = s.collectives.halvingDoublingAllreduces;
             d["shared_memory_allreduces"] = s.collectives.sharedMemoryAllreduces;
             d["hierarchical_allreduces"] = s.collectives.hierarchicalAllreduces;
             d["hierarchical_compressed_allreduces"] = s.collectives.hierarchicalCompressedAllreduces;
@@ -178,7 +179,8 @@ PYBIND11_MODULE(_C, m) {
             return d;
           },
           "This group's counters, taken after everything submitted before: all-reduces per algorithm "
-          "(ring_allreduces, recursive_doubling_allreduces, shared_memory_allreduces, hierarchical_allreduces; "
+          "(ring_allreduces, recursive_doubling_allreduces, halving_doubling_allreduces, shared_memory_allreduces, "
+          "hierarchical_allreduces; "
           "hierarchical_compressed_allreduces: exact inside hosts, compressed across), "
           "the hosts its ranks are on (topology: '2 hosts x 2 ranks'), the network transport (network: 'tcp' or "
           "'ucx', the same on every rank) and its connections to each rank (connections_per_peer) and bytes_sent on them (TCP: TCP_INFO "

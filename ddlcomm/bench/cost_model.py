@@ -32,6 +32,9 @@ import torch
 from .slownet.units import parse_rate, parse_time
 
 PARAMETERS = ("alpha_net", "eta", "alpha_shm", "beta_shm")
+# DDLCOMM_HALVING_DOUBLING_BYTES's default: the largest shard a hierarchical all-reduce sends
+# across 8 or more hosts by halving-doubling (csrc/collectives/allreduce.cc).
+HALVING_DOUBLING_BYTES = float(1 << 20)
 WINDOWS = [float(1 << k) for k in range(19, 26)] + [math.inf]  # 512 KiB .. 32 MiB, unlimited
 
 
@@ -73,7 +76,7 @@ class Terms:
     shm_bytes: float
 
 
-def terms(algorithm: str, cluster: Cluster, nbytes: float) -> Terms:
+def terms(algorithm: str, cluster: Cluster, nbytes: float, halving_bytes: float = HALVING_DOUBLING_BYTES) -> Terms:
     """What one all-reduce of ``nbytes`` costs. Every step waits for its slowest link; ranks of
     one host that cross the network at once share its link.
 
@@ -85,9 +88,15 @@ def terms(algorithm: str, cluster: Cluster, nbytes: float) -> Terms:
       a host (2^k < l) use shared memory; across hosts all l ranks of a host exchange at once.
       Each exchange's m bytes are reduced after they arrive (not overlapped, as in the ring):
       counted with the bytes inside a host.
+    - halving_doubling: log2 n exchanges of m/2, m/4, ..., m/n with the partner r ^ n/2,
+      r ^ n/4, ..., then the same back; the first log2 h of each way cross hosts, all l ranks
+      of a host at once: 2(n-l)/n of the buffer per rank, 2 l (h-1)/h m on each host link.
+      The reductions pipeline behind the transfers, as the ring's.
     - hierarchical: ring reduce-scatter and all-gather inside the host (2(l-1) steps of m/l),
-      then a ring over the h hosts for each local rank's m/l shard, the l rings sharing the link:
-      2(h-1) steps of m/h bytes per link.
+      then for each local rank's m/l shard an all-reduce over the h hosts, the l of them
+      sharing the link, with 2(h-1)/h of the buffer per link: halving-doubling (2 log2 h steps)
+      over a power of two of at least 8 hosts for shards up to ``halving_bytes``, else a ring
+      (2(h-1) steps; csrc/collectives/allreduce.cc).
     """
     h, l, n, m = cluster.hosts, cluster.ranks_per_host, cluster.ranks, float(nbytes)
     if algorithm in ("ring", "gloo"):
@@ -101,8 +110,15 @@ def terms(algorithm: str, cluster: Cluster, nbytes: float) -> Terms:
         inside = int(math.log2(l)) if l & (l - 1) == 0 else 0
         across = int(math.log2(n)) - inside
         return Terms(across, across * l * m, l, inside, (inside + across) * m)
+    if algorithm == "halving_doubling":
+        if n & (n - 1) or l & (l - 1):
+            raise ValueError(f"halving-doubling is modelled for a power-of-two group and host, not {h} x {l}")
+        inside = int(math.log2(l))
+        return Terms(2 * (int(math.log2(n)) - inside), 2 * l * (h - 1) / h * m, l, 2 * inside, 2 * (l - 1) / n * m)
     if algorithm == "hierarchical":
-        return Terms(2 * (h - 1), 2 * (h - 1) * m / h, l, 2 * (l - 1), 2 * (l - 1) * m / l)
+        halving = h >= 8 and h & (h - 1) == 0 and m / l <= halving_bytes
+        across = 2 * math.log2(h) if halving else 2 * (h - 1)
+        return Terms(across, 2 * (h - 1) * m / h, l, 2 * (l - 1), 2 * (l - 1) * m / l)
     raise ValueError(f"unknown algorithm {algorithm!r}")
 
 
@@ -112,8 +128,9 @@ def coefficients(t: Terms, link: Link, window: float) -> tuple[list[float], floa
     return [t.net_steps, t.net_bytes * per_byte / link.rate, t.shm_steps, t.shm_bytes], t.net_steps * 2 * link.delay
 
 
-def predict(algorithm: str, cluster: Cluster, nbytes: float, link: Link, params: dict[str, float]) -> float:
-    row, fixed = coefficients(terms(algorithm, cluster, nbytes), link, params["window"])
+def predict(algorithm: str, cluster: Cluster, nbytes: float, link: Link, params: dict[str, float],
+            halving_bytes: float = HALVING_DOUBLING_BYTES) -> float:
+    row, fixed = coefficients(terms(algorithm, cluster, nbytes, halving_bytes), link, params["window"])
     return fixed + sum(c * params[p] for c, p in zip(row, PARAMETERS))
 
 
@@ -186,14 +203,18 @@ def nccl_tree(cluster: Cluster, nbytes: float, link: Link, params: dict[str, flo
 
 
 def projections(params: dict[str, float], link: Link, nbytes: float, compute: float,
-                hosts: tuple[int, ...] = (8, 64, 1000), ranks_per_host: int = 8) -> list[dict]:
+                hosts: tuple[int, ...] = (8, 64, 1000, 1024), ranks_per_host: int = 8) -> list[dict]:
     """All-reduce time of ``nbytes`` and DDP step time (``compute`` seconds plus the all-reduce,
-    none of it overlapped: an upper bound) at each host count x ``ranks_per_host``."""
+    none of it overlapped: an upper bound) at each host count x ``ranks_per_host`` (1,000 hosts
+    take the ring across them; "hierarchical, halving-doubling across" is what
+    DDLCOMM_HALVING_DOUBLING_BYTES at or above the shard gives over a power of two of hosts)."""
     out = []
     for h in hosts:
         cluster = Cluster(h, ranks_per_host)
         times = {"ring": predict("ring", cluster, nbytes, link, params),
                  "hierarchical": predict("hierarchical", cluster, nbytes, link, params),
+                 "hierarchical, halving-doubling across": predict("hierarchical", cluster, nbytes, link, params,
+                                                                  math.inf),
                  "NCCL ring": nccl_ring(cluster, nbytes, link, params),
                  "NCCL tree": nccl_tree(cluster, nbytes, link, params)}
         out.append({"hosts": h, "ranks_per_host": ranks_per_host, "allreduce": times,

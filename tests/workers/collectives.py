@@ -15,6 +15,8 @@ from common import ALL_DTYPES, OPS, assert_equal, ddlcomm_stats, init, make_inpu
 SIZES = [0, 1, 3, 7, 1000, 16385]
 LARGE = 300_007
 SMALL_MESSAGE_BYTES = 64 * 1024  # DDLCOMM_SMALL_MESSAGE_BYTES's default
+# What stats() counts, per all-reduce algorithm.
+ALGORITHMS = ("ring", "recursive_doubling", "halving_doubling", "shared_memory", "hierarchical")
 
 
 def expected_algorithm(numel: int, dtype: torch.dtype, n: int) -> str | None:
@@ -28,6 +30,8 @@ def expected_algorithm(numel: int, dtype: torch.dtype, n: int) -> str | None:
         return "ring"
     if forced in ("rd", "recursive_doubling"):
         return "recursive_doubling"
+    if forced == "halving_doubling":
+        return "halving_doubling"
     if forced == "hierarchical":  # on one host: a ring among its ranks, nothing across
         return "hierarchical"
     small = numel * dtype.itemsize <= int(os.environ.get("DDLCOMM_SMALL_MESSAGE_BYTES", SMALL_MESSAGE_BYTES))
@@ -43,8 +47,7 @@ def shared_windows() -> bool:
 
 def algorithm_ran(before: dict, after: dict) -> str | None:
     """Which all-reduce algorithm ran between two ddlcomm_stats() snapshots (one all-reduce)."""
-    ran = {a: after[f"{a}_allreduces"] - before[f"{a}_allreduces"]
-           for a in ("ring", "recursive_doubling", "shared_memory", "hierarchical")}
+    ran = {a: after[f"{a}_allreduces"] - before[f"{a}_allreduces"] for a in ALGORITHMS}
     assert sum(ran.values()) <= 1 and min(ran.values()) >= 0, ran
     return next((a for a, count in ran.items() if count), None)
 
@@ -379,7 +382,7 @@ def torch_hooks_vs_gloo() -> None:
 
     def allreduces() -> int:
         s = ddlcomm_stats()
-        return sum(s[f"{a}_allreduces"] for a in ("ring", "recursive_doubling", "shared_memory", "hierarchical"))
+        return sum(s[f"{a}_allreduces"] for a in ALGORITHMS)
 
     for name, (make_state, hook) in hooks.items():
         before = allreduces()

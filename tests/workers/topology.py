@@ -56,6 +56,32 @@ def hierarchical() -> None:
     compressed_ddp(rank, gloo)
 
 
+def many_hosts(expected_topology: str) -> None:
+    """More hosts (8 of 1 rank: the forced hierarchy crosses them by halving-doubling; 4 of 2:
+    by a ring). Integer ops equal the direct reduction; random floats are within rounding of a
+    float64 reference with every rank holding the same bits; the flat halving-doubling too."""
+    rank, n = init()
+    gloo = dist.new_group(backend="gloo")
+    forced = dist.new_group(backend="ddlcomm", pg_options=ddlcomm.Options(allreduce_algorithm="hierarchical"))
+    flat = dist.new_group(backend="ddlcomm", pg_options=ddlcomm.Options(allreduce_algorithm="halving_doubling"))
+    assert ddlcomm_stats()["topology"] == expected_topology, ddlcomm_stats()
+    for dtype, op in ((torch.int64, "SUM"), (torch.int32, "MAX"), (torch.bfloat16, "MIN"), (torch.float32, "AVG")):
+        for numel, group in ((LARGE, forced), (LARGE + 3, flat), (7, forced), (1, forced), (n + 1, flat)):
+            x = make_input(rank, numel, dtype, op)
+            expect = reference(gathered(x, gloo), op)
+            dist.all_reduce(x, op=OPS[op], group=group)
+            assert_equal(x, expect, f"all_reduce {op} {dtype} x{numel}")
+    for group in (forced, flat):
+        x = torch.randn(300_007, generator=torch.Generator().manual_seed(rank), dtype=torch.float32)
+        exact = torch.stack(gathered(x, gloo)).double().sum(0)
+        dist.all_reduce(x, group=group)
+        torch.testing.assert_close(x.double(), exact, rtol=0, atol=4 * n * torch.finfo(torch.float32).eps * 8)
+        for other in gathered(x, gloo):
+            assert_equal(other, x, "all_reduce: ranks disagree")
+    assert ddlcomm_stats(flat)["halving_doubling_allreduces"] == 9, ddlcomm_stats(flat)
+    assert ddlcomm_stats(forced)["hierarchical_allreduces"] == 13, ddlcomm_stats(forced)
+
+
 def compressed_ddp(rank: int, gloo) -> None:
     """Ranks 0-1 and 2-3 on two named hosts: DDP with the ternary hook takes the hierarchical
     compressed all-reduce (exact inside a host, compressed across), every rank holds the same
@@ -122,4 +148,4 @@ def network(expected: str) -> None:
 
 
 if __name__ == "__main__":
-    run({"hierarchical": hierarchical, "unequal_hosts": unequal_hosts, "network": network})
+    run({"hierarchical": hierarchical, "many_hosts": many_hosts, "unequal_hosts": unequal_hosts, "network": network})
