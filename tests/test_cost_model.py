@@ -9,7 +9,8 @@ import random
 
 import pytest
 
-from ddlcomm.bench.cost_model import Cluster, Link, evaluate, fit, nccl_ring, predict, projections, terms
+from ddlcomm.bench.cost_model import (Cluster, Link, compressed_terms, evaluate, evaluate_compressed, fit,
+                                      nccl_ring, payload_ratio, predict, predict_compressed, projections, terms)
 
 TRUE = {"alpha_net": 2e-4, "eta": 1.05, "alpha_shm": 2e-5, "beta_shm": 5e-10, "window": float(4 << 20)}
 LINKS = [("100mbit", "0.05ms"), ("1gbit", "5ms"), ("10gbit", "25ms")]
@@ -102,3 +103,33 @@ def test_projection_orders_the_algorithms_as_their_formulas_say() -> None:
     assert power_of_two["NCCL tree"] < halving < 1.1 * power_of_two["NCCL tree"]
     assert halving < power_of_two["hierarchical"] / 5
     assert rows[0]["step"]["ring"] == pytest.approx(0.3 + rows[0]["allreduce"]["ring"])
+
+
+CODEC = {"fp16": 9e-10, "1-bit": 4e-10, "ternary": 7e-10, "beta_shm": 8e-10}
+
+
+def test_compressed_terms_send_one_copy_per_host_link() -> None:
+    m, q = float(1 << 26), 1 / 32
+    flat, encoded = compressed_terms("flat", Cluster(2, 2), m, q)
+    # Each rank sends 2 of its 4 chunks' payloads off the host, twice: both ranks share the link.
+    assert (flat.net_steps, flat.net_bytes, encoded) == (2, pytest.approx(2 * 2 * 2 / 4 * m * q), m)
+    hier, encoded = compressed_terms("hierarchical", Cluster(4, 2), m, q)
+    assert (hier.net_bytes, hier.shm_bytes, encoded) == (pytest.approx(2 * 3 / 4 * m * q), m, m / 2)
+    # The C++ plan's payload: 1-bit is a bit per element and a scale per block.
+    assert 1 / 32 < payload_ratio("1-bit") < 1.2 / 32 and payload_ratio("fp16") == pytest.approx(0.5, rel=1e-3)
+
+
+def test_codec_fit_recovers_its_constants_and_predicts_more_hosts() -> None:
+    records = [{"name": name, "plan": plan, "hosts": h, "ranks_per_host": 2, "bytes": 1 << 26, "rate": rate,
+                "delay": delay}
+               for name in ("fp16", "1-bit", "ternary") for plan in ("flat", "hierarchical") for h in (2, 4)
+               for rate, delay in LINKS]
+    for r in records:
+        load = r["hosts"] * 2 / 2
+        r["seconds"] = predict_compressed(r["name"], r["plan"], Cluster(r["hosts"], 2), r["bytes"],
+                                          Link.named(r["rate"], r["delay"]), TRUE, CODEC, load)
+    codec, rows = evaluate_compressed(records, TRUE, cores=2)
+    for name, value in CODEC.items():
+        assert codec[name] == pytest.approx(value, rel=1e-6), (name, codec)
+    assert {r["fitted"] for r in rows if r["hosts"] == 4} == {False}
+    assert max(abs(r["error"]) for r in rows) < 1e-6
