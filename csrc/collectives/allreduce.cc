@@ -110,9 +110,13 @@ void allreduce(Communicator& comm, void* data, size_t count, DataType dtype, Red
     if (algo == AllreduceAlgorithm::Auto) {
       const bool small = count * elementSize(dtype) <= comm.options().smallMessageBytes;
       // The ring needs at least one element per chunk to be worth its 2(n-1) steps.
+      // One rank per host: the whole buffer crosses hosts, by the same rule as a shard.
+      const bool acrossHosts = comm.topology().hosts() == comm.size();
       algo = (small || count < size_t(comm.size())) ? AllreduceAlgorithm::RecursiveDoubling
              : comm.topology().suitsHierarchy()             ? AllreduceAlgorithm::Hierarchical
-                                                            : AllreduceAlgorithm::Ring;
+             : acrossHosts && halvingDoublingSuits(comm, comm.size(), count * elementSize(dtype))
+                 ? AllreduceAlgorithm::HalvingDoubling
+                 : AllreduceAlgorithm::Ring;
     }
     char* bytes = static_cast<char*>(data);
     if (algo == AllreduceAlgorithm::Hierarchical) {

@@ -14,8 +14,9 @@ namespace ddlcomm {
 // small ones; on a group over several hosts with several ranks each (Topology), hierarchical:
 // reduce-scatter inside each host, an all-reduce of each rank's shard across the hosts (one
 // per local rank, so every rank's link carries its share: halving-doubling over a power of
-// two above 2 hosts, else a ring), all-gather inside the host. Every rank ends with bitwise
-// identical results.
+// two of 8 or more hosts and shards up to DDLCOMM_HALVING_DOUBLING_BYTES, else a ring; one
+// rank per host: the same rule for the whole buffer), all-gather inside the host. Every rank
+// ends with bitwise identical results.
 void allreduce(Communicator& comm, void* data, size_t count, DataType dtype, ReduceOp op);
 
 // In place from `root`: binomial tree for small buffers, pipelined chain for large ones.

@@ -28,9 +28,9 @@ struct CollectiveOptions {
   std::chrono::milliseconds timeout{std::chrono::minutes(30)};
   // At or below this many bytes all-reduce uses recursive doubling (latency-bound regime).
   size_t smallMessageBytes = 64 * 1024;  // DDLCOMM_SMALL_MESSAGE_BYTES
-  // At or below this many bytes of its shard, a hierarchical all-reduce crosses a power of two
-  // (>= 8) of hosts by halving-doubling (2 log2 h steps); above, by a ring (2(h-1) steps, whose
-  // one steady flow per link keeps TCP's window open on long links).
+  // At or below this many bytes of its shard (with one rank per host, of the buffer), an
+  // all-reduce crosses a power of two (>= 8) of hosts by halving-doubling (2 log2 h steps);
+  // above, by a ring (2(h-1) steps, whose one steady flow per link keeps TCP's window open).
   size_t halvingDoublingBytes = 1 << 20;  // DDLCOMM_HALVING_DOUBLING_BYTES
   // Ring pipelining granularity: a segment is reduced and forwarded while the next arrives.
   size_t segmentBytes = 512 * 1024;  // DDLCOMM_SEGMENT_BYTES
@@ -50,7 +50,7 @@ struct CollectiveOptions {
 struct CollectiveCounters {
   uint64_t ringAllreduces = 0;
   uint64_t recursiveDoublingAllreduces = 0;
-  uint64_t halvingDoublingAllreduces = 0;  // flat, forced
+  uint64_t halvingDoublingAllreduces = 0;  // flat: forced, or auto over one-rank hosts
   uint64_t sharedMemoryAllreduces = 0;
   uint64_t hierarchicalAllreduces = 0;
   uint64_t hierarchicalCompressedAllreduces = 0;  // exact inside hosts, compressed across

@@ -80,6 +80,20 @@ def many_hosts(expected_topology: str) -> None:
             assert_equal(other, x, "all_reduce: ranks disagree")
     assert ddlcomm_stats(flat)["halving_doubling_allreduces"] == 9, ddlcomm_stats(flat)
     assert ddlcomm_stats(forced)["hierarchical_allreduces"] == 13, ddlcomm_stats(forced)
+    # auto: over 8 one-rank hosts a buffer up to DDLCOMM_HALVING_DOUBLING_BYTES crosses by
+    # halving-doubling, a larger one by the ring; 4 hosts of 2 take the hierarchy.
+    before = ddlcomm_stats()
+    for numel in (LARGE, 300_000):  # 800 KB and 2.4 MB of int64
+        x = make_input(rank, numel, torch.int64, "SUM")
+        expect = reference(gathered(x, gloo), "SUM")
+        dist.all_reduce(x)
+        assert_equal(x, expect, f"all_reduce auto x{numel}")
+    ran = {k: ddlcomm_stats()[k] - before[k] for k in ("halving_doubling_allreduces", "ring_allreduces",
+                                                       "hierarchical_allreduces")}
+    one_rank_hosts = expected_topology.endswith(" 1 rank")
+    assert ran == ({"halving_doubling_allreduces": 1, "ring_allreduces": 1, "hierarchical_allreduces": 0}
+                   if one_rank_hosts else
+                   {"halving_doubling_allreduces": 0, "ring_allreduces": 0, "hierarchical_allreduces": 2}), ran
 
 
 def compressed_ddp(rank: int, gloo) -> None:
