@@ -39,8 +39,10 @@ rank's chunk comes from its own gradient, and the output is the chunk's Adam ste
 per element (averaged over the replicas under HSDP). A non-finite gradient on any rank leaves every rank's moments
 alone and makes every output non-finite. Not for use with ``torch.amp.GradScaler``: the
 scaler would divide the (scale-free) Adam step by its scale.
-On ddlcomm groups the reduce-scatter is one native collective; on gloo and nccl groups, and
-for CUDA tensors, the same algorithm runs over the group's all-to-all, with the same bits.
+On ddlcomm groups the reduce-scatter is one native collective (over hosts of several ranks:
+exact inside each host, only the host sums compressed across, docs/collectives.md); on gloo
+and nccl groups, and for CUDA tensors, the flat algorithm runs over the group's all-to-all,
+with the native flat one's bits.
 ``quantize_all_gather`` (from ``ddlcomm.quantized_gather``) sends the parameter all-gathers in 8 bits.
 """
 

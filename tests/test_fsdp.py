@@ -15,6 +15,12 @@ def test_compressed_reduce_scatter_loses_nothing(backend: str, ranks: int) -> No
     assert_all_ok(launch("sharded", "reduce_scatter_math", ranks, timeout=120, args=(backend,)))
 
 
+def test_compressed_reduce_scatter_over_two_hosts_of_two_ranks() -> None:
+    """Exact inside each host, compressed across: still nothing lost."""
+    hosts = {r: {"DDLCOMM_HOST_ID": f"host-{r // 2}"} for r in range(4)}
+    assert_all_ok(launch("sharded", "reduce_scatter_math", 4, timeout=120, args=("ddlcomm", "2x2"), rank_env=hosts))
+
+
 def _print_accuracy(results) -> None:
     for line in results[0].output.splitlines():
         if line.startswith("ACCURACY"):

@@ -94,7 +94,60 @@ void hierarchicalAllreduce(Call& call, char* data, size_t count, DataType dtype,
   ring::allgatherInPlace(call, data, inHost, dtype, host);
 }
 
+// The two-level layout of a buffer of one chunk per rank: by the place of the chunk's rank on
+// its host, then by host, so that the chunks of the ranks at one place (one across-hosts ring)
+// lie together. Calls visit(slot, owner) for every rank.
+template <class Visit>
+void forEachSlot(const Topology& topology, Visit visit) {
+  const size_t hosts = size_t(topology.hosts()), places = topology.hostRanks().size();
+  for (size_t place = 0; place < places; ++place) {
+    for (size_t h = 0; h < hosts; ++h) visit(place * hosts + h, size_t(topology.ranksOfHost(int(h))[place]));
+  }
+}
+
+// In the two-level layout, a ring reduce-scatter among the host's ranks leaves local rank l the
+// host's reductions of the chunks of the ranks at place l on every host, in host order, and a
+// ring reduce-scatter of those with the ranks at place l on the other hosts leaves each its
+// own. A host's link carries (h-1)/h of its ranks' share where a flat ring puts (n-1)/n of the
+// buffer on it. Returns where this rank's reduced chunk is in `work` (count * n elements).
+char* hierarchicalReduceScatter(Call& call, const char* input, char* work, size_t count, DataType dtype,
+                                ReduceOp op) {
+  const Topology& topology = call.comm().topology();
+  const ring::Members host = ring::Members::of(topology.hostRanks(), call.comm().rank());
+  const ring::Members across = ring::Members::of(topology.peersAcrossHosts(), call.comm().rank());
+  const size_t chunkBytes = count * elementSize(dtype), hosts = size_t(across.n());
+  forEachSlot(topology, [&](size_t slot, size_t owner) {
+    std::memcpy(work + slot * chunkBytes, input + owner * chunkBytes, chunkBytes);
+  });
+  ring::reduceScatterInPlace(call, work, ring::Chunks{count * size_t(call.comm().size()), host.n()}, dtype, op, host);
+  char* block = work + size_t(host.self) * hosts * chunkBytes;
+  ring::reduceScatterInPlace(call, block, ring::Chunks{hosts * count, across.n()}, dtype, op, across);
+  return block + size_t(across.self) * chunkBytes;
+}
+
+// The reverse: an all-gather among the ranks at this rank's place on every host, then of those
+// blocks inside the host, then out of the two-level layout into rank order.
+void hierarchicalAllgather(Call& call, const char* input, char* output, char* work, size_t count, DataType dtype) {
+  const Topology& topology = call.comm().topology();
+  const ring::Members host = ring::Members::of(topology.hostRanks(), call.comm().rank());
+  const ring::Members across = ring::Members::of(topology.peersAcrossHosts(), call.comm().rank());
+  const size_t chunkBytes = count * elementSize(dtype), hosts = size_t(across.n());
+  char* block = work + size_t(host.self) * hosts * chunkBytes;
+  std::memcpy(block + size_t(across.self) * chunkBytes, input, chunkBytes);
+  ring::allgatherInPlace(call, block, ring::Chunks{hosts * count, across.n()}, dtype, across);
+  ring::allgatherInPlace(call, work, ring::Chunks{count * size_t(call.comm().size()), host.n()}, dtype, host);
+  forEachSlot(topology, [&](size_t slot, size_t owner) {
+    std::memcpy(output + owner * chunkBytes, work + slot * chunkBytes, chunkBytes);
+  });
+}
+
 }  // namespace
+
+bool layeredByHost(const Communicator& comm) {
+  const AllreduceAlgorithm algo = comm.options().allreduceAlgorithm;
+  return algo == AllreduceAlgorithm::Hierarchical ||
+         (algo == AllreduceAlgorithm::Auto && comm.topology().suitsHierarchy());
+}
 
 void allreduce(Communicator& comm, void* data, size_t count, DataType dtype, ReduceOp op) {
   checkReduceOpSupported(op, dtype);
@@ -188,10 +241,16 @@ void reduceScatter(Communicator& comm, const void* input, void* output, size_t c
       return;
     }
     char* work = comm.scratch(total * es, 1);
-    std::memcpy(work, input, total * es);
-    ring::reduceScatterInPlace(call, work, ring::Chunks{total, n}, dtype, op);
-    if (op == ReduceOp::Avg) divideBy(dtype, work + size_t(r) * count * es, count, double(n));
-    std::memcpy(output, work + size_t(r) * count * es, count * es);
+    char* mine = work + size_t(r) * count * es;
+    if (layeredByHost(comm)) {
+      ++comm.counters().hierarchicalReduceScatters;
+      mine = hierarchicalReduceScatter(call, static_cast<const char*>(input), work, count, dtype, op);
+    } else {
+      std::memcpy(work, input, total * es);
+      ring::reduceScatterInPlace(call, work, ring::Chunks{total, n}, dtype, op);
+    }
+    if (op == ReduceOp::Avg) divideBy(dtype, mine, count, double(n));
+    std::memcpy(output, mine, count * es);
   });
 }
 
@@ -200,9 +259,16 @@ void allgather(Communicator& comm, const void* input, void* output, size_t count
   comm.run(OpCode::Allgather, dtype, count, [&](Call& call) {
     const int n = comm.size(), r = comm.rank();
     char* out = static_cast<char*>(output);
+    if (count == 0) return;
+    if (layeredByHost(comm)) {
+      ++comm.counters().hierarchicalAllgathers;
+      hierarchicalAllgather(call, static_cast<const char*>(input), out, comm.scratch(size_t(n) * count * es, 1), count,
+                            dtype);
+      return;
+    }
     char* mine = out + size_t(r) * count * es;
-    if (count && mine != input) std::memmove(mine, input, count * es);
-    if (count) ring::allgatherInPlace(call, out, ring::Chunks{count * size_t(n), n}, dtype);
+    if (mine != input) std::memmove(mine, input, count * es);
+    ring::allgatherInPlace(call, out, ring::Chunks{count * size_t(n), n}, dtype);
   });
 }
 

@@ -45,6 +45,11 @@ void scatter(Communicator& comm, const void* input, void* output, size_t count, 
 
 void barrier(Communicator& comm);
 
+// Whether the collectives that work in two levels (exact inside hosts, compressed across: the
+// compressed all-reduce and reduce-scatter) do: forced by allreduce_algorithm=hierarchical, or
+// by auto where the topology suits it (several hosts of the same number of ranks, 2 or more).
+bool layeredByHost(const Communicator& comm);
+
 namespace ring {
 // Splits `total` elements into n nearly equal chunks, or at the n + 1 given `bounds`; chunk i
 // is [begin(i), begin(i+1)).

@@ -53,7 +53,10 @@ struct CollectiveCounters {
   uint64_t halvingDoublingAllreduces = 0;  // flat: forced, or auto over one-rank hosts
   uint64_t sharedMemoryAllreduces = 0;
   uint64_t hierarchicalAllreduces = 0;
+  uint64_t hierarchicalReduceScatters = 0;
+  uint64_t hierarchicalAllgathers = 0;
   uint64_t hierarchicalCompressedAllreduces = 0;  // exact inside hosts, compressed across
+  uint64_t hierarchicalCompressedReduceScatters = 0;  // likewise
 };
 
 // A snapshot of a group's counters and of its transport's connections.

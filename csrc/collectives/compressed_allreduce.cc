@@ -16,33 +16,55 @@ void checkedDecode(const CompressedAllreduceArgs& a, const uint8_t* payload, siz
   compress::decode(payload, bytes, outType, out, count);
 }
 
-void sparseAllreduce(Call& call, const CompressedAllreduceArgs& a) {
-  const int n = call.comm().size(), r = call.comm().rank();
+// Sparse formats: every member encodes `count` elements at `data` (its worker residual at
+// `residual`), the members all-gather the payloads, and each zeroes `data` and sums the
+// payloads' entries into it in member order, scaled by `factor`.
+void sparseAmong(Call& call, const CompressedAllreduceArgs& a, const ring::Members& members, char* data,
+                 float* residual, size_t count, float factor) {
   Communicator& comm = call.comm();
-  const size_t capacity = compress::encodedBytes(a.config, a.count);
-  uint8_t* all = reinterpret_cast<uint8_t*>(comm.scratch(size_t(n) * capacity, 0));
-  uint8_t* mine = all + size_t(r) * capacity;
-  const size_t written = compress::encode(a.config, a.dtype, a.data, a.workerResidual, a.count,
-                                          encodeStream(a.stream, r, 0, 0, n, 0), mine, capacity);
+  const int k = members.n();
+  const size_t capacity = compress::encodedBytes(a.config, count);
+  uint8_t* all = reinterpret_cast<uint8_t*>(comm.scratch(size_t(k) * capacity, 1));  // slot 0: the rings'
+  uint8_t* mine = all + size_t(members.self) * capacity;
+  const size_t written = compress::encode(a.config, a.dtype, data, residual, count,
+                                          encodeStream(a.stream, comm.rank(), 0, 0, comm.size(), 0), mine, capacity);
   DDLCOMM_CHECK(written == capacity, ErrorKind::Protocol, "sparse payload of ", written, " bytes, expected ", capacity);
 
   // All-gather of the payloads; the output is zeroed while they travel, then the entries
-  // they carry are summed (in rank order) into it.
+  // they carry are summed (in member order) into it.
   PeerExchange& gather = call.exchange();
-  for (int s = 1; s < n; ++s) {
-    const int from = (r - s + n) % n, to = (r + s) % n;
-    gather.recv(from, all + size_t(from) * capacity, capacity);
-    gather.send(to, mine, capacity);
+  for (int s = 1; s < k; ++s) {
+    const int from = (members.self - s + k) % k, to = (members.self + s) % k;
+    gather.recv(members.ranks[size_t(from)], all + size_t(from) * capacity, capacity);
+    gather.send(members.ranks[size_t(to)], mine, capacity);
   }
-  std::memset(a.data, 0, a.count * elementSize(a.dtype));  // +0 in float32, float16 and bfloat16
-  std::vector<const uint8_t*> payloads(static_cast<size_t>(n));
-  for (int j = 0; j < n; ++j) {
-    gather.waitRecv(j);
+  std::memset(data, 0, count * elementSize(a.dtype));  // +0 in float32, float16 and bfloat16
+  std::vector<const uint8_t*> payloads(static_cast<size_t>(k));
+  for (int j = 0; j < k; ++j) {
+    gather.waitRecv(members.ranks[size_t(j)]);
     payloads[size_t(j)] = all + size_t(j) * capacity;
   }
   gather.waitSends();
-  compress::sumSparse(a.config, payloads.data(), payloads.size(), capacity, a.count, a.average ? 1.f / float(n) : 1.f,
-                      a.dtype, a.data);
+  compress::sumSparse(a.config, payloads.data(), payloads.size(), capacity, count, factor, a.dtype, data);
+}
+
+// Over hosts: a ring reduce-scatter among the host's ranks (sums in the tensor's dtype), the
+// sparse all-gather of this rank's shard of the host sum with the ranks at its place on the
+// other hosts (its selection and error feedback on that shard), a ring all-gather inside the
+// host. A host's link carries one shard's payload per rank instead of every rank's payload of
+// the whole vector to every rank on the other hosts.
+void hierarchicalSparse(Call& call, const CompressedAllreduceArgs& a) {
+  const Topology& topology = call.comm().topology();
+  const int r = call.comm().rank();
+  const ring::Members host = ring::Members::of(topology.hostRanks(), r);
+  const ring::Members across = ring::Members::of(topology.peersAcrossHosts(), r);
+  const ring::Chunks shards{a.count, host.n()};
+  char* data = static_cast<char*>(a.data);
+  const size_t es = elementSize(a.dtype), begin = shards.begin(host.self);
+  ring::reduceScatterInPlace(call, data, shards, a.dtype, ReduceOp::Sum, host);
+  sparseAmong(call, a, across, data + begin * es, a.workerResidual ? a.workerResidual + begin : nullptr,
+              shards.length(host.self), a.average ? 1.f / float(call.comm().size()) : 1.f);
+  ring::allgatherInPlace(call, data, shards, a.dtype, host);
 }
 
 // One piece of the vector and where its payloads go in the scratch buffers.
@@ -229,13 +251,10 @@ void hierarchicalScatterReduceGather(Call& call, const CompressedAllreduceArgs& 
   }
 }
 
-// The hierarchy for quantizers and casts where the topology suits it (as the exact
-// all-reduce's choice, and forced alike); sparse formats keep their all-gather.
+// The scatter-reduce-gather's hierarchy (quantizers and casts), where the topology suits it (as
+// the exact all-reduce's choice, and forced alike); sparse formats have none of its residuals.
 bool hierarchical(const Communicator& comm, const compress::Config& config) {
-  const AllreduceAlgorithm algo = comm.options().allreduceAlgorithm;
-  if (compress::isSparse(config.format)) return false;
-  return algo == AllreduceAlgorithm::Hierarchical ||
-         (algo == AllreduceAlgorithm::Auto && comm.topology().suitsHierarchy());
+  return !compress::isSparse(config.format) && layeredByHost(comm);
 }
 
 }  // namespace
@@ -291,8 +310,12 @@ void compressedAllreduce(Communicator& comm, const CompressedAllreduceArgs& a) {
   compress::checkFloatType(a.dtype, "the compressed all-reduce's tensor");
   comm.run(OpCode::CompressedAllreduce, a.dtype, a.count, [&](Call& call) {
     if (a.count == 0) return;
-    if (compress::isSparse(a.config.format)) {
-      sparseAllreduce(call, a);
+    if (compress::isSparse(a.config.format) && layeredByHost(comm)) {
+      ++comm.counters().hierarchicalCompressedAllreduces;
+      hierarchicalSparse(call, a);
+    } else if (compress::isSparse(a.config.format)) {
+      sparseAmong(call, a, ring::Members::all(comm), static_cast<char*>(a.data), a.workerResidual, a.count,
+                  a.average ? 1.f / float(comm.size()) : 1.f);
     } else if (hierarchical(comm, a.config)) {
       ++comm.counters().hierarchicalCompressedAllreduces;
       hierarchicalScatterReduceGather(call, a);

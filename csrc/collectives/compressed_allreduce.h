@@ -64,7 +64,9 @@ size_t compressedAllreduceWireBytes(const compress::Config& config, size_t count
 // decodes and sums the n payloads in rank order, re-encodes the sum with its server residual;
 // an all-gather of those payloads gives every rank the same bytes to decode.
 // Sparse formats (top-k, random-k): all-gather of every rank's (index, value) payload,
-// decoded and summed in rank order.
+// decoded and summed in rank order. Over hosts (layeredByHost) both are exact inside each
+// host: its ranks reduce-scatter, each compresses its shard of the host sum with the ranks at
+// its place on the other hosts, and they all-gather the result inside the host.
 void compressedAllreduce(Communicator& comm, const CompressedAllreduceArgs& args);
 
 }  // namespace ddlcomm

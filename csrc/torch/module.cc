@@ -71,7 +71,9 @@ transport: "auto", "tcp", "shm" or "ucx" (ddlcomm.transports() lists this build'
 spin_us: {transport name: microseconds} a waiting rank polls before it sleeps, over
     DDLCOMM_<NAME>_SPIN_US (assign a whole dict: the attribute returns a copy).
 allreduce_algorithm: "auto", "ring", "recursive_doubling", "halving_doubling" or "hierarchical", or None (the
-    default) for DDLCOMM_ALLREDUCE_ALGO, else auto. It wins over DDLCOMM_ALLREDUCE_ALGO.
+    default) for DDLCOMM_ALLREDUCE_ALGO, else auto. It wins over DDLCOMM_ALLREDUCE_ALGO. Reduce-scatter,
+    all-gather and the compressed collectives take two levels over hosts under "hierarchical", and
+    under "auto" where the all-reduce would; any other value keeps them flat.
 
 Bad values raise ValueError when set. The group's timeout is init_process_group's or
 new_group's timeout=, as for NCCL: _timeout is not read. A group's options property returns a
@@ -167,7 +169,10 @@ PYBIND11_MODULE(_C, m) {
             d["halving_doubling_allreduces"] = s.collectives.halvingDoublingAllreduces;
             d["shared_memory_allreduces"] = s.collectives.sharedMemoryAllreduces;
             d["hierarchical_allreduces"] = s.collectives.hierarchicalAllreduces;
+            d["hierarchical_reduce_scatters"] = s.collectives.hierarchicalReduceScatters;
+            d["hierarchical_allgathers"] = s.collectives.hierarchicalAllgathers;
             d["hierarchical_compressed_allreduces"] = s.collectives.hierarchicalCompressedAllreduces;
+            d["hierarchical_compressed_reduce_scatters"] = s.collectives.hierarchicalCompressedReduceScatters;
             d["topology"] = s.topology;
             d["network"] = s.transport.network;
             d["connections_per_peer"] = s.transport.connectionsPerPeer;
@@ -180,8 +185,9 @@ PYBIND11_MODULE(_C, m) {
           },
           "This group's counters, taken after everything submitted before: all-reduces per algorithm "
           "(ring_allreduces, recursive_doubling_allreduces, halving_doubling_allreduces, shared_memory_allreduces, "
-          "hierarchical_allreduces; "
-          "hierarchical_compressed_allreduces: exact inside hosts, compressed across), "
+          "hierarchical_allreduces; hierarchical_reduce_scatters and hierarchical_allgathers, likewise in two levels; "
+          "hierarchical_compressed_allreduces and hierarchical_compressed_reduce_scatters: exact inside hosts, "
+          "compressed across), "
           "the hosts its ranks are on (topology: '2 hosts x 2 ranks'), the network transport (network: 'tcp' or "
           "'ucx', the same on every rank) and its connections to each rank (connections_per_peer) and bytes_sent on them (TCP: TCP_INFO "
           "tcpi_bytes_sent, frame headers, the handshake and retransmissions included; UCX: header and payload "

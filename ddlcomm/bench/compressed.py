@@ -6,8 +6,10 @@ inside emulated hosts. Rank 0 prints one JSON line per measurement (prefix ``RES
 (a) all-reduce of a 100 MB float32 gradient: gloo fp32, ddlcomm fp32 (hierarchical where the
     ranks are on several hosts with several ranks each, and then the flat ring as well), and the
     compressed all-reduce with fp16, 1-bit, ternary and top-k 1%;
-(b) ddlcomm.fsdp's compressed reduce-scatter of the same gradient: native, and the same
-    algorithm in Python over the all-to-all, against gloo's and ddlcomm's fp32 ones;
+(b) ddlcomm.fsdp's compressed reduce-scatter of the same gradient: native (hierarchical where
+    the all-reduce is, and then the flat one as well), and the flat algorithm in Python over the
+    all-to-all, against gloo's and ddlcomm's fp32 ones (hierarchical and flat likewise); the
+    float32 all-gather of its shards, gloo's and ddlcomm's (hierarchical and flat likewise);
 (c) DDP training of a >= 25M-parameter model: seconds per iteration with gloo (default
     hook), PyTorch's fp16_compress_hook and powerSGD_hook (rank 4), each ddlcomm hook (bf16
     as well), and the adaptive fp16 and 1-bit hooks (exact, bf16 or the compressor, whichever
@@ -113,14 +115,25 @@ def reduce_scatter_bench(gloo, numel: int, repeats: int) -> None:
     fp32_bytes = ring_reduce_scatter_bytes(n * m * 4, n)
     base = timed(lambda: dist.reduce_scatter_tensor(out, grad, group=gloo), repeats)
     report(kind="reduce_scatter", method="gloo fp32", seconds=base, speedup=1.0, wire_bytes=fp32_bytes)
+    world = dist.group.WORLD._get_backend(torch.device("cpu"))
+    flat = None  # made where the native ones take two levels (exact inside hosts), to time both
+    before = world.stats()["hierarchical_reduce_scatters"]
     t = timed(lambda: dist.reduce_scatter_tensor(out, grad), repeats)
-    report(kind="reduce_scatter", method="ddlcomm fp32", seconds=t, speedup=base / t, wire_bytes=fp32_bytes)
+    if world.stats()["hierarchical_reduce_scatters"] == before:
+        report(kind="reduce_scatter", method="ddlcomm fp32", seconds=t, speedup=base / t, wire_bytes=fp32_bytes)
+    else:  # bytes differ by link: none stated
+        report(kind="reduce_scatter", method="ddlcomm fp32 hierarchical", seconds=t, speedup=base / t, wire_bytes=None)
+        flat = dist.new_group(backend="ddlcomm", pg_options=ddlcomm.Options(allreduce_algorithm="ring"))
+        t = timed(lambda: dist.reduce_scatter_tensor(out, grad, group=flat), repeats)
+        report(kind="reduce_scatter", method="ddlcomm fp32 flat ring", seconds=t, speedup=base / t,
+               wire_bytes=fp32_bytes)
     for name in ("1-bit", "ternary"):
         comp = COMPRESSORS[name]()
         wire = reduce_scatter_wire_bytes(comp, m, n)
-        paths = (("native", dist.group.WORLD, False), ("python, ddlcomm all-to-all", dist.group.WORLD, True),
-                 ("python, gloo all-to-all", gloo, True))
-        for label, group, python in paths:
+        paths = [("native", dist.group.WORLD, False), ("python, ddlcomm all-to-all", dist.group.WORLD, True),
+                 ("python, gloo all-to-all", gloo, True)]
+        while paths:
+            label, group, python = paths.pop(0)
             state = fsdp.FSDPCompressionState(comp, start_compress_iter=0, min_compression_bytes=0)
             state.reduce_scatter("g", out, grad, group, dist.ReduceOp.AVG)  # residual allocated, agreement checked
             residual = state.residuals["g"]
@@ -130,8 +143,39 @@ def reduce_scatter_bench(gloo, numel: int, repeats: int) -> None:
                                                                                         grad.device))
             else:
                 call = lambda: state.reduce_scatter("g", out, grad, group, dist.ReduceOp.AVG)  # noqa: E731
+            before = world.stats()["hierarchical_compressed_reduce_scatters"]
             t = timed(call, repeats)
+            if world.stats()["hierarchical_compressed_reduce_scatters"] > before:
+                # The hierarchy's bytes differ by link: none stated.
+                report(kind="reduce_scatter", method=f"{name} native hierarchical", seconds=t, speedup=base / t,
+                       wire_bytes=None)
+                if flat is None:
+                    flat = dist.new_group(backend="ddlcomm", pg_options=ddlcomm.Options(allreduce_algorithm="ring"))
+                paths.insert(0, ("native flat", flat, False))
+                continue
             report(kind="reduce_scatter", method=f"{name} {label}", seconds=t, speedup=base / t, wire_bytes=wire)
+
+
+def all_gather_bench(gloo, numel: int, repeats: int) -> None:
+    """(b) FSDP's parameter all-gather of a `numel`-element float32 vector: gloo's, and ddlcomm's
+    (hierarchical where its hosts take it, and then the flat ring as well)."""
+    n = dist.get_world_size()
+    m = numel // n
+    shard = torch.randn(m, generator=torch.Generator().manual_seed(dist.get_rank()))
+    out = torch.empty(n * m)
+    fp32_bytes = (n - 1) * m * 4
+    base = timed(lambda: dist.all_gather_into_tensor(out, shard, group=gloo), repeats)
+    report(kind="all_gather", method="gloo fp32", seconds=base, speedup=1.0, wire_bytes=fp32_bytes)
+    world = dist.group.WORLD._get_backend(torch.device("cpu"))
+    before = world.stats()["hierarchical_allgathers"]
+    t = timed(lambda: dist.all_gather_into_tensor(out, shard), repeats)
+    if world.stats()["hierarchical_allgathers"] == before:
+        report(kind="all_gather", method="ddlcomm fp32", seconds=t, speedup=base / t, wire_bytes=fp32_bytes)
+        return
+    report(kind="all_gather", method="ddlcomm fp32 hierarchical", seconds=t, speedup=base / t, wire_bytes=None)
+    flat = dist.new_group(backend="ddlcomm", pg_options=ddlcomm.Options(allreduce_algorithm="ring"))
+    t = timed(lambda: dist.all_gather_into_tensor(out, shard, group=flat), repeats)
+    report(kind="all_gather", method="ddlcomm fp32 flat ring", seconds=t, speedup=base / t, wire_bytes=fp32_bytes)
 
 
 def make_model(width: int, depth: int) -> torch.nn.Module:
@@ -215,10 +259,17 @@ def main() -> None:
     parser.add_argument("--ddp-only", action="store_true", help="time the DDP steps only")
     parser.add_argument("--fp32-only", action="store_true",
                         help="time gloo's and ddlcomm's float32 all-reduces only (no compression, no DDP)")
+    parser.add_argument("--sharded-only", action="store_true",
+                        help="time the reduce-scatters and all-gathers of sharded training (b) only")
     args = parser.parse_args()
     init_ranks("ddlcomm")
     gloo = dist.new_group(backend="gloo")
     torch.set_num_threads(1)
+    if args.sharded_only:
+        reduce_scatter_bench(gloo, args.numel, args.repeats)
+        all_gather_bench(gloo, args.numel, args.repeats)
+        dist.destroy_process_group()
+        return
     if not args.ddp_only:
         allreduce_bench(gloo, args.numel, args.repeats, compressed=not args.fp32_only)
     if args.fp32_only:
@@ -226,6 +277,7 @@ def main() -> None:
         return
     if not args.ddp_only:
         reduce_scatter_bench(gloo, args.numel, args.repeats)
+        all_gather_bench(gloo, args.numel, args.repeats)
     if not args.skip_ddp:
         ddp_bench(gloo, args.width, args.depth, args.iters, args.batch)
     dist.destroy_process_group()

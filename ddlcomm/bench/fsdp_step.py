@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -109,7 +110,7 @@ def run(method: Method, gloo: dist.ProcessGroup, args: argparse.Namespace) -> di
     dist.barrier(group=gloo)
     sent = tx_bytes()
     step()
-    sent = tx_bytes() - sent
+    sent = (tx_bytes() - sent) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # a host's bytes, per rank
     dist.barrier(group=gloo)
     start = time.perf_counter()
     for _ in range(args.iters):

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.fsdp import fully_shard
 
-from common import init, run
+from common import ddlcomm_stats, init, run
 from compression import synthetic
 from ddlcomm import compressors, fsdp
 
@@ -20,10 +20,17 @@ COMPRESSORS = {
 }
 
 
-def reduce_scatter_math(backend: str) -> None:
+def reduce_scatter_math(backend: str, hosts: str = "") -> None:
     """Against plain reduce_scatter_tensor: close for fp16; with 1-bit and error feedback,
-    nothing is lost over several calls (what was not delivered is in the residuals)."""
+    nothing is lost over several calls (what was not delivered is in the residuals). With
+    ``hosts`` ("2x2": ranks 0-1 and 2-3 on two named hosts) the ddlcomm group reduces exactly
+    inside each host and compresses across: the residual of a rank's chunk is then held only by
+    the ranks at that rank's place on each host, which compress the host's sum."""
     rank, n = init(backend)
+    layered = bool(hosts)
+    if layered:
+        assert ddlcomm_stats()["topology"] == "2 hosts x 2 ranks", ddlcomm_stats()
+        before = ddlcomm_stats()["hierarchical_compressed_reduce_scatters"]
     m = 1000
     g = torch.Generator().manual_seed(rank)
     state = fsdp.FSDPCompressionState(compressors.FP16(), start_compress_iter=0, min_compression_bytes=0)
@@ -50,6 +57,17 @@ def reduce_scatter_math(backend: str) -> None:
     assert state.stats.compressed_buckets == 5 and state.stats.ratio > 10, vars(state.stats)
     one_bit = (delivered - total[rank * m:(rank + 1) * m]).abs().max()
     assert one_bit > 1e-2, "1-bit with error feedback should hold something back"
+    if layered:  # six calls (fp16, then five 1-bit) took the two levels
+        assert ddlcomm_stats()["hierarchical_compressed_reduce_scatters"] - before == 6
+        holds = [bool(residuals[j][rank * m:(rank + 1) * m].any()) for j in range(n)]
+        assert holds == [j % 2 == rank % 2 for j in range(n)], holds
+        # bfloat16 (summed in bfloat16 inside the host): within two of its roundings of the plain one.
+        xb = torch.randn(n * m, generator=g).bfloat16()
+        bf, ref = torch.empty(m, dtype=torch.bfloat16), torch.empty(m, dtype=torch.bfloat16)
+        fsdp.FSDPCompressionState(compressors.FP16(), start_compress_iter=0, min_compression_bytes=0).reduce_scatter(
+            "bf", bf, xb.clone(), dist.group.WORLD, dist.ReduceOp.AVG)
+        dist.reduce_scatter_tensor(ref, xb.clone(), op=dist.ReduceOp.AVG)
+        assert torch.allclose(bf.float(), ref.float(), rtol=2 ** -7, atol=2 ** -7), (bf.float() - ref.float()).abs().max()
 
     # Every rank must compress alike; the first call checks it.
     odd = fsdp.FSDPCompressionState(compressors.Ternary() if rank == 1 else compressors.OneBit(), start_compress_iter=0,

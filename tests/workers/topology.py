@@ -18,12 +18,37 @@ def gathered(x: torch.Tensor, group) -> list[torch.Tensor]:
     return everyone
 
 
+def reduce_scatters(rank: int, n: int, gloo, cases) -> None:
+    """reduce_scatter_tensor of small integers (exact in any order) equal to the direct
+    reduction of every rank's chunk, for each (dtype, op, elements per rank, group)."""
+    for dtype, op, count, group in cases:
+        x = make_input(rank, n * count, dtype, op, salt=1)
+        expect = reference([y[rank * count:(rank + 1) * count] for y in gathered(x, gloo)], op)
+        out = torch.empty(count, dtype=dtype)
+        dist.reduce_scatter_tensor(out, x, op=OPS[op], group=group)
+        assert_equal(out, expect, f"reduce_scatter_tensor {op} {dtype} x{count}")
+
+
+def all_gathers(rank: int, n: int, cases) -> None:
+    """all_gather_into_tensor and all_gather: every rank's tensor in rank order, for each
+    (dtype, elements per rank, group)."""
+    for dtype, count, group in cases:
+        inputs = [make_input(r, count, dtype, salt=2) for r in range(n)]
+        out = torch.empty(n * count, dtype=dtype)
+        dist.all_gather_into_tensor(out, inputs[rank], group=group)
+        assert_equal(out, torch.cat(inputs), f"all_gather_into_tensor {dtype} x{count}")
+        parts = [torch.empty(count, dtype=dtype) for _ in range(n)]
+        dist.all_gather(parts, inputs[rank], group=group)
+        assert_equal(torch.cat(parts), torch.cat(inputs), f"all_gather {dtype} x{count}")
+
+
 def hierarchical() -> None:
     """Ranks 0-1 and 2-3 on two named hosts. Every op and dtype through the hierarchical
     all-reduce equals the direct reduction bit for bit (small integers: exact in any order);
     random floats are within rounding of a float64 reference; every rank holds the same bits.
     A group's ddlcomm.Options(allreduce_algorithm=) forces it (down to 1 element) or the flat ring.
-    Then DDP with a compressed hook over the same hosts."""
+    reduce_scatter_tensor alike (exact inside each host, then across). Then DDP with a
+    compressed hook over the same hosts."""
     rank, n = init()
     gloo = dist.new_group(backend="gloo")
     forced = dist.new_group(backend="ddlcomm", pg_options=ddlcomm.Options(allreduce_algorithm="hierarchical"))
@@ -53,6 +78,20 @@ def hierarchical() -> None:
     forced_stats, flat_stats = ddlcomm_stats(forced), ddlcomm_stats(flat)
     assert forced_stats["hierarchical_allreduces"] == 2 * calls and forced_stats["ring_allreduces"] == 0, forced_stats
     assert flat_stats["ring_allreduces"] == calls and flat_stats["hierarchical_allreduces"] == 0, flat_stats
+    cases = [(dtype, op, numel, group) for dtype in ALL_DTYPES for op in OPS if op_valid(op, dtype)
+             for numel, group in ((LARGE // n, None), (3, flat))]
+    reduce_scatters(rank, n, gloo, cases)
+    assert ddlcomm_stats()["hierarchical_reduce_scatters"] == calls, ddlcomm_stats()
+    assert ddlcomm_stats(flat)["hierarchical_reduce_scatters"] == 0, ddlcomm_stats(flat)
+    before = ddlcomm_stats()["hierarchical_allgathers"]
+    all_gathers(rank, n, [(dtype, count, group) for dtype in ALL_DTYPES for count, group in ((LARGE, None), (3, flat))])
+    assert ddlcomm_stats()["hierarchical_allgathers"] - before == 2 * len(ALL_DTYPES), ddlcomm_stats()
+    assert ddlcomm_stats(flat)["hierarchical_allgathers"] == 0, ddlcomm_stats(flat)
+    x = torch.randn(n * 250_001, generator=torch.Generator().manual_seed(rank), dtype=torch.float32)
+    out = torch.empty(250_001)
+    dist.reduce_scatter_tensor(out, x)
+    exact = torch.stack(gathered(x, gloo)).double().sum(0)[rank * 250_001:(rank + 1) * 250_001]
+    torch.testing.assert_close(out.double(), exact, rtol=0, atol=4 * n * torch.finfo(torch.float32).eps * 8)
     compressed_ddp(rank, gloo)
 
 
@@ -80,6 +119,14 @@ def many_hosts(expected_topology: str) -> None:
             assert_equal(other, x, "all_reduce: ranks disagree")
     assert ddlcomm_stats(flat)["halving_doubling_allreduces"] == 9, ddlcomm_stats(flat)
     assert ddlcomm_stats(forced)["hierarchical_allreduces"] == 13, ddlcomm_stats(forced)
+    reduce_scatters(rank, n, gloo, [(torch.int64, "SUM", 1000, forced), (torch.float32, "AVG", 3, forced),
+                                    (torch.int32, "MAX", 1000, None), (torch.int32, "MAX", 1000, flat)])
+    assert ddlcomm_stats(forced)["hierarchical_reduce_scatters"] == 2, ddlcomm_stats(forced)
+    all_gathers(rank, n, [(torch.int64, 1000, forced), (torch.bfloat16, 1, forced), (torch.int32, 5, flat)])
+    assert ddlcomm_stats(forced)["hierarchical_allgathers"] == 4, ddlcomm_stats(forced)
+    assert ddlcomm_stats(flat)["hierarchical_allgathers"] == 0, ddlcomm_stats(flat)
+    one_rank_hosts = expected_topology.endswith(" 1 rank")
+    assert ddlcomm_stats()["hierarchical_reduce_scatters"] == (0 if one_rank_hosts else 1), ddlcomm_stats()
     # auto: over 8 one-rank hosts a buffer up to DDLCOMM_HALVING_DOUBLING_BYTES crosses by
     # halving-doubling, a larger one by the ring; 4 hosts of 2 take the hierarchy.
     before = ddlcomm_stats()
@@ -90,7 +137,6 @@ def many_hosts(expected_topology: str) -> None:
         assert_equal(x, expect, f"all_reduce auto x{numel}")
     ran = {k: ddlcomm_stats()[k] - before[k] for k in ("halving_doubling_allreduces", "ring_allreduces",
                                                        "hierarchical_allreduces")}
-    one_rank_hosts = expected_topology.endswith(" 1 rank")
     assert ran == ({"halving_doubling_allreduces": 1, "ring_allreduces": 1, "hierarchical_allreduces": 0}
                    if one_rank_hosts else
                    {"halving_doubling_allreduces": 0, "ring_allreduces": 0, "hierarchical_allreduces": 2}), ran

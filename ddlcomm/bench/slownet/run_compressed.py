@@ -48,7 +48,8 @@ def table(results: list[dict], kind: str) -> str:
     return "\n".join(lines)
 
 
-def plot(results: list[dict], path: Path) -> None:
+def plot(results: list[dict], path: Path) -> bool:
+    """The all-reduce and DDP panels of what ran; False (nothing written) where neither ran."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -68,6 +69,8 @@ def plot(results: list[dict], path: Path) -> None:
                                     f"{r.get('ranks', '?')} ranks"))
     if first["ddp"]:
         panels.append(("ddp", f"DDP iteration, {first['ddp'].get('params', 0) / 1e6:.1f}M-parameter model"))
+    if not panels:
+        return False
     fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.5), squeeze=False)
     for ax, (kind, title) in zip(axes[0], panels):
         for method in dict.fromkeys(r["method"] for r in results if r["kind"] == kind):
@@ -81,6 +84,7 @@ def plot(results: list[dict], path: Path) -> None:
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
     save_figure(fig, path)
+    return True
 
 
 def main() -> None:
@@ -97,12 +101,13 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "slownet.json").write_text(json.dumps(results, indent=1))
-    print()
-    print(table(results, "allreduce"))
-    print()
-    print(table(results, "ddp"))
-    plot(results, out / "slownet.png")
-    print(f"\nwrote {out / 'slownet.json'} and {out / 'slownet.png'}")
+    for kind in dict.fromkeys(r["kind"] for r in results):
+        print()
+        print(table(results, kind))
+    if plot(results, out / "slownet.png"):
+        print(f"\nwrote {out / 'slownet.json'} and {out / 'slownet.png'}")
+    else:
+        print(f"\nwrote {out / 'slownet.json'}")
 
 
 if __name__ == "__main__":

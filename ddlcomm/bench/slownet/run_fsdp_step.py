@@ -3,7 +3,7 @@
     sudo python -m ddlcomm.bench.slownet.run_fsdp_step --rates 1gbit,10gbit --out docs/results
 
 For each link rate it builds the emulated cluster of ddlcomm.bench.slownet (one network namespace
-per rank, a bridge, every link shaped with tc), runs ``python -m ddlcomm.bench.fsdp_step``
+per host, a bridge, every link shaped with tc; one rank per host, or ``--ranks-per-host``), runs ``python -m ddlcomm.bench.fsdp_step``
 on every rank, prints the table and writes ``fsdp_step.json`` and ``fsdp_step.md`` into
 --out. Options after ``--`` go to the worker (``--methods``, ``--width``, ``--depth``, ...).
 The ranks allocate memory with tcmalloc (``--allocator``; see ``preload``).
@@ -61,16 +61,19 @@ def main() -> None:
     parser = bench_parser(__doc__, "results", 1800, worker="ddlcomm.bench.fsdp_step")
     parser.add_argument("--allocator", choices=("tcmalloc", "system"), default="tcmalloc",
                         help="the ranks' memory allocator (see preload)")
+    parser.add_argument("--ranks-per-host", type=int, choices=(1, 2, 4), default=1,
+                        help="of the 4 ranks, how many share each emulated host (shared memory between them)")
     args = parser.parse_args()
     require_slownet("ddlcomm.bench.slownet.run_fsdp_step")
     preload(args.allocator)
     extra = worker_args(args)
     results: list[dict] = []
     for rate in args.rates.split(","):
-        with SlowNet(ranks=4, rate=rate) as net:
+        with SlowNet(ranks=4 // args.ranks_per_host, rate=rate) as net:
             for record in collect_results(net, [sys.executable, "-m", "ddlcomm.bench.fsdp_step", *extra],
-                                          args.timeout, rate):
+                                          args.timeout, rate, args.ranks_per_host):
                 record["rate"] = rate
+                record["ranks_per_host"] = args.ranks_per_host
                 record["allocator"] = args.allocator
                 results.append(record)
                 wire = f"{record['wire_bytes'] / 1e6:.0f} MB" if record["wire_bytes"] else "n/a"
