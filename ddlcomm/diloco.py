@@ -39,8 +39,11 @@ inner steps train as DDP does, where outer steps lose most: ``inner_optimizer.st
 averages the gradients over the replicas (a step pre-hook), in float32 or through
 ``warmup_compressor`` with error feedback of its own (a ``ddlcomm.optim`` optimizer's update
 directions, as the hooks' ``optimizer=``), so every replica takes the same step with any
-optimizer. A clip or a GradScaler before ``step()`` sees this rank's own gradient; every
-rank must run ``step()`` at each warm-up step. Outer steps follow from step N on.
+optimizer. A clip or a GradScaler before ``step()`` sees this rank's own gradient. Where a
+rank does not run ``inner_optimizer.step()`` (a GradScaler that found inf skips it), no rank
+takes that step: every rank first agrees, in one small all-reduce, on which ranks skip, and
+the others drop the step's gradients (logged once; ``skipped_warmup_steps`` counts them).
+Outer steps follow from step N on.
 
 Two levels: several ranks may train one replica together (DDP over a host's shared memory,
 exactly), and only the outer step crosses hosts. ``replica_groups(ranks_per_replica)`` makes
@@ -103,6 +106,8 @@ class DiLoCo:
             every inner step (DDP in float32): ``stats.ratio`` is the traffic saved.
         fragment_parameters: the parameters of each fragment, in schedule order.
         inner_steps, outer_steps: counted by ``step()`` (an outer step per fragment).
+        skipped_warmup_steps: warm-up steps that no rank took, because a rank did not run
+            ``inner_optimizer.step()``.
     """
 
     def __init__(self, model: torch.nn.Module, inner_optimizer: torch.optim.Optimizer, *, sync_every: int = 100,
@@ -181,7 +186,9 @@ class DiLoCo:
         self.stats = CompressionStats()
         self.inner_steps = 0
         self.outer_steps = 0
-        self._averaged = 0  # warm-up steps whose gradients the pre-hook averaged
+        self._averaged = 0  # warm-up steps whose gradients the pre-hook averaged (or dropped)
+        self._skipped_at = 0  # the last warm-up step no rank took
+        self.skipped_warmup_steps = 0
         if warmup_steps:
             self._hook = inner_optimizer.register_step_pre_hook(self._average_gradients)
             if not isinstance(warmup_compressor, (type(None), FP16, BF16)) and \
@@ -223,16 +230,17 @@ class DiLoCo:
         self.inner_steps += 1
         self.stats.bytes_uncompressed += self._plain_bytes
         if self.inner_steps <= self.warmup_steps:  # nothing is in flight: no overlap before the schedule
-            if self._averaged != self.inner_steps:
-                raise RuntimeError(f"DiLoCo: warm-up step {self.inner_steps} on rank {dist.get_rank()} did not run "
-                                   f"inner_optimizer.step() (a GradScaler that found inf skips it): every rank must "
-                                   f"average its gradients at every warm-up step")
-            with torch.no_grad():
-                for g, p in zip(self._globals, self._params):
-                    g.copy_(p)
+            if self._averaged != self.inner_steps:  # inner_optimizer.step() did not run on this rank
+                self._skip(self._warmup_skips(stepping=False), self.inner_steps)
+                self._averaged = self.inner_steps
+            took = self._skipped_at != self.inner_steps
+            if took:
+                with torch.no_grad():
+                    for g, p in zip(self._globals, self._params):
+                        g.copy_(p)
             if self.inner_steps == self.warmup_steps:
                 self._hook.remove()
-            return True
+            return took
         applied = self._finish(lambda flight: flight.due <= self.inner_steps)
         for fragment in self._fragments:
             if self.inner_steps % self.sync_every == fragment.phase:
@@ -260,6 +268,14 @@ class DiLoCo:
         # Once per step: a subclass's step() that calls super().step() runs the hooks again.
         if self.inner_steps >= self.warmup_steps or self._averaged > self.inner_steps:
             return
+        self._averaged = self.inner_steps + 1
+        skipping = self._warmup_skips(stepping=True)
+        if skipping:  # the step does nothing here either: torch optimizers pass over a None .grad
+            self._skip(skipping, self.inner_steps + 1)
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    p.grad = None
+            return
         directions = averages_directions(optimizer, self.warmup_compressor)
         if directions:  # every parameter takes the average direction, as every one is sent
             for p in self._params:
@@ -272,7 +288,31 @@ class DiLoCo:
             self._finish(lambda flight: True)
         if directions:
             optimizer.averaged(self._params, [p.grad for p in self._params])
-        self._averaged = self.inner_steps + 1
+
+    def _warmup_skips(self, stepping: bool) -> list[int]:
+        """The ranks of the group that do not run ``inner_optimizer.step()`` at this warm-up
+        step, the same list on every rank (one all-reduce of a flag per rank, before any average)."""
+        group = self._group()
+        flags = torch.zeros(dist.get_world_size(group), dtype=torch.int32, device=self._params[0].device)
+        flags[dist.get_rank(group)] = 0 if stepping else 1
+        dist.all_reduce(flags, group=group)
+        return [dist.get_global_rank(group, i) for i in flags.nonzero().flatten().tolist()]
+
+    @torch.no_grad()
+    def _skip(self, ranks: list[int], step: int) -> None:
+        """Marks warm-up step ``step`` (counted from 1) as taken by no rank; BatchNorm's
+        statistics, which its forward pass moved, are still averaged."""
+        self._skipped_at = step
+        self.skipped_warmup_steps += 1
+        if self._buffers:
+            average = torch.cat([b.reshape(-1).to(self._buffer_dtype) for b in self._buffers])
+            dist.all_reduce(average, group=self._group())
+            self._set_buffers(average.div_(dist.get_world_size(self._group())))
+        if self.skipped_warmup_steps == 1:
+            logging.getLogger(__name__).warning(
+                "DiLoCo: warm-up step %d taken by no rank: rank(s) %s did not run inner_optimizer.step() (a GradScaler "
+                "that found inf skips it); the others dropped its gradients (logged once)", step,
+                ", ".join(map(str, ranks)))
 
     @torch.no_grad()
     def _start(self, fragment: Fragment, overlap: int, gradient: bool = False) -> None:
@@ -376,13 +416,15 @@ class DiLoCo:
     def _take_buffers(self, flight: InFlight) -> None:
         """BatchNorm's statistics, the first fragment's flight's average (plus, sent earlier,
         what this replica's steps changed since)."""
-        if flight.buffers is None:
-            return
-        average = flight.buffers
-        if flight.buffers_snapshot is not None:
+        if flight.buffers is not None:
+            self._set_buffers(flight.buffers, flight.buffers_snapshot)
+
+    def _set_buffers(self, average: torch.Tensor, snapshot: Optional[torch.Tensor] = None) -> None:
+        """The buffers from their flat ``average`` (plus what changed since ``snapshot``)."""
+        if snapshot is not None:
             now = torch.cat([b.reshape(-1).to(self._buffer_dtype) for b in self._buffers])
             # Unchanged entries add nothing, infinite ones too (an attention mask's -inf).
-            average = average + torch.where(now == flight.buffers_snapshot, 0.0, now - flight.buffers_snapshot)
+            average = average + torch.where(now == snapshot, 0.0, now - snapshot)
         offset = 0
         for b in self._buffers:
             b.copy_(average[offset : offset + b.numel()].view_as(b))

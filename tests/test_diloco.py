@@ -40,6 +40,11 @@ def test_streamed_outer_steps_match_a_direct_implementation() -> None:
     assert_all_ok(launch("diloco", "streaming_matches_reference", 2, timeout=120, args=("ddlcomm",)))
 
 
+@pytest.mark.parametrize("backend", ["ddlcomm", "gloo"])
+def test_a_warmup_step_skipped_on_one_rank_is_taken_by_none(backend: str) -> None:
+    assert_all_ok(launch("diloco", "warmup_skip", 3, timeout=120, args=(backend,)))
+
+
 def test_bad_arguments_and_non_finite_pseudo_gradients_are_refused() -> None:
     assert_all_ok(launch("diloco", "errors", 2, timeout=120))
 

@@ -71,5 +71,10 @@ def test_straggler_beyond_timeout(transport: str) -> None:
     assert_all_ok(launch("faults", "straggler", 4, timeout=60, env=transport_env(transport)))
 
 
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_straggler_named_alone_when_others_moved_on(transport: str) -> None:
+    assert_all_ok(launch("faults", "straggler_while_others_move_on", 3, timeout=60, env=transport_env(transport)))
+
+
 def test_init_destroy_cycles_release_everything() -> None:
     assert_all_ok(launch("faults", "init_destroy_cycles", 4, timeout=300, args=("100",)))

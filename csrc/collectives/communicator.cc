@@ -95,8 +95,10 @@ Communicator::Communicator(std::unique_ptr<Transport> transport, Topology topolo
                 "the hierarchical all-reduce (DDLCOMM_ALLREDUCE_ALGO or ddlcomm.Options.allreduce_algorithm) needs "
                 "the same number of ranks on every host; this group has ", topology_.describe());
   transport_->setFailureHook(
-      [this](ErrorKind kind, const std::string& message) { return failures_.record(kind, message, options_.timeout); });
-  transport_->setFailureProbe([this] { return failures_.recorded(); });
+      [this](ErrorKind kind, const std::string& message) {
+        return failures_.record(kind, message, options_.timeout, nextSeq_.load());
+      });
+  transport_->setFailureProbe([this] { return failures_.probe(nextSeq_.load()); });
 }
 
 Communicator::~Communicator() {

@@ -3,6 +3,7 @@
 // in the store for the other ranks (failure_report.h), abort the transport, throw).
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <deque>
 #include <memory>
@@ -157,7 +158,7 @@ class Communicator {
   Topology topology_;
   CollectiveOptions options_;
   FailureReport failures_;  // the transport's failure hook and probe
-  uint64_t nextSeq_ = 0;
+  std::atomic<uint64_t> nextSeq_{0};  // also the collectives entered, which failures_ publishes
   std::vector<std::vector<char>> scratch_;
   CollectiveCounters counters_;
 };

@@ -12,6 +12,7 @@ namespace {
 const char* kFailureKey = "ddlcomm/first_failure";
 // A plain array, not a std::string: tasks on a detached courier thread may use it at exit.
 constexpr char kWaitingKey[] = "ddlcomm/failed_while_waiting/";
+constexpr char kWaitingInKey[] = "ddlcomm/waiting_in/";  // the collectives a waiting rank had entered
 // A healthy store answers in milliseconds; one that takes this long is treated as gone.
 constexpr std::chrono::milliseconds kStoreCallBound{2000};
 
@@ -20,13 +21,21 @@ constexpr std::chrono::milliseconds kStoreCallBound{2000};
 FailureReport::FailureReport(std::shared_ptr<KeyValueStore> store, int rank, int size)
     : haveStore_(store != nullptr), rank_(rank), size_(size), courier_(std::move(store)) {}
 
-bool FailureReport::recorded() {
-  auto found = courier_.call([](KeyValueStore& s) { return std::string(s.check(kFailureKey) ? "1" : ""); },
-                             kStoreCallBound);
+bool FailureReport::probe(uint64_t entered) {
+  if (!haveStore_) return false;
+  const bool publish = entered != publishedWaiting_;
+  const std::string key = kWaitingInKey + std::to_string(rank_), value = std::to_string(entered);
+  auto found = courier_.call(
+      [publish, key, value](KeyValueStore& s) {
+        if (publish) s.set(key, value);
+        return std::string(s.check(kFailureKey) ? "1" : "");
+      },
+      kStoreCallBound);
+  if (found) publishedWaiting_ = entered;
   return found && !found->empty();
 }
 
-std::string FailureReport::ranksNotWaiting(std::chrono::milliseconds timeout) {
+std::string FailureReport::ranksNotWaiting(std::chrono::milliseconds timeout, uint64_t entered) {
   // Ranks waiting in the same collective time out within about the time they entered it
   // apart; a rank still silent after that grace period was never there.
   const auto grace = std::clamp(timeout / 10, std::chrono::milliseconds(1000), std::chrono::milliseconds(5000));
@@ -37,9 +46,14 @@ std::string FailureReport::ranksNotWaiting(std::chrono::milliseconds timeout) {
   }
   while (!silent.empty() && Clock::now() < deadline) {
     auto reported = courier_.call(
-        [silent](KeyValueStore& s) {
-          std::string flags;  // '1' for each rank of `silent` that has reported
-          for (int r : silent) flags += s.check(kWaitingKey + std::to_string(r)) ? '1' : '0';
+        [silent, entered](KeyValueStore& s) {
+          std::string flags;  // '1' for each rank of `silent` that has reported, or waits here or later
+          for (int r : silent) {
+            const std::string waitingIn = kWaitingInKey + std::to_string(r);
+            const bool waiting = s.check(kWaitingKey + std::to_string(r)) ||
+                                 (s.check(waitingIn) && std::stoull(s.get(waitingIn)) >= entered);
+            flags += waiting ? '1' : '0';
+          }
           return flags;
         },
         kStoreCallBound);
@@ -56,7 +70,8 @@ std::string FailureReport::ranksNotWaiting(std::chrono::milliseconds timeout) {
   return list;
 }
 
-std::string FailureReport::record(ErrorKind kind, const std::string& local, std::chrono::milliseconds timeout) {
+std::string FailureReport::record(ErrorKind kind, const std::string& local, std::chrono::milliseconds timeout,
+                                  uint64_t entered) {
   if (!haveStore_) return local;
   std::string message = local;
   const bool remoteSymptom = kind == ErrorKind::PeerFailure || kind == ErrorKind::Timeout;
@@ -64,7 +79,7 @@ std::string FailureReport::record(ErrorKind kind, const std::string& local, std:
   if (remoteSymptom) {
     // Either way this rank was waiting in a collective when the group failed.
     courier_.call([me](KeyValueStore& s) { s.set(kWaitingKey + me, "1"); return std::string(); }, kStoreCallBound);
-    const std::string silent = kind == ErrorKind::Timeout ? ranksNotWaiting(timeout) : "";
+    const std::string silent = kind == ErrorKind::Timeout ? ranksNotWaiting(timeout, entered) : "";
     // Lead with the cause: whoever this rank waited for may itself have been waiting.
     if (!silent.empty()) {
       message = "likely cause: " + silent + (silent.find(',') == std::string::npos ? " was" : " were") +

@@ -307,6 +307,29 @@ def straggler() -> None:
     print(f"rank {rank} raised after {elapsed:.2f} s: {text.splitlines()[0][:400]}")
 
 
+def straggler_while_others_move_on() -> None:
+    """Rank 1 stops calling collectives; rank 2 sends its part of a gather to rank 0 and goes
+    on to the next collective 2 s later, where it waits too. Rank 0 times out in the gather
+    before rank 2 times out in the all-reduce: it must still name rank 1 alone, since rank 2
+    was seen waiting in a later collective (its first probe publishes it), not stuck elsewhere."""
+    timeout = 4.0
+    rank, n = init(timeout_s=timeout)
+    dist.all_reduce(torch.ones(10))
+    if rank == 1:
+        time.sleep(timeout + 4)
+        expect(dist.DistBackendError, lambda: [dist.all_reduce(torch.ones(10)) for _ in range(3)])
+        return
+    if rank == 2:
+        dist.gather(torch.ones(10), dst=0)
+        time.sleep(2.0)
+        expect(dist.DistBackendError, lambda: dist.all_reduce(torch.ones(10)))
+        return
+    text = expect(dist.DistBackendError, lambda: dist.gather(torch.ones(10), [torch.empty(10) for _ in range(n)], dst=0))
+    headline = text.split("] ", 1)[-1].split(";")[0]
+    assert "likely cause: rank 1 was not waiting" in headline, text
+    print(f"rank {rank}: {text.splitlines()[0][:400]}")
+
+
 def _process_usage() -> tuple[int, int, int]:
     """Open descriptors, threads and resident bytes of this process."""
     fds = len(os.listdir("/proc/self/fd"))
@@ -359,6 +382,7 @@ if __name__ == "__main__":
         "p2p_size_mismatch": p2p_size_mismatch,
         "peer_killed": peer_killed,
         "connection_reset": connection_reset,
+        "straggler_while_others_move_on": straggler_while_others_move_on,
         "init_destroy_cycles": init_destroy_cycles,
         "compressor_mismatch": compressor_mismatch,
         "compressed_mismatch_on_gloo": compressed_mismatch_on_gloo,
