@@ -15,7 +15,11 @@ __all__ = ["CompressionOptions", "CompressionStats", "LogOnce"]
 
 @dataclass
 class CompressionStats:
-    """Bytes this rank put on the wire, against what a plain ring all-reduce would send."""
+    """Bytes this rank put on the wire, against what a plain ring all-reduce would send.
+
+    Both are the flat algorithms' bytes, from their plans; where a ddlcomm group takes two
+    levels over hosts (docs/collectives.md) each host's link carries fewer, and shared
+    memory the rest."""
 
     bytes_sent: int = 0  # everything, warm-up and small buckets included
     bytes_uncompressed: int = 0
