@@ -4,7 +4,10 @@ On a ddlcomm group the native implementation runs (``ProcessGroupDdlcomm.compres
 On gloo or nccl groups the same algorithm runs over standard collectives
 (``all_to_all_single`` and ``all_gather_single`` of the packed payloads), with the
 same kernels, the same randomness streams and the same summation order. So both give
-bitwise the same result.
+bitwise the same result. Over several hosts of as many ranks both take two levels (the
+fallback under ``auto`` over nccl, and a ddlcomm group's CUDA tensors: ``host_levels``): exact
+inside each host, compressed across; there the fallback's exact sums inside a host are the
+backend's, which round like the native ring's with two ranks a host.
 
 Quantizers and casts (1-bit, ternary, fp16, bf16) use scatter-reduce-gather with two
 levels of error feedback, in pieces of 16 Mi elements (so that the native
@@ -33,6 +36,7 @@ import torch.distributed as dist
 
 from . import _C
 from .compressors import Compressor, all_finite
+from .host_levels import HostLevels, host_levels
 from .wire import Agreement, Wire, accumulate, aligned, all_gather_single, decode
 
 __all__ = [
@@ -78,13 +82,24 @@ _pieces = _C.ProcessGroupDdlcomm.compressed_allreduce_pieces  # (numel, n): [(be
 def server_chunks(numel: int, rank: int, world_size: int, group: Optional[dist.ProcessGroup] = None,
                   compressor: Optional[Compressor] = None) -> list[tuple[int, int]]:
     """The [begin, end) ranges of the vector that `rank` reduces (its chunk of every piece),
-    in the order its server residual holds them. Given the compressor, on a ddlcomm group (CPU
-    tensors; `rank` must be this rank): the plan that group runs, the hierarchical one where its
-    hosts take it (docs/collectives.md); elsewhere the flat plan."""
-    backend = native_backend(group) if compressor is not None else None
-    if backend is not None:
-        return [tuple(c) for c in backend.compressed_server_chunks(compressor.config, numel)]
+    in the order its server residual holds them. Given the compressor (`rank` must then be this
+    rank): the plan that group runs, the hierarchical one where its hosts take it
+    (docs/collectives.md; on a group of another backend, finding its hosts is collective the
+    first time); without it, the flat plan."""
+    if compressor is not None:
+        backend = native_backend(group)
+        if backend is not None:
+            return [tuple(c) for c in backend.compressed_server_chunks(compressor.config, numel)]
+        levels = _levels(group or dist.group.WORLD) if world_size > 1 else None
+        if levels is not None and compressor.format not in _SPARSE:
+            return [tuple(c) for c in levels.plan(numel)["server_chunks"]]
     return [(begin + bounds[rank], begin + bounds[rank + 1]) for begin, _, bounds in _pieces(numel, world_size)]
+
+
+def _levels(group: dist.ProcessGroup) -> Optional[HostLevels]:
+    """The fallback's two levels over `group` (a ddlcomm group's CUDA tensors by its own rule)."""
+    backend = native_backend(group)
+    return host_levels(group, None if backend is None else backend.options.allreduce_algorithm, backend is not None)
 
 
 def server_residual_numel(numel: int, rank: int, world_size: int) -> int:
@@ -205,31 +220,107 @@ def _fallback(
     n, r = dist.get_world_size(group), dist.get_rank(group)
     flat = tensor.view(-1)
     numel = flat.numel()
+    levels = _levels(group) if n > 1 else None
     agreement = Agreement(flat, compressor, group, n, verify, wire.device)
     if numel == 0:
         agreement.wait()
         return
     scale = 1.0 / n if average else 1.0
-    if compressor.format in _SPARSE:
-        payload = wire.send(compressor.encode(flat, worker_residual, stream=_encode_stream(stream, r, 0, 0, n)))
-        everyone = wire.empty(n * payload.numel())
-        agreement.wait()
-        all_gather_single(everyone, payload, group=group)
-        acc = torch.zeros(numel, dtype=torch.float32, device=flat.device)
-        accumulate(compressor, wire.receive(everyone.view(n, -1), compressor, [numel] * n), acc, numel)
-        if average:
-            acc.mul_(scale)
-        flat.copy_(acc)
+    if levels is not None:
+        agreement.wait()  # before the exact sum inside the host, which gloo cannot check
+        _over_hosts(flat, compressor, worker_residual, server_residual, levels, scale, stream, wire)
         return
+    if compressor.format in _SPARSE:
+        _sparse_among(flat, worker_residual, compressor, group, scale, stream, agreement, wire, (r, n))
+    else:
+        spans = [(begin, bounds) for begin, _, bounds in _pieces(numel, n)]
+        _pieces_among(flat, spans, compressor, worker_residual, server_residual, group, scale, stream, agreement, wire,
+                      (r, n))
 
+
+def _over_hosts(
+    flat: torch.Tensor,
+    compressor: Compressor,
+    worker_residual: Optional[torch.Tensor],
+    server_residual: Optional[torch.Tensor],
+    levels: HostLevels,
+    scale: float,
+    stream: int,
+    wire: Wire,
+) -> None:
+    """The native two-level plan over standard collectives: the exact sum inside the host (in
+    the tensor's dtype, by the backend's own all-reduce), each rank's shard of it compressed with
+    the ranks at its place on the other hosts (error feedback on that shard; the encode streams
+    of the whole group's ranks), the shards all-gathered inside the host. Every rank decodes or
+    copies the same bytes; the in-host sums may round otherwise than the native ring's."""
+    streams = (dist.get_rank(levels.group), dist.get_world_size(levels.group))
+    plan = levels.plan(flat.numel())
+    dist.all_reduce(flat, group=levels.host)
+    if compressor.format in _SPARSE:
+        bounds = plan["sparse_shards"]
+        begin, end = bounds[levels.local], bounds[levels.local + 1]
+        _sparse_among(flat[begin:end], None if worker_residual is None else worker_residual[begin:end], compressor,
+                      levels.across, scale, stream, None, wire, streams)
+        _gather_in_host(flat, bounds, levels)
+        return
+    spans = [(at, bounds) for _, _, _, at, bounds in plan["pieces"]]
+    _pieces_among(flat, spans, compressor, worker_residual, server_residual, levels.across, scale, stream, None, wire,
+                  streams)
+    for begin, end, in_host, _, _ in plan["pieces"]:
+        _gather_in_host(flat[begin:end], in_host, levels)
+
+
+def _sparse_among(
+    flat: torch.Tensor,
+    worker_residual: Optional[torch.Tensor],
+    compressor: Compressor,
+    group: dist.ProcessGroup,
+    scale: float,
+    stream: int,
+    agreement: Optional[Agreement],
+    wire: Wire,
+    streams: tuple[int, int],
+) -> None:
+    """A sparse format's all-reduce among `group`, in place: every rank's payload all-gathered,
+    decoded and summed in rank order; `streams` as for _scatter_reduce_gather."""
+    k, numel = dist.get_world_size(group), flat.numel()
+    payload = wire.send(compressor.encode(flat, worker_residual, stream=_encode_stream(stream, streams[0], 0, 0, streams[1])))
+    everyone = wire.empty(k * payload.numel())
+    if agreement is not None:
+        agreement.wait()
+    all_gather_single(everyone, payload, group=group)
+    acc = torch.zeros(numel, dtype=torch.float32, device=flat.device)
+    accumulate(compressor, wire.receive(everyone.view(k, -1), compressor, [numel] * k), acc, numel)
+    if scale != 1.0:
+        acc.mul_(scale)
+    flat.copy_(acc)
+
+
+def _pieces_among(
+    flat: torch.Tensor,
+    spans: list[tuple[int, list[int]]],
+    compressor: Compressor,
+    worker_residual: Optional[torch.Tensor],
+    server_residual: Optional[torch.Tensor],
+    group: dist.ProcessGroup,
+    scale: float,
+    stream: int,
+    agreement: Optional[Agreement],
+    wire: Wire,
+    streams: tuple[int, int],
+) -> None:
+    """The scatter-reduce-gather of every piece among `group`; spans: (the piece's begin in
+    `flat`, its chunk bounds relative to it), one chunk per rank of `group`."""
+    me = dist.get_rank(group)
     residual_at = 0
-    for piece, (begin, end, bounds) in enumerate(_pieces(numel, n)):
-        mine = bounds[r + 1] - bounds[r]
+    for piece, (begin, bounds) in enumerate(spans):
+        mine = bounds[me + 1] - bounds[me]
+        part = slice(begin, begin + bounds[-1])
         _scatter_reduce_gather(
-            flat[begin:end],
+            flat[part],
             bounds,
             compressor,
-            None if worker_residual is None else worker_residual[begin:end],
+            None if worker_residual is None else worker_residual[part],
             None if server_residual is None else server_residual[residual_at : residual_at + mine],
             group,
             scale,
@@ -237,8 +328,24 @@ def _fallback(
             piece,
             agreement,
             wire,
+            streams,
         )
         residual_at += mine
+
+
+def _gather_in_host(flat: torch.Tensor, bounds: list[int], levels: HostLevels) -> None:
+    """Copies every host rank's shard flat[bounds[l]:bounds[l + 1]] to the others (all-gather
+    needs equal sizes: the shards are padded to the widest)."""
+    k = len(bounds) - 1
+    widest = max(bounds[i + 1] - bounds[i] for i in range(k))
+    mine = flat[bounds[levels.local] : bounds[levels.local + 1]]
+    padded = torch.zeros(widest, dtype=flat.dtype, device=flat.device)
+    padded[: mine.numel()] = mine
+    everyone = torch.empty(k * widest, dtype=flat.dtype, device=flat.device)
+    all_gather_single(everyone, padded, group=levels.host)
+    for i, row in enumerate(everyone.view(k, widest)):
+        if i != levels.local:
+            flat[bounds[i] : bounds[i + 1]] = row[: bounds[i + 1] - bounds[i]]
 
 
 def _scatter_reduce_gather(
@@ -251,12 +358,15 @@ def _scatter_reduce_gather(
     scale: float,
     stream: int,
     piece: int,
-    agreement: Agreement,
+    agreement: Optional[Agreement],
     wire: Wire,
+    streams: tuple[int, int],
 ) -> None:
-    """One piece of a quantized or cast compressed all-reduce, in place; chunk i is
-    flat[bounds[i]:bounds[i + 1]]."""
+    """One piece of a quantized or cast compressed all-reduce among `group`, in place; chunk i
+    is flat[bounds[i]:bounds[i + 1]]; `streams`: the (rank, size) that number the encodes'
+    randomness streams (the whole group's, also where `group` is one rank per host)."""
     n, r = dist.get_world_size(group), dist.get_rank(group)
+    me, size = streams
     lengths = [bounds[i + 1] - bounds[i] for i in range(n)]
     sizes = [compressor.compressed_nbytes(length) for length in lengths]
     # Each payload in a slot of whole 4-byte words: the CUDA decoders read it in place.
@@ -267,13 +377,14 @@ def _scatter_reduce_gather(
         compressor.encode(
             flat[bounds[i] : bounds[i + 1]],
             None if worker_residual is None else worker_residual[bounds[i] : bounds[i + 1]],
-            stream=_encode_stream(stream, r, 0, i, n, piece),
+            stream=_encode_stream(stream, me, 0, i, size, piece),
             out=outgoing[at : at + slots[i]],
         )
         at += slots[i]
     incoming = wire.empty(n * slots[r])
     outgoing = wire.send(outgoing)
-    agreement.wait()
+    if agreement is not None:
+        agreement.wait()
     dist.all_to_all_single(incoming, outgoing, [slots[r]] * n, slots, group=group)
     acc = torch.zeros(lengths[r], dtype=torch.float32, device=flat.device)
     accumulate(compressor, wire.receive(incoming.view(n, slots[r]), compressor, [lengths[r]] * n), acc, lengths[r])
@@ -282,7 +393,7 @@ def _scatter_reduce_gather(
     # all_gather_single needs equal sizes: chunk payloads differ by at most one element's worth.
     widest = max(slots)
     padded = torch.zeros(widest, dtype=torch.uint8, device=flat.device)
-    compressor.encode(acc, server_residual, stream=_encode_stream(stream, r, 1, r, n, piece), out=padded)
+    compressor.encode(acc, server_residual, stream=_encode_stream(stream, me, 1, r, size, piece), out=padded)
     gathered = wire.empty(n * widest)
     all_gather_single(gathered, wire.send(padded), group=group)
     rows = wire.receive(gathered.view(n, widest), compressor, lengths)

@@ -46,6 +46,14 @@ def test_direction_mode_native_fallback_and_replicas_agree(ranks: int) -> None:
     assert_all_ok(launch("compression", "direction_mode", ranks, timeout=300))
 
 
+def test_direction_mode_over_two_hosts() -> None:
+    """2 hosts x 2 ranks, the hierarchy forced: the hooks over the gloo group take two levels
+    too (exact inside a host)."""
+    hosts = {r: {"DDLCOMM_HOST_ID": f"host-{r // 2}"} for r in range(4)}
+    assert_all_ok(launch("compression", "direction_mode", 4, timeout=300, rank_env=hosts,
+                         env={"DDLCOMM_ALLREDUCE_ALGO": "hierarchical"}))
+
+
 def test_hook_mechanics() -> None:
     assert_all_ok(launch("compression", "hook_mechanics", 2, timeout=240))
 

@@ -26,6 +26,25 @@ def test_hierarchical_all_reduce_over_more_hosts(hosts: int, per_host: int) -> N
                          args=(f"{hosts} hosts x {per_host} rank{'s' if per_host > 1 else ''}",)))
 
 
+@pytest.mark.parametrize("algorithm, fast_inside, layered", [
+    (None, True, True), (None, False, False), ("hierarchical", False, True), ("ring", True, False)])
+def test_host_plan_of_other_backends(algorithm: str | None, fast_inside: bool, layered: bool) -> None:
+    """The plan ddlcomm.compressed's fallback takes over gloo or nccl groups: two levels under
+    auto only where the exact collectives inside a host are fast; the native layout."""
+    plan = ddlcomm.ProcessGroupDdlcomm.compressed_allreduce_host_plan(
+        ["a", "a", "b", "b"], 1, 10, algorithm=algorithm, fast_inside=fast_inside)
+    assert (plan is not None) == layered
+    if layered:
+        # Flat chunks of 10 over 4 ranks: 2, 3, 2, 3. Local rank 0 holds the chunks of ranks 0
+        # and 2 (2 + 2), local rank 1 those of ranks 1 and 3 (3 + 3), reduced across by rank 1 with 3.
+        assert plan["topology"] == "2 hosts x 2 ranks"
+        assert plan["host_ranks"] == [0, 1] and plan["across_ranks"] == [1, 3]
+        assert plan["pieces"] == [(0, 10, [0, 4, 10], 4, [0, 3, 6])]
+        assert plan["server_chunks"] == [(4, 7)] and plan["sparse_shards"] == [0, 5, 10]
+    with pytest.raises(ValueError, match="same number of ranks on every host; this group has 2 hosts of 2 and 1"):
+        ddlcomm.ProcessGroupDdlcomm.compressed_allreduce_host_plan(["a", "a", "b"], 0, 10, algorithm="hierarchical")
+
+
 def test_hierarchy_needs_as_many_ranks_on_every_host() -> None:
     hosts = {0: {"DDLCOMM_HOST_ID": "a"}, 1: {"DDLCOMM_HOST_ID": "a"}, 2: {"DDLCOMM_HOST_ID": "b"}}
     assert_all_ok(launch("topology", "unequal_hosts", 3, timeout=120, rank_env=hosts))

@@ -143,10 +143,13 @@ void hierarchicalAllgather(Call& call, const char* input, char* output, char* wo
 
 }  // namespace
 
+bool layeredByHost(AllreduceAlgorithm algorithm, const Topology& topology) {
+  return algorithm == AllreduceAlgorithm::Hierarchical ||
+         (algorithm == AllreduceAlgorithm::Auto && topology.suitsHierarchy());
+}
+
 bool layeredByHost(const Communicator& comm) {
-  const AllreduceAlgorithm algo = comm.options().allreduceAlgorithm;
-  return algo == AllreduceAlgorithm::Hierarchical ||
-         (algo == AllreduceAlgorithm::Auto && comm.topology().suitsHierarchy());
+  return layeredByHost(comm.options().allreduceAlgorithm, comm.topology());
 }
 
 void allreduce(Communicator& comm, void* data, size_t count, DataType dtype, ReduceOp op) {

@@ -197,14 +197,7 @@ void scatterReduceGather(Call& call, const CompressedAllreduceArgs& a, const rin
   }
 }
 
-// The hierarchical plan: every rank's chunk of a piece keeps its length in the flat plan (so
-// does its server residual), but the chunks are placed so that those of the ranks at one place
-// on every host (one across-hosts ring) lie together, as the shard their local rank reduces
-// inside its host. Returns the in-host split of every piece and this rank's across-hosts spans.
-struct HostPlan {
-  std::vector<ring::Chunks> inHost;
-  std::vector<PieceSpan> across;
-};
+}  // namespace
 
 HostPlan hostPlanOf(const Topology& topology, size_t count, int rank, int size) {
   const size_t local = size_t(std::find(topology.hostRanks().begin(), topology.hostRanks().end(), rank) -
@@ -227,6 +220,8 @@ HostPlan hostPlanOf(const Topology& topology, size_t count, int rank, int size) 
   }
   return plan;
 }
+
+namespace {
 
 // Exact inside the host, compressed across hosts: a ring reduce-scatter of every piece among
 // the host's ranks (sums in the tensor's dtype), the compressed scatter-reduce-gather of this
@@ -283,10 +278,13 @@ size_t serverResidualLength(size_t count, int rank, int size) {
 
 std::vector<std::pair<size_t, size_t>> serverChunks(const Communicator& comm, const compress::Config& config,
                                                     size_t count) {
-  const int r = comm.rank(), n = comm.size();
-  const bool layered = hierarchical(comm, config);
-  const std::vector<PieceSpan> spans = layered ? hostPlanOf(comm.topology(), count, r, n).across : piecesOf(count, n);
-  const int self = layered ? ring::Members::of(comm.topology().peersAcrossHosts(), r).self : r;
+  return serverChunks(comm.topology(), hierarchical(comm, config), count, comm.rank(), comm.size());
+}
+
+std::vector<std::pair<size_t, size_t>> serverChunks(const Topology& topology, bool layered, size_t count, int r,
+                                                    int n) {
+  const std::vector<PieceSpan> spans = layered ? hostPlanOf(topology, count, r, n).across : piecesOf(count, n);
+  const int self = layered ? ring::Members::of(topology.peersAcrossHosts(), r).self : r;
   std::vector<std::pair<size_t, size_t>> chunks;
   for (const PieceSpan& span : spans) {
     chunks.emplace_back(span.begin + span.chunks.begin(self), span.begin + span.chunks.begin(self + 1));

@@ -55,6 +55,21 @@ size_t serverResidualLength(size_t count, int rank, int size);
 std::vector<std::pair<size_t, size_t>> serverChunks(const Communicator& comm, const compress::Config& config,
                                                     size_t count);
 
+// The same for a plan given by its hosts: the hierarchical one where `layered`, else the flat one.
+std::vector<std::pair<size_t, size_t>> serverChunks(const Topology& topology, bool layered, size_t count, int rank,
+                                                    int size);
+
+// The hierarchical plan: every rank's chunk of a piece keeps its length in the flat plan (so
+// does its server residual), but the chunks are placed so that those of the ranks at one place
+// on every host (one across-hosts ring) lie together, as the shard their local rank reduces
+// inside its host. Per piece: its split among the host's ranks (relative to the piece), and
+// this rank's shard as a piece of the across-hosts ring (absolute, one chunk per host).
+struct HostPlan {
+  std::vector<ring::Chunks> inHost;
+  std::vector<PieceSpan> across;
+};
+HostPlan hostPlanOf(const Topology& topology, size_t count, int rank, int size);
+
 // Payload bytes `rank` sends in one compressed all-reduce of `count` elements (frame
 // headers not included), from the same plan the algorithm sizes its messages with.
 size_t compressedAllreduceWireBytes(const compress::Config& config, size_t count, int rank, int size);

@@ -15,6 +15,8 @@
 #include "collectives/compressed_reduce_scatter.h"
 #include "common/error.h"
 #include "torch/backend.h"
+#include "transport/host.h"
+#include "transport/topology.h"
 
 namespace py = pybind11;
 using ddlcomm::torch_glue::ProcessGroupDdlcomm;
@@ -42,6 +44,12 @@ std::vector<std::tuple<size_t, size_t, std::vector<size_t>>> pieces(size_t count
   return out;
 }
 
+std::vector<size_t> boundsOf(const ddlcomm::ring::Chunks& chunks) {
+  std::vector<size_t> bounds;
+  for (int i = 0; i <= chunks.n; ++i) bounds.push_back(chunks.begin(i));
+  return bounds;
+}
+
 // Options are checked where they are written, so a bad value fails there rather than at init.
 ddlcomm::TransportRequest checkedRequest(std::optional<std::string> name, SpinMicros spin) {
   ddlcomm::TransportRequest request{std::move(name), std::move(spin)};
@@ -60,6 +68,47 @@ std::optional<std::string> checkedAlgorithm(std::optional<std::string> name) {
     throw py::value_error(e.what());
   }
   return name;
+}
+
+// The two-level plan of a compressed all-reduce of `numel` elements over a group of another
+// backend (ddlcomm.compressed's fallback), from every rank's host identity, the algorithm (a
+// ddlcomm group's own, else DDLCOMM_ALLREDUCE_ALGO) and whether the group's collectives inside
+// a host are fast: None where the flat plan runs. The same rule and layout as the
+// native algorithm's (layeredByHost, hostPlanOf), so the residuals mean the same on both.
+py::object hostPlan(const std::vector<std::string>& identities, int rank, size_t numel,
+                    const std::optional<std::string>& algorithmName, bool fastInside) {
+  const int size = int(identities.size());
+  checkRank(rank, size);
+  const ddlcomm::Topology topology = ddlcomm::Topology::ofHosts(identities, rank);
+  const ddlcomm::AllreduceAlgorithm algorithm =
+      ddlcomm::CollectiveOptions::fromEnvironment(std::chrono::milliseconds(0), checkedAlgorithm(algorithmName))
+          .allreduceAlgorithm;
+  // Under auto, only where the exact collectives inside a host are fast (GPU collectives, or the
+  // native backend's shared memory): over gloo's TCP on loopback they cost more than the traffic
+  // the two levels save (docs/collectives.md, "Compressed all-reduce across hosts").
+  const bool layered = algorithm == ddlcomm::AllreduceAlgorithm::Auto
+                           ? fastInside && topology.suitsHierarchy()
+                           : ddlcomm::layeredByHost(algorithm, topology);
+  if (!layered) return py::none();
+  if (!topology.uniform()) {
+    throw py::value_error("the hierarchical all-reduce (DDLCOMM_ALLREDUCE_ALGO) needs the same number of ranks on "
+                          "every host; this group has " + topology.describe());
+  }
+  py::list pieces;
+  const ddlcomm::HostPlan plan = ddlcomm::hostPlanOf(topology, numel, rank, size);
+  const std::vector<ddlcomm::PieceSpan> flat = ddlcomm::piecesOf(numel, size);
+  for (size_t k = 0; k < flat.size(); ++k) {
+    pieces.append(py::make_tuple(flat[k].begin, flat[k].begin + flat[k].chunks.total, boundsOf(plan.inHost[k]),
+                                 plan.across[k].begin, boundsOf(plan.across[k].chunks)));
+  }
+  py::dict out;
+  out["topology"] = topology.describe();
+  out["host_ranks"] = topology.hostRanks();
+  out["across_ranks"] = topology.peersAcrossHosts();
+  out["pieces"] = pieces;
+  out["server_chunks"] = ddlcomm::serverChunks(topology, true, numel, rank, size);
+  out["sparse_shards"] = boundsOf(ddlcomm::ring::Chunks{numel, int(topology.hostRanks().size())});
+  return out;
 }
 
 constexpr const char* kOptionsDoc = R"(pg_options of a ddlcomm group (also ddlcomm.Options)::
@@ -200,6 +249,17 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly_static(
           "piece_elements", [](py::object) { return ddlcomm::kPieceElements; },
           "Elements per piece of a quantized or cast compressed all-reduce (the last one shorter).")
+      .def_static("host_identity", &ddlcomm::hostIdentity,
+                  "This process's host: DDLCOMM_HOST_ID, else the boot id and network namespace (ranks with "
+                  "the same one share a host).")
+      .def_static("compressed_allreduce_host_plan", &hostPlan, py::arg("identities"), py::arg("rank"),
+                  py::arg("numel"), py::arg("algorithm") = std::nullopt, py::arg("fast_inside") = false,
+                  "The two-level plan of a compressed all-reduce over a group of another backend, from every "
+                  "rank's host_identity() and `algorithm` (a ddlcomm group's, winning over DDLCOMM_ALLREDUCE_ALGO; auto takes "
+                  "two levels only where `fast_inside`: the group's collectives inside a host are fast), or None for the flat plan: a dict of the "
+                  "topology's description, host_ranks, across_ranks, pieces ((begin, end, the host ranks' "
+                  "shard bounds relative to begin, this rank's shard's begin, its chunk bounds per host relative "
+                  "to that), server_chunks and sparse_shards (the sparse formats' shard bounds).")
       .def_static("compressed_allreduce_pieces", &pieces, py::arg("numel"), py::arg("size"),
                   "The pieces of a quantized or cast compressed all-reduce: (begin, end, chunk bounds relative "
                   "to begin) each; chunk i of a piece goes to rank i.")

@@ -14,6 +14,11 @@ std::string recordKey(int rank) { return "ddlcomm/rank/" + std::to_string(rank);
 // between (the identities hold none).
 std::string record() { return machineIdentity() + " " + hostIdentity() + (rdmaDevicePresent() ? " rdma" : " -"); }
 
+// Hosts numbered in order of their lowest rank.
+int hostNumber(std::map<std::string, int>& numbers, const std::string& identity) {
+  return numbers.emplace(identity, int(numbers.size())).first->second;
+}
+
 }  // namespace
 
 void Topology::publish(KeyValueStore& store, int rank) { store.set(recordKey(rank), record()); }
@@ -29,11 +34,18 @@ Topology Topology::read(KeyValueStore& store, int rank, int size) {
     const size_t space = theirs.find(' '), last = theirs.rfind(' ');
     DDLCOMM_CHECK(space != std::string::npos && last > space, ErrorKind::Protocol, "rank ", r,
                   " published a malformed host record (mixed ddlcomm versions in one job?)");
-    hostOf[size_t(r)] = numbers.emplace(theirs.substr(space + 1, last - space - 1), int(numbers.size())).first->second;
+    hostOf[size_t(r)] = hostNumber(numbers, theirs.substr(space + 1, last - space - 1));
     if (theirs.compare(0, space, machine) == 0 && space == machine.size()) ++onThisMachine;
     if (firstWithoutRdma < 0 && theirs.compare(last + 1, std::string::npos, "rdma") != 0) firstWithoutRdma = r;
   }
   return Topology(std::move(hostOf), rank, onThisMachine, firstWithoutRdma);
+}
+
+Topology Topology::ofHosts(const std::vector<std::string>& identities, int rank) {
+  std::map<std::string, int> numbers;
+  std::vector<int> hostOf;
+  for (const std::string& identity : identities) hostOf.push_back(hostNumber(numbers, identity));
+  return Topology(std::move(hostOf), rank, 1, -1);
 }
 
 Topology::Topology(std::vector<int> hostOf, int rank, int onThisMachine, int firstWithoutRdma)

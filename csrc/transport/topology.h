@@ -16,6 +16,9 @@ class Topology {
   static void publish(KeyValueStore& store, int rank);
   // Every rank's record: call once the network is connected (every rank has published).
   static Topology read(KeyValueStore& store, int rank, int size);
+  // From every rank's host identity (hostIdentity(), gathered by a group of another backend):
+  // hosts only, one machine per rank and no RDMA facts.
+  static Topology ofHosts(const std::vector<std::string>& identities, int rank);
   // `hostOf[r]`: the host of rank r, hosts numbered in order of their lowest rank;
   // `onThisMachine`: the ranks that share this rank's machine (this one included);
   // `firstWithoutRdma`: the lowest rank with no RDMA device, -1 for none.

@@ -14,7 +14,9 @@ inside emulated hosts. Rank 0 prints one JSON line per measurement (prefix ``RES
     hook), PyTorch's fp16_compress_hook and powerSGD_hook (rank 4), each ddlcomm hook (bf16
     as well), and the adaptive fp16 and 1-bit hooks (exact, bf16 or the compressor, whichever
     was measured fastest: timed after their choice), with the bytes each rank puts on the wire
-    per iteration.
+    per iteration;
+(d) with --over-gloo-only, the compressed all-reduce (1-bit, ternary) over the gloo group, as
+    over nccl: in two levels where its ranks' hosts take them, flat with DDLCOMM_ALLREDUCE_ALGO=ring.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import ddlcomm
 from ddlcomm.bench import init_ranks
 from ddlcomm import compressors, fsdp, hooks
 from ddlcomm.compressed import compressed_all_reduce, reduce_scatter_wire_bytes, server_residual_numel, wire_bytes
+from ddlcomm.host_levels import host_levels
 from ddlcomm.wire import Agreement, Wire, ring_all_reduce_bytes, ring_reduce_scatter_bytes
 
 COMPRESSORS = {
@@ -102,6 +105,27 @@ def allreduce_bench(gloo, numel: int, repeats: int, compressed: bool = True) -> 
             # The hierarchy's bytes differ by link, as above.
             report(kind="allreduce", method=f"ddlcomm {name}{' hierarchical' if hierarchical else flat_name}",
                    seconds=t, speedup=base / t, wire_bytes=None if hierarchical else wire_bytes(comp, numel, n))
+
+
+def over_gloo_bench(gloo, numel: int, repeats: int) -> None:
+    """The compressed all-reduce over the gloo group (ddlcomm.compressed's fallback over gloo's
+    collectives, as over nccl): in two levels where its hosts take them, flat under
+    DDLCOMM_ALLREDUCE_ALGO=ring; against gloo's fp32 all-reduce."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    grad = torch.randn(numel, generator=torch.Generator().manual_seed(rank))
+    base = timed(lambda: dist.all_reduce(grad, group=gloo), repeats)
+    report(kind="allreduce", method="gloo fp32", seconds=base, speedup=1.0,
+           wire_bytes=ring_all_reduce_bytes(numel * 4, n), numel=numel, ranks=n)
+    levels = host_levels(gloo)
+    plan = "flat" if levels is None else f"two levels, {levels.topology}"
+    for name in ("1-bit", "ternary"):
+        comp = COMPRESSORS[name]()
+        wres, sres = torch.zeros(numel), torch.zeros(server_residual_numel(numel, rank, n))
+        copies = [grad.clone() for _ in range(repeats + 1)]  # made outside the clock, as above
+        step = iter(range(len(copies)))
+        t = timed(lambda: compressed_all_reduce(copies[next(step)], comp, wres, sres, group=gloo).wait(), repeats)
+        report(kind="allreduce", method=f"{name} over gloo ({plan})", seconds=t, speedup=base / t,
+               wire_bytes=wire_bytes(comp, numel, n) if levels is None else None)
 
 
 def reduce_scatter_bench(gloo, numel: int, repeats: int) -> None:
@@ -261,10 +285,17 @@ def main() -> None:
                         help="time gloo's and ddlcomm's float32 all-reduces only (no compression, no DDP)")
     parser.add_argument("--sharded-only", action="store_true",
                         help="time the reduce-scatters and all-gathers of sharded training (b) only")
+    parser.add_argument("--over-gloo-only", action="store_true",
+                        help="time the compressed all-reduce over the gloo group only (two levels where the hosts "
+                             "take them; DDLCOMM_ALLREDUCE_ALGO=ring for flat)")
     args = parser.parse_args()
     init_ranks("ddlcomm")
     gloo = dist.new_group(backend="gloo")
     torch.set_num_threads(1)
+    if args.over_gloo_only:
+        over_gloo_bench(gloo, args.numel, args.repeats)
+        dist.destroy_process_group()
+        return
     if args.sharded_only:
         reduce_scatter_bench(gloo, args.numel, args.repeats)
         all_gather_bench(gloo, args.numel, args.repeats)

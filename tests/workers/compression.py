@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import warnings
 
 import torch
@@ -14,6 +15,7 @@ from torch.nn.parallel import DistributedDataParallel
 from common import init, run
 from ddlcomm import ProcessGroupDdlcomm, compressors, hooks, optim
 from ddlcomm.compressed import compressed_all_reduce, native_backend, server_residual_numel
+from ddlcomm.host_levels import host_levels
 
 COMPRESSORS = {
     "onebit": compressors.OneBit,
@@ -278,6 +280,8 @@ def direction_mode() -> None:
     contributes."""
     rank, n = init()
     gloo = dist.new_group(backend="gloo")
+    over_hosts = os.environ.get("DDLCOMM_ALLREDUCE_ALGO") == "hierarchical"  # the gloo group's too
+    assert (host_levels(gloo) is not None) == over_hosts
     x, y = synthetic(rank)
     optimizers = {
         "sgd_nesterov_wd": lambda ps: optim.SGD(ps, lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3),

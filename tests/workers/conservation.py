@@ -34,6 +34,7 @@ import torch.distributed as dist
 from common import ddlcomm_stats, init, run
 from ddlcomm import ProcessGroupDdlcomm, compressors
 from ddlcomm.compressed import compressed_all_reduce, native_backend, server_chunks, server_residual_numel
+from ddlcomm.host_levels import host_levels
 
 U = 2.0**-24  # float32 unit roundoff
 # torch 2.13 renamed all_gather_into_tensor (and deprecated the old name).
@@ -204,22 +205,41 @@ def ranks_draw_different_randomness(gloo: dist.ProcessGroup) -> None:
 
 def hierarchical() -> None:
     """Ranks 0-1 and 2-3 on two named hosts: every compressor's all-reduce on the ddlcomm group
-    (exact inside each host, compressed across) keeps the law over the hierarchical plan, the
-    sparse formats included (their selection made on each rank's shard of its host's sum)."""
+    and on a gloo group (exact inside each host, compressed across; natively, and over gloo's
+    collectives) keeps the law over the hierarchical plan, the sparse formats included (their
+    selection made on each rank's shard of its host's sum)."""
     init()
     gloo = dist.new_group(backend="gloo")
     hosts = [[0, 1], [2, 3]]
     before = ddlcomm_stats()
     assert before["topology"] == "2 hosts x 2 ranks", before
+    levels = host_levels(gloo)
+    assert levels is not None and levels.topology == "2 hosts x 2 ranks", "the gloo group's hosts"
+    assert dist.get_process_group_ranks(levels.host) == hosts[dist.get_rank() // 2]
+    assert dist.get_process_group_ranks(levels.across) == [dist.get_rank() % 2, 2 + dist.get_rank() % 2]
     for numel in (6, 4099, 70_001):
-        for stream, name in enumerate(COMPRESSORS):
-            check_conservation(name, numel, None, gloo, stream, hosts=hosts)
+        for group in (None, gloo):
+            for stream, name in enumerate(COMPRESSORS):
+                check_conservation(name, numel, group, gloo, stream, hosts=hosts)
     numel = ProcessGroupDdlcomm.piece_elements + 70_001
     positions = sample_positions(numel, dist.get_world_size(), window=4096, stride=61)
-    for name in TWO_PIECES:
-        check_conservation(name, numel, None, gloo, stream=7, positions=positions, hosts=hosts)
+    for group in (None, gloo):
+        for name in TWO_PIECES:
+            check_conservation(name, numel, group, gloo, stream=7, positions=positions, hosts=hosts)
+    # Two ranks a host sum alike in either order, so here the fallback's bits are the native ones.
+    for stream, name in enumerate(COMPRESSORS):
+        comp, rank, numel = COMPRESSORS[name](), dist.get_rank(), 70_001
+        x, w, s = inputs(rank, numel, server_residual_numel(numel, rank, 4))
+        results = []
+        for group in (None, gloo):
+            out, w_new, s_new = x.clone(), w.clone(), s.clone()
+            compressed_all_reduce(out, comp, w_new, s_new, group=group, stream=stream).wait()
+            results.append((out, w_new, s_new))
+        for what, native, fallback in zip(("result", "worker residual", "server residual"), *results):
+            assert torch.equal(native, fallback), f"{name}: the gloo group's {what} differs from the native one"
+    # Only the ddlcomm group's calls are native: 3 sizes, two pieces, compared.
     took = ddlcomm_stats()["hierarchical_compressed_allreduces"] - before["hierarchical_compressed_allreduces"]
-    assert took == 3 * len(COMPRESSORS) + len(TWO_PIECES), took
+    assert took == 4 * len(COMPRESSORS) + len(TWO_PIECES), took
 
 
 def conservation_and_randomness() -> None:

@@ -8,6 +8,7 @@ import torch.distributed as dist
 
 import ddlcomm
 from common import ALL_DTYPES, OPS, assert_equal, ddlcomm_stats, init, make_input, op_valid, reference, run
+from ddlcomm.host_levels import host_levels
 
 LARGE = 100_000  # elements: over DDLCOMM_SMALL_MESSAGE_BYTES in every dtype, so auto takes the hierarchy
 
@@ -55,6 +56,7 @@ def hierarchical() -> None:
     flat = dist.new_group(backend="ddlcomm", pg_options=ddlcomm.Options(allreduce_algorithm="ring"))
     before = ddlcomm_stats()
     assert before["topology"] == "2 hosts x 2 ranks", before
+    assert host_levels(gloo) is None, "auto keeps a gloo group's compressed all-reduce in one level"
     calls = 0
     for dtype in ALL_DTYPES:
         for op, reduce_op in OPS.items():
