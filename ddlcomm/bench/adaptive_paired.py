@@ -1,0 +1,103 @@
+"""The adaptive DDP hook against no hook, step for step: is it ever slower?
+
+Separate runs of each method vary by up to 20% on a shared 2-core machine (docs/choosing-a-
+compressor.md, "Letting the hook choose"), more than the few percent in question. Here every
+method trains its own copy of the 25.2M-parameter MLP in one process, past its warm-up and the
+adaptive hooks' measurement, and then the methods take turns, one step each per round in an
+order that rotates from round to round, so that whatever the machine does at a moment falls on
+all of them alike. Per round, each method's step time over no hook's is one paired ratio; the
+report gives the median ratio and the order-statistic 95% interval of that median (the slowest
+rank's time per step).
+
+    torchrun --standalone --nproc-per-node 4 -m ddlcomm.bench.adaptive_paired --rounds 40
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from ddlcomm import compressors, hooks
+from ddlcomm.bench import init_ranks
+from ddlcomm.bench.compressed import make_model
+
+
+def median_interval(ratios: list[float]) -> tuple[float, float]:
+    """The 95% interval of the median from order statistics (binomial, normal approximation)."""
+    ordered, k = sorted(ratios), len(ratios)
+    half = 1.96 * math.sqrt(k) / 2
+    low, high = max(0, math.floor(k / 2 - half)), min(k - 1, math.ceil(k / 2 + half) - 1)
+    return ordered[low], ordered[high]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=40, help="timed steps per method")
+    parser.add_argument("--width", type=int, default=2048, help="hidden width of the MLP")
+    parser.add_argument("--depth", type=int, default=6, help="hidden layers (2048 x 2048 each: 6 -> 25.2M parameters)")
+    parser.add_argument("--batch", type=int, default=16, help="per-rank batch")
+    args = parser.parse_args()
+    init_ranks("ddlcomm")
+    torch.set_num_threads(1)
+    rank = dist.get_rank()
+    x = torch.randn(args.batch, args.width, generator=torch.Generator().manual_seed(rank))
+    y = torch.randint(0, 10, (args.batch,), generator=torch.Generator().manual_seed(rank))
+    methods = {
+        "no hook": None,
+        "fixed 1-bit hook": hooks.CompressionState(None, compressors.OneBit(), start_compress_iter=2),
+        "adaptive fp16 hook": hooks.CompressionState(None, compressors.FP16(), start_compress_iter=2, adaptive=True),
+        "adaptive 1-bit hook": hooks.CompressionState(None, compressors.OneBit(), start_compress_iter=2,
+                                                      adaptive=True),
+    }
+    steps = {}
+    for name, state in methods.items():
+        model = make_model(args.width, args.depth)
+        ddp = DistributedDataParallel(model)
+        if state is not None:
+            ddp.register_comm_hook(state, hooks.compressed_hook)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+        def step(ddp=ddp, opt=opt) -> None:
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(ddp(x), y).backward()
+            opt.step()
+
+        for _ in range(20):  # past the warm-up (2) and the adaptive measurement (4 + 3 x 4)
+            step()
+        assert getattr(state, "tuner", None) is None or state.tuner.settled(state.iter)
+        steps[name] = step
+
+    names = list(steps)
+    seconds = {name: [] for name in names}
+    for round_ in range(args.rounds):
+        for name in names[round_ % len(names):] + names[:round_ % len(names)]:
+            dist.barrier()
+            start = time.perf_counter()
+            steps[name]()
+            took = torch.tensor([time.perf_counter() - start])
+            dist.all_reduce(took, op=dist.ReduceOp.MAX)
+            seconds[name].append(float(took))
+    if rank != 0:
+        dist.destroy_process_group()
+        return
+    for name in names:
+        ratios = [t / base for t, base in zip(seconds[name], seconds["no hook"])]
+        low, high = median_interval(ratios)
+        state = methods[name]
+        tuner = getattr(state, "tuner", None)
+        print("RESULT " + json.dumps({
+            "method": name, "median_s": statistics.median(seconds[name]), "ratio_to_no_hook": statistics.median(ratios),
+            "ratio_95": [low, high], "rounds": args.rounds,
+            "choice": None if tuner is None else tuner.name(tuner.choice)}), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
