@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -211,7 +212,7 @@ def make_model(width: int, depth: int) -> torch.nn.Module:
     return torch.nn.Sequential(*layers)
 
 
-def ddp_bench(gloo, width: int, depth: int, iters: int, batch: int) -> None:
+def ddp_bench(gloo, width: int, depth: int, iters: int, batch: int, only: Optional[list[str]] = None) -> None:
     rank, n = dist.get_rank(), dist.get_world_size()
     params = sum(p.numel() for p in make_model(width, depth).parameters())
     x = torch.randn(batch, width, generator=torch.Generator().manual_seed(rank))
@@ -234,6 +235,11 @@ def ddp_bench(gloo, width: int, depth: int, iters: int, batch: int) -> None:
     for name, make in (("fp16", compressors.FP16), ("1-bit", compressors.OneBit)):
         state = hooks.CompressionState(None, make(), start_compress_iter=2, adaptive=True)
         configs.append((f"ddlcomm adaptive {name} hook", None, state, hooks.compressed_hook))
+    if only:
+        unknown = sorted(set(only) - {label for label, *_ in configs})
+        if unknown:
+            raise SystemExit(f"--ddp-methods: no method {unknown}; the methods: {[label for label, *_ in configs]}")
+        configs = [config for config in configs if config[0] in only]
     base = None
     for label, group, state, hook in configs:
         model = make_model(width, depth)
@@ -285,6 +291,8 @@ def main() -> None:
                         help="time gloo's and ddlcomm's float32 all-reduces only (no compression, no DDP)")
     parser.add_argument("--sharded-only", action="store_true",
                         help="time the reduce-scatters and all-gathers of sharded training (b) only")
+    parser.add_argument("--ddp-methods", default="",
+                        help="comma-separated DDP methods to time (e.g. 'ddlcomm 1-bit hook'; default: all)")
     parser.add_argument("--over-gloo-only", action="store_true",
                         help="time the compressed all-reduce over the gloo group only (two levels where the hosts "
                              "take them; DDLCOMM_ALLREDUCE_ALGO=ring for flat)")
@@ -310,7 +318,8 @@ def main() -> None:
         reduce_scatter_bench(gloo, args.numel, args.repeats)
         all_gather_bench(gloo, args.numel, args.repeats)
     if not args.skip_ddp:
-        ddp_bench(gloo, args.width, args.depth, args.iters, args.batch)
+        ddp_bench(gloo, args.width, args.depth, args.iters, args.batch,
+                  [m.strip() for m in args.ddp_methods.split(",") if m.strip()])
     dist.destroy_process_group()
 
 

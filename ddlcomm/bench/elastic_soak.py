@@ -91,7 +91,7 @@ def main() -> int:
                     break
             cycle += 1
     left = sorted(set(os.listdir("/dev/shm")) - shm_before)
-    print(f"\n| path | runs | restarts | passed | seconds per run (min-max) | RSS MiB, first cycle | RSS MiB, last cycle |")
+    print("\n| path | runs | restarts | passed | seconds per run (min-max) | RSS MiB, first cycle | RSS MiB, last cycle |")
     print("| --- | ---: | ---: | ---: | --- | --- | --- |")
     for path in PATHS:
         mine = [r for r in rows if r["path"] == path]
