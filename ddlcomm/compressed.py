@@ -40,7 +40,7 @@ from .host_levels import HostLevels, host_levels
 from .wire import Agreement, Wire, accumulate, aligned, all_gather_single, decode
 
 __all__ = [
-    "compressed_all_reduce", "start_compressed_all_reduce", "server_chunks", "server_residual_numel",
+    "compressed_all_reduce", "start_compressed_all_reduce", "host_levels_of", "server_chunks", "server_residual_numel",
     "native_backend", "reduce_scatter_wire_bytes", "wire_bytes",
 ]
 
@@ -90,14 +90,16 @@ def server_chunks(numel: int, rank: int, world_size: int, group: Optional[dist.P
         backend = native_backend(group)
         if backend is not None:
             return [tuple(c) for c in backend.compressed_server_chunks(compressor.config, numel)]
-        levels = _levels(group or dist.group.WORLD) if world_size > 1 else None
+        levels = host_levels_of(group or dist.group.WORLD) if world_size > 1 else None
         if levels is not None and compressor.format not in _SPARSE:
             return [tuple(c) for c in levels.plan(numel)["server_chunks"]]
     return [(begin + bounds[rank], begin + bounds[rank + 1]) for begin, _, bounds in _pieces(numel, world_size)]
 
 
-def _levels(group: dist.ProcessGroup) -> Optional[HostLevels]:
-    """The fallback's two levels over `group` (a ddlcomm group's CUDA tensors by its own rule)."""
+def host_levels_of(group: dist.ProcessGroup) -> Optional[HostLevels]:
+    """The two levels the compressed collectives over standard collectives take on `group`, or
+    None (a ddlcomm group's CUDA tensors by its own allreduce_algorithm); collective the first
+    time on a group."""
     backend = native_backend(group)
     return host_levels(group, None if backend is None else backend.options.allreduce_algorithm, backend is not None)
 
@@ -220,7 +222,7 @@ def _fallback(
     n, r = dist.get_world_size(group), dist.get_rank(group)
     flat = tensor.view(-1)
     numel = flat.numel()
-    levels = _levels(group) if n > 1 else None
+    levels = host_levels_of(group) if n > 1 else None
     agreement = Agreement(flat, compressor, group, n, verify, wire.device)
     if numel == 0:
         agreement.wait()
@@ -284,7 +286,8 @@ def _sparse_among(
     """A sparse format's all-reduce among `group`, in place: every rank's payload all-gathered,
     decoded and summed in rank order; `streams` as for _scatter_reduce_gather."""
     k, numel = dist.get_world_size(group), flat.numel()
-    payload = wire.send(compressor.encode(flat, worker_residual, stream=_encode_stream(stream, streams[0], 0, 0, streams[1])))
+    (me, size) = streams
+    payload = wire.send(compressor.encode(flat, worker_residual, stream=_encode_stream(stream, me, 0, 0, size)))
     everyone = wire.empty(k * payload.numel())
     if agreement is not None:
         agreement.wait()

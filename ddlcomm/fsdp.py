@@ -41,8 +41,8 @@ alone and makes every output non-finite. Not for use with ``torch.amp.GradScaler
 scaler would divide the (scale-free) Adam step by its scale.
 On ddlcomm groups the reduce-scatter is one native collective (over hosts of several ranks:
 exact inside each host, only the host sums compressed across, docs/collectives.md); on gloo
-and nccl groups, and for CUDA tensors, the flat algorithm runs over the group's all-to-all,
-with the native flat one's bits.
+and nccl groups, and for CUDA tensors, the same algorithm runs over the group's all-to-all,
+with the native one's bits (in two levels by ``host_levels_of``'s rule).
 ``quantize_all_gather`` (from ``ddlcomm.quantized_gather``) sends the parameter all-gathers in 8 bits.
 """
 
@@ -58,8 +58,8 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
 from . import _C
 from .compressors import Compressor, all_finite
-from .compressed import (compressed_all_reduce, native_backend, reduce_scatter_wire_bytes, server_residual_numel,
-                         wire_bytes)
+from .compressed import (compressed_all_reduce, host_levels_of, native_backend, reduce_scatter_wire_bytes,
+                         server_residual_numel, wire_bytes)
 from .moments import normalised_step, update_first, update_second
 from .options import CompressionOptions, CompressionStats
 from .quantized_gather import AllGatherQuantization, QuantizedAllGather, quantize_all_gather  # re-exported
@@ -267,20 +267,33 @@ class FSDPCompressionState(CompressionOptions):
                              residual: Optional[torch.Tensor], op: Any, stream: int, wire: Wire,
                              agreement: Agreement) -> None:
         """The compressed reduce-scatter over the group's all-to-all (gloo, nccl, CUDA tensors):
-        the bytes and the float32 sum of the native one."""
+        the bytes and the float32 sum of the native one, in two levels where its hosts take them
+        (``host_levels_of``): a reduce-scatter inside the host first, then among the ranks at
+        this rank's place."""
         n, r = group.size(), group.rank()
         m = output.numel()
+        owners, among = list(range(n)), group
+        levels = host_levels_of(group) if n > 1 else None
+        if levels is not None:  # as the native one: the host's sums of the chunks of the ranks at this place
+            hosts = levels.plan(0)["hosts"]
+            owners, among = [host[levels.local] for host in hosts], levels.across
+            by_place = torch.cat([flat[o * m:(o + 1) * m] for place in range(len(hosts[0])) for o in
+                                  (host[place] for host in hosts)])
+            agreement.wait()
+            flat = torch.empty(len(owners) * m, dtype=flat.dtype, device=flat.device)
+            dist.reduce_scatter_tensor(flat, by_place, group=levels.host)
+        k = len(owners)
         slot = aligned(self.compressor.compressed_nbytes(m))
-        outgoing = torch.zeros(n * slot, dtype=torch.uint8, device=flat.device)
-        for i in range(n):
-            self.compressor.encode(flat[i * m:(i + 1) * m], None if residual is None else residual[i * m:(i + 1) * m],
-                                   stream=_encode_stream(stream, r, 0, i, n), out=outgoing[i * slot:(i + 1) * slot])
-        incoming = wire.empty(n * slot)
+        outgoing = torch.zeros(k * slot, dtype=torch.uint8, device=flat.device)
+        for i, o in enumerate(owners):
+            self.compressor.encode(flat[i * m:(i + 1) * m], None if residual is None else residual[o * m:(o + 1) * m],
+                                   stream=_encode_stream(stream, r, 0, o, n), out=outgoing[i * slot:(i + 1) * slot])
+        incoming = wire.empty(k * slot)
         outgoing = wire.send(outgoing)
         agreement.wait()
-        dist.all_to_all_single(incoming, outgoing, group=group)
+        dist.all_to_all_single(incoming, outgoing, group=among)
         acc = torch.zeros(m, dtype=torch.float32, device=flat.device)
-        accumulate(self.compressor, wire.receive(incoming.view(n, slot), self.compressor, [m] * n), acc, m)
+        accumulate(self.compressor, wire.receive(incoming.view(k, slot), self.compressor, [m] * k), acc, m)
         if op == dist.ReduceOp.AVG:
             acc.mul_(1.0 / n)  # float(1 / n), as the native one
         output.view(-1).copy_(acc)

@@ -15,10 +15,14 @@ def test_compressed_reduce_scatter_loses_nothing(backend: str, ranks: int) -> No
     assert_all_ok(launch("sharded", "reduce_scatter_math", ranks, timeout=120, args=(backend,)))
 
 
-def test_compressed_reduce_scatter_over_two_hosts_of_two_ranks() -> None:
-    """Exact inside each host, compressed across: still nothing lost."""
+@pytest.mark.parametrize("backend", ["ddlcomm", "gloo"])
+def test_compressed_reduce_scatter_over_two_hosts_of_two_ranks(backend: str) -> None:
+    """Exact inside each host, compressed across (natively, and over gloo's collectives, where
+    the hierarchy is forced): still nothing lost, the residuals where the native plan keeps them."""
     hosts = {r: {"DDLCOMM_HOST_ID": f"host-{r // 2}"} for r in range(4)}
-    assert_all_ok(launch("sharded", "reduce_scatter_math", 4, timeout=120, args=("ddlcomm", "2x2"), rank_env=hosts))
+    env = {"DDLCOMM_ALLREDUCE_ALGO": "hierarchical"} if backend == "gloo" else {}
+    assert_all_ok(launch("sharded", "reduce_scatter_math", 4, timeout=120, args=(backend, "2x2"), rank_env=hosts,
+                         env=env))
 
 
 def _print_accuracy(results) -> None:

@@ -105,6 +105,9 @@ py::object hostPlan(const std::vector<std::string>& identities, int rank, size_t
   out["topology"] = topology.describe();
   out["host_ranks"] = topology.hostRanks();
   out["across_ranks"] = topology.peersAcrossHosts();
+  std::vector<std::vector<int>> hosts;
+  for (int h = 0; h < topology.hosts(); ++h) hosts.push_back(topology.ranksOfHost(h));
+  out["hosts"] = hosts;
   out["pieces"] = pieces;
   out["server_chunks"] = ddlcomm::serverChunks(topology, true, numel, rank, size);
   out["sparse_shards"] = boundsOf(ddlcomm::ring::Chunks{numel, int(topology.hostRanks().size())});
@@ -257,7 +260,7 @@ PYBIND11_MODULE(_C, m) {
                   "The two-level plan of a compressed all-reduce over a group of another backend, from every "
                   "rank's host_identity() and `algorithm` (a ddlcomm group's, winning over DDLCOMM_ALLREDUCE_ALGO; auto takes "
                   "two levels only where `fast_inside`: the group's collectives inside a host are fast), or None for the flat plan: a dict of the "
-                  "topology's description, host_ranks, across_ranks, pieces ((begin, end, the host ranks' "
+                  "topology's description, host_ranks, across_ranks, hosts (every host's ranks), pieces ((begin, end, the host ranks' "
                   "shard bounds relative to begin, this rank's shard's begin, its chunk bounds per host relative "
                   "to that), server_chunks and sparse_shards (the sparse formats' shard bounds).")
       .def_static("compressed_allreduce_pieces", &pieces, py::arg("numel"), py::arg("size"),
