@@ -27,6 +27,7 @@ formats (the CUDA kernels are bit-exact twins of the CPU ones).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from typing import Optional
@@ -230,109 +231,97 @@ def _fallback(
     scale = 1.0 / n if average else 1.0
     if levels is not None:
         agreement.wait()  # before the exact sum inside the host, which gloo cannot check
-        _over_hosts(flat, compressor, worker_residual, server_residual, levels, scale, stream, wire)
+        _over_hosts(flat, worker_residual, server_residual, levels,
+                    _Among(compressor, levels.across, scale, stream, None, wire, (r, n)))
         return
+    among = _Among(compressor, group, scale, stream, agreement, wire, (r, n))
     if compressor.format in _SPARSE:
-        _sparse_among(flat, worker_residual, compressor, group, scale, stream, agreement, wire, (r, n))
+        _sparse_among(flat, worker_residual, among)
     else:
-        spans = [(begin, bounds) for begin, _, bounds in _pieces(numel, n)]
-        _pieces_among(flat, spans, compressor, worker_residual, server_residual, group, scale, stream, agreement, wire,
-                      (r, n))
+        _pieces_among(flat, [(begin, bounds) for begin, _, bounds in _pieces(numel, n)], worker_residual,
+                      server_residual, among)
 
 
-def _over_hosts(
-    flat: torch.Tensor,
-    compressor: Compressor,
-    worker_residual: Optional[torch.Tensor],
-    server_residual: Optional[torch.Tensor],
-    levels: HostLevels,
-    scale: float,
-    stream: int,
-    wire: Wire,
-) -> None:
+@dataclasses.dataclass
+class _Among:
+    """What every part of one compressed all-reduce shares among the ranks it runs with.
+
+    Attributes:
+        compressor: the call's compressor.
+        group: the ranks the part runs among (the call's group, or one rank per host).
+        scale: the factor of the sum (1/n of the whole group to average).
+        stream: the call's randomness stream.
+        agreement: the check that every rank reduces the same, waited for before the first
+            payload leaves (None: already waited for).
+        wire: where the payloads travel.
+        streams: the (rank, size) that number the encodes' randomness streams: the whole
+            group's, also where ``group`` is one rank per host.
+    """
+
+    compressor: Compressor
+    group: dist.ProcessGroup
+    scale: float
+    stream: int
+    agreement: Optional[Agreement]
+    wire: Wire
+    streams: tuple[int, int]
+
+    def checked(self) -> None:
+        if self.agreement is not None:
+            self.agreement.wait()
+
+
+def _over_hosts(flat: torch.Tensor, worker_residual: Optional[torch.Tensor], server_residual: Optional[torch.Tensor],
+                levels: HostLevels, among: _Among) -> None:
     """The native two-level plan over standard collectives: the exact sum inside the host (in
-    the tensor's dtype, by the backend's own all-reduce), each rank's shard of it compressed with
-    the ranks at its place on the other hosts (error feedback on that shard; the encode streams
-    of the whole group's ranks), the shards all-gathered inside the host. Every rank decodes or
-    copies the same bytes; the in-host sums may round otherwise than the native ring's."""
-    streams = (dist.get_rank(levels.group), dist.get_world_size(levels.group))
+    the tensor's dtype, by the backend's own all-reduce), each rank's shard of it compressed
+    `among` the ranks at its place on the other hosts (error feedback on that shard; the encode
+    streams of the whole group's ranks), the shards all-gathered inside the host. Every rank
+    decodes or copies the same bytes; the in-host sums may round otherwise than the native
+    ring's."""
     plan = levels.plan(flat.numel())
     dist.all_reduce(flat, group=levels.host)
-    if compressor.format in _SPARSE:
+    if among.compressor.format in _SPARSE:
         bounds = plan["sparse_shards"]
         begin, end = bounds[levels.local], bounds[levels.local + 1]
-        _sparse_among(flat[begin:end], None if worker_residual is None else worker_residual[begin:end], compressor,
-                      levels.across, scale, stream, None, wire, streams)
+        _sparse_among(flat[begin:end], None if worker_residual is None else worker_residual[begin:end], among)
         _gather_in_host(flat, bounds, levels)
         return
-    spans = [(at, bounds) for _, _, _, at, bounds in plan["pieces"]]
-    _pieces_among(flat, spans, compressor, worker_residual, server_residual, levels.across, scale, stream, None, wire,
-                  streams)
+    _pieces_among(flat, [(at, bounds) for _, _, _, at, bounds in plan["pieces"]], worker_residual, server_residual,
+                  among)
     for begin, end, in_host, _, _ in plan["pieces"]:
         _gather_in_host(flat[begin:end], in_host, levels)
 
 
-def _sparse_among(
-    flat: torch.Tensor,
-    worker_residual: Optional[torch.Tensor],
-    compressor: Compressor,
-    group: dist.ProcessGroup,
-    scale: float,
-    stream: int,
-    agreement: Optional[Agreement],
-    wire: Wire,
-    streams: tuple[int, int],
-) -> None:
-    """A sparse format's all-reduce among `group`, in place: every rank's payload all-gathered,
-    decoded and summed in rank order; `streams` as for _scatter_reduce_gather."""
-    k, numel = dist.get_world_size(group), flat.numel()
-    (me, size) = streams
-    payload = wire.send(compressor.encode(flat, worker_residual, stream=_encode_stream(stream, me, 0, 0, size)))
+def _sparse_among(flat: torch.Tensor, worker_residual: Optional[torch.Tensor], among: _Among) -> None:
+    """A sparse format's all-reduce, in place: every rank's payload all-gathered, decoded and
+    summed in rank order."""
+    compressor, wire = among.compressor, among.wire
+    k, numel = dist.get_world_size(among.group), flat.numel()
+    me, size = among.streams
+    payload = wire.send(compressor.encode(flat, worker_residual, stream=_encode_stream(among.stream, me, 0, 0, size)))
     everyone = wire.empty(k * payload.numel())
-    if agreement is not None:
-        agreement.wait()
-    all_gather_single(everyone, payload, group=group)
+    among.checked()
+    all_gather_single(everyone, payload, group=among.group)
     acc = torch.zeros(numel, dtype=torch.float32, device=flat.device)
     accumulate(compressor, wire.receive(everyone.view(k, -1), compressor, [numel] * k), acc, numel)
-    if scale != 1.0:
-        acc.mul_(scale)
+    if among.scale != 1.0:
+        acc.mul_(among.scale)
     flat.copy_(acc)
 
 
-def _pieces_among(
-    flat: torch.Tensor,
-    spans: list[tuple[int, list[int]]],
-    compressor: Compressor,
-    worker_residual: Optional[torch.Tensor],
-    server_residual: Optional[torch.Tensor],
-    group: dist.ProcessGroup,
-    scale: float,
-    stream: int,
-    agreement: Optional[Agreement],
-    wire: Wire,
-    streams: tuple[int, int],
-) -> None:
-    """The scatter-reduce-gather of every piece among `group`; spans: (the piece's begin in
-    `flat`, its chunk bounds relative to it), one chunk per rank of `group`."""
-    me = dist.get_rank(group)
+def _pieces_among(flat: torch.Tensor, spans: list[tuple[int, list[int]]], worker_residual: Optional[torch.Tensor],
+                  server_residual: Optional[torch.Tensor], among: _Among) -> None:
+    """The scatter-reduce-gather of every piece; spans: (the piece's begin in `flat`, its chunk
+    bounds relative to it), one chunk per rank of ``among.group``."""
+    me = dist.get_rank(among.group)
     residual_at = 0
     for piece, (begin, bounds) in enumerate(spans):
         mine = bounds[me + 1] - bounds[me]
         part = slice(begin, begin + bounds[-1])
-        _scatter_reduce_gather(
-            flat[part],
-            bounds,
-            compressor,
-            None if worker_residual is None else worker_residual[part],
-            None if server_residual is None else server_residual[residual_at : residual_at + mine],
-            group,
-            scale,
-            stream,
-            piece,
-            agreement,
-            wire,
-            streams,
-        )
+        _scatter_reduce_gather(flat[part], bounds, None if worker_residual is None else worker_residual[part],
+                               None if server_residual is None else server_residual[residual_at : residual_at + mine],
+                               piece, among)
         residual_at += mine
 
 
@@ -351,25 +340,13 @@ def _gather_in_host(flat: torch.Tensor, bounds: list[int], levels: HostLevels) -
             flat[bounds[i] : bounds[i + 1]] = row[: bounds[i + 1] - bounds[i]]
 
 
-def _scatter_reduce_gather(
-    flat: torch.Tensor,
-    bounds: list[int],
-    compressor: Compressor,
-    worker_residual: Optional[torch.Tensor],
-    server_residual: Optional[torch.Tensor],
-    group: dist.ProcessGroup,
-    scale: float,
-    stream: int,
-    piece: int,
-    agreement: Optional[Agreement],
-    wire: Wire,
-    streams: tuple[int, int],
-) -> None:
-    """One piece of a quantized or cast compressed all-reduce among `group`, in place; chunk i
-    is flat[bounds[i]:bounds[i + 1]]; `streams`: the (rank, size) that number the encodes'
-    randomness streams (the whole group's, also where `group` is one rank per host)."""
+def _scatter_reduce_gather(flat: torch.Tensor, bounds: list[int], worker_residual: Optional[torch.Tensor],
+                           server_residual: Optional[torch.Tensor], piece: int, among: _Among) -> None:
+    """One piece of a quantized or cast compressed all-reduce, in place; chunk i is
+    flat[bounds[i]:bounds[i + 1]], reduced by rank i of ``among.group``."""
+    compressor, wire, group, stream = among.compressor, among.wire, among.group, among.stream
     n, r = dist.get_world_size(group), dist.get_rank(group)
-    me, size = streams
+    me, size = among.streams
     lengths = [bounds[i + 1] - bounds[i] for i in range(n)]
     sizes = [compressor.compressed_nbytes(length) for length in lengths]
     # Each payload in a slot of whole 4-byte words: the CUDA decoders read it in place.
@@ -386,13 +363,12 @@ def _scatter_reduce_gather(
         at += slots[i]
     incoming = wire.empty(n * slots[r])
     outgoing = wire.send(outgoing)
-    if agreement is not None:
-        agreement.wait()
+    among.checked()
     dist.all_to_all_single(incoming, outgoing, [slots[r]] * n, slots, group=group)
     acc = torch.zeros(lengths[r], dtype=torch.float32, device=flat.device)
     accumulate(compressor, wire.receive(incoming.view(n, slots[r]), compressor, [lengths[r]] * n), acc, lengths[r])
-    if scale != 1.0:
-        acc.mul_(scale)
+    if among.scale != 1.0:
+        acc.mul_(among.scale)
     # all_gather_single needs equal sizes: chunk payloads differ by at most one element's worth.
     widest = max(slots)
     padded = torch.zeros(widest, dtype=torch.uint8, device=flat.device)
