@@ -42,7 +42,7 @@ from .wire import Agreement, Wire, accumulate, aligned, all_gather_single, decod
 
 __all__ = [
     "compressed_all_reduce", "start_compressed_all_reduce", "host_levels_of", "server_chunks", "server_residual_numel",
-    "native_backend", "reduce_scatter_wire_bytes", "wire_bytes",
+    "native_backend", "reduce_scatter_wire_bytes", "two_levels", "wire_bytes",
 ]
 
 logger = logging.getLogger(__name__)
@@ -81,13 +81,13 @@ _pieces = _C.ProcessGroupDdlcomm.compressed_allreduce_pieces  # (numel, n): [(be
 
 
 def server_chunks(numel: int, rank: int, world_size: int, group: Optional[dist.ProcessGroup] = None,
-                  compressor: Optional[Compressor] = None) -> list[tuple[int, int]]:
+                  compressor: Optional[Compressor] = None, flat: bool = False) -> list[tuple[int, int]]:
     """The [begin, end) ranges of the vector that `rank` reduces (its chunk of every piece),
     in the order its server residual holds them. Given the compressor (`rank` must then be this
     rank): the plan that group runs, the hierarchical one where its hosts take it
     (docs/collectives.md; on a group of another backend, finding its hosts is collective the
-    first time); without it, the flat plan."""
-    if compressor is not None:
+    first time); without it, or with `flat` (a call that asked for one level), the flat plan."""
+    if compressor is not None and not flat:
         backend = native_backend(group)
         if backend is not None:
             return [tuple(c) for c in backend.compressed_server_chunks(compressor.config, numel)]
@@ -103,6 +103,17 @@ def host_levels_of(group: dist.ProcessGroup) -> Optional[HostLevels]:
     time on a group."""
     backend = native_backend(group)
     return host_levels(group, None if backend is None else backend.options.allreduce_algorithm, backend is not None)
+
+
+def two_levels(group: Optional[dist.ProcessGroup] = None) -> bool:
+    """Whether compressed all-reduces on `group` take two levels over its hosts (exact inside
+    each, compressed across) unless a call passes ``flat=True``. On a group of another backend,
+    collective the first time (``host_levels_of``)."""
+    group = group or dist.group.WORLD
+    backend = native_backend(group)
+    if backend is not None:
+        return backend.compressed_two_levels()
+    return dist.get_world_size(group) > 1 and host_levels_of(group) is not None
 
 
 def server_residual_numel(numel: int, rank: int, world_size: int) -> int:
@@ -130,6 +141,7 @@ def compressed_all_reduce(
     average: bool = True,
     stream: int = 0,
     verify: bool = True,
+    flat: bool = False,
 ) -> torch.futures.Future:
     """All-reduces `tensor` (CPU or CUDA) in place through `compressor`; returns a Future of the tensor.
 
@@ -153,9 +165,12 @@ def compressed_all_reduce(
             elements of one dtype with one compressor (one small all-gather; ValueError on
             every rank if not). Skip it only where the caller has checked that itself, as
             the DDP hooks do once per bucket. ddlcomm groups always check, at no cost.
+        flat: one level (every rank compresses for the whole group) where the group takes two
+            over its hosts (``two_levels``); every rank must pass the same. The server
+            residual's places differ between the two plans (``server_chunks``).
     """
     return start_compressed_all_reduce(tensor, compressor, worker_residual, server_residual, group, average, stream,
-                                       verify)[1]
+                                       verify, flat)[1]
 
 
 def start_compressed_all_reduce(
@@ -167,6 +182,7 @@ def start_compressed_all_reduce(
     average: bool = True,
     stream: int = 0,
     verify: bool = True,
+    flat: bool = False,
 ) -> tuple[torch.futures.Future, torch.futures.Future]:
     """``compressed_all_reduce``, returning (the communication's own future, the tensor's).
 
@@ -190,11 +206,11 @@ def start_compressed_all_reduce(
     backend = native_backend(group) if not tensor.is_cuda else None
     if backend is not None:
         work = backend.compressed_allreduce(
-            tensor, compressor.config, worker_residual, server_residual, average, int(stream)
+            tensor, compressor.config, worker_residual, server_residual, average, int(stream), flat
         )
         raw = work.get_future()
         return raw, raw.then(lambda fut: fut.value()[0])
-    _fallback(tensor, compressor, worker_residual, server_residual, group, average, int(stream), verify, wire)
+    _fallback(tensor, compressor, worker_residual, server_residual, group, average, int(stream), verify, wire, flat)
     done: torch.futures.Future = torch.futures.Future()
     done.set_result([tensor])
     return _completed(done, tensor)
@@ -216,6 +232,7 @@ def _fallback(
     stream: int,
     verify: bool,
     wire: Wire,
+    one_level: bool,
 ) -> None:
     """The native algorithm over standard collectives (gloo, nccl; CUDA tensors on any group):
     same bytes, same sums."""
@@ -223,7 +240,7 @@ def _fallback(
     n, r = dist.get_world_size(group), dist.get_rank(group)
     flat = tensor.view(-1)
     numel = flat.numel()
-    levels = host_levels_of(group) if n > 1 else None
+    levels = host_levels_of(group) if n > 1 and not one_level else None
     agreement = Agreement(flat, compressor, group, n, verify, wire.device)
     if numel == 0:
         agreement.wait()

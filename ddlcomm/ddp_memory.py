@@ -9,6 +9,11 @@ positions in the optimizer's ``param_groups``). A bucket whose signature is new 
 memory from the old buckets parameter by parameter; a server residual (the error of the chunk
 this rank reduced, in units of the averaged result) is folded into this rank's worker
 residual, scaled by the world size, so the error it holds is sent next step instead of lost.
+
+Over several hosts a bucket's memory also depends on the plan that made it: the group's two
+levels place the server residual (and use the worker residual) at this rank's shard of the
+host sum, the one-level plan an adaptive hook may choose at its chunks of the whole vector.
+A bucket sent by the other plan than its memory's first sends all of it (``follow_plan``).
 """
 
 from __future__ import annotations
@@ -38,6 +43,8 @@ class FeedbackMemory:
         numels: parameter key -> number of elements.
         layout: the signatures of the buckets of the last complete iteration, by bucket index.
         emptied: buckets whose memory holds nothing since ``send_whole`` (until a lossy send).
+        flat: buckets whose memory was made by the one-level plan on a group that takes two
+            (``ddlcomm.compressed.two_levels``); the others' by the group's plan.
     """
 
     def __init__(self) -> None:
@@ -47,10 +54,15 @@ class FeedbackMemory:
         self.numels: dict[str, int] = {}
         self.layout: list[Signature] = []
         self.emptied: set[Signature] = set()
+        self.flat: set[Signature] = set()
         self._building: dict[int, Signature] = {}
         self._remapped = False
         self._logged_remap = False
         self._loaded_keys: Optional[set[str]] = None  # parameters of a loaded state, until its first iteration
+
+    def __setstate__(self, state: dict[str, Any]) -> None:  # pickled before ``flat`` existed
+        self.__dict__.update(state)
+        self.__dict__.setdefault("flat", set())
 
     def __bool__(self) -> bool:
         return bool(self.worker_residuals or self.server_residuals or self.momenta)
@@ -79,20 +91,22 @@ class FeedbackMemory:
                 store = getattr(self, kind)
                 for old in [s for s in store if s not in current]:
                     del store[old]
+            self.flat &= current
 
     def buffers(
         self, signature: Signature, rank: int, world: int, momentum: bool, device: Optional[torch.device] = None,
-        group: Optional[dist.ProcessGroup] = None, compressor: Optional[Compressor] = None,
+        group: Optional[dist.ProcessGroup] = None, compressor: Optional[Compressor] = None, flat: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
         """(worker residual, server residual, momentum or None) of a bucket, made on first use
         on ``device`` (the bucket's; default CPU), where a loaded memory moves on first use.
-        ``group`` and ``compressor`` say which plan placed the server residuals (server_chunks)."""
+        ``group`` and ``compressor`` say which plan placed the server residuals (server_chunks),
+        ``flat`` that a new one is made for the one-level plan."""
         device = torch.device("cpu") if device is None else device
         self._move_to(device)
         numel = sum(self.numels[k] for k in signature)
         worker = self.worker_residuals.get(signature)
         if worker is None and any(not set(s).isdisjoint(signature) for s in self.worker_residuals):
-            self._remap(signature, rank, world, group, compressor if device.type == "cpu" else None)
+            self._remap(signature, rank, world, group, compressor)
             worker = self.worker_residuals.get(signature)
         if worker is None:
             worker = self.worker_residuals[signature] = torch.zeros(numel, device=device)
@@ -100,6 +114,9 @@ class FeedbackMemory:
         if server is None:
             server = self.server_residuals[signature] = torch.zeros(server_residual_numel(numel, rank, world),
                                                                     device=device)
+            self.flat.discard(signature)
+            if flat:
+                self.flat.add(signature)
         moment = None
         if momentum:
             moment = self.momenta.get(signature)
@@ -112,15 +129,26 @@ class FeedbackMemory:
         """Adds all a bucket's memory holds to ``buffer``, which an exact send then carries
         whole, and empties it: the server residual (placed by ``compressor``'s plan, as in
         ``buffers``) through the worker residual. Nothing to add while it stays empty."""
-        if signature in self.emptied:
+        if signature in self.emptied or signature not in self.worker_residuals:
             return
         worker, server = self.worker_residuals[signature], self.server_residuals.get(signature)
-        _fold(worker, server, rank, world, group, compressor)
+        _fold(worker, server, rank, world, group, compressor, signature in self.flat)
         buffer.add_(worker.view_as(buffer))
         worker.zero_()
         if server is not None:
             server.zero_()
         self.emptied.add(signature)
+
+    def follow_plan(self, signature: Signature, buffer: torch.Tensor, flat: bool, rank: int, world: int,
+                    group: Optional[dist.ProcessGroup], compressor: Optional[Compressor]) -> None:
+        """Before a bucket is sent by the one-level plan (``flat``) or the group's: where its
+        memory was made by the other, all of it goes into ``buffer`` (``send_whole``), and error
+        feedback starts afresh in the places of the plan that sends it (the two plans keep their
+        residuals at different places: nothing would send the old ones)."""
+        if (signature in self.flat) == flat:
+            return
+        self.send_whole(signature, buffer, rank, world, group, compressor)
+        self.flat ^= {signature}
 
     def _move_to(self, device: torch.device) -> None:
         """Every tensor of the memory onto ``device`` (a state loaded on the CPU for a GPU model)."""
@@ -139,7 +167,7 @@ class FeedbackMemory:
             if not set(old) & set(signature):
                 continue
             residual = residual.clone()
-            _fold(residual, self.server_residuals.get(old), rank, world, group, compressor)
+            _fold(residual, self.server_residuals.get(old), rank, world, group, compressor, old in self.flat)
             worker_parts.update(self._split(old, residual))
             if old in self.momenta:
                 momentum_parts.update(self._split(old, self.momenta[old]))
@@ -170,6 +198,7 @@ class FeedbackMemory:
         state: dict[str, Any] = {kind: {k: v.clone() for k, v in getattr(self, kind).items()} for kind in _KINDS}
         state["numels"] = dict(self.numels)
         state["layout"] = [list(s) for s in self.layout]
+        state["flat"] = sorted(list(s) for s in self.flat)
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -194,6 +223,7 @@ class FeedbackMemory:
             setattr(self, kind, loaded[kind])
         self.numels = numels
         self.layout = [tuple(str(k) for k in s) for s in state["layout"]]
+        self.flat = {tuple(str(k) for k in s) for s in state.get("flat", ())}  # absent: saved before one level existed
         self._loaded_keys = set(numels) if self else None
 
     def check_server_sizes(self, rank: int, world: int) -> None:
@@ -206,12 +236,13 @@ class FeedbackMemory:
 
 
 def _fold(worker: torch.Tensor, server: Optional[torch.Tensor], rank: int, world: int,
-          group: Optional[dist.ProcessGroup], compressor: Optional[Compressor]) -> None:
+          group: Optional[dist.ProcessGroup], compressor: Optional[Compressor], flat: bool) -> None:
     """worker += world x server on the chunks this rank reduces (the server residual is in units
-    of the average: sent by this rank alone, it must be world times as large)."""
+    of the average: sent by this rank alone, it must be world times as large), placed by the
+    one-level plan if ``flat``, else by the group's."""
     if server is None or not server.numel():
         return
     at = 0
-    for begin, end in server_chunks(worker.numel(), rank, world, group, compressor):
+    for begin, end in server_chunks(worker.numel(), rank, world, group, compressor, flat):
         worker[begin:end].add_(server[at : at + end - begin], alpha=world)
         at += end - begin

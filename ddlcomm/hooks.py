@@ -49,7 +49,7 @@ import torch.distributed as dist
 from . import clipping
 from .adaptive import Tuner
 from .compressors import BF16, FP16, Compressor, OneBit, RandomK, Ternary, TopK, has_cuda
-from .compressed import native_backend, start_compressed_all_reduce, wire_bytes
+from .compressed import native_backend, start_compressed_all_reduce, two_levels, wire_bytes
 from .ddp_memory import FeedbackMemory, Signature
 from .hook_checkpoint import HookCheckpoint
 from .optim import DirectionOptimizer, averages_directions
@@ -108,9 +108,10 @@ class CompressionState(CompressionOptions, HookCheckpoint):
             iteration's buckets are then reduced after backward() rather than during it. With
             FP16/BF16 or without ``optimizer=``, call ``clip_grad_norm_`` as usual.
         adaptive: send the buckets exactly, in bfloat16 or through ``compressor``, whichever
-            finished iterations first when the three were tried (3 iterations each after the
-            warm-up, and again every 1000 iterations; ``ddlcomm.adaptive``). The choice is the
-            same on every rank and logged at INFO level; with ``optimizer=`` every option
+            finished iterations first when they were tried (3 iterations each after the
+            warm-up, and again every 1000 iterations; ``ddlcomm.adaptive``); on a group that
+            takes two levels over hosts, the compressor in one level is tried too. The choice is
+            the same on every rank and logged at INFO level; with ``optimizer=`` every option
             averages update directions.
 
     Attributes:
@@ -169,7 +170,7 @@ class CompressionState(CompressionOptions, HookCheckpoint):
                              "torch.nn.utils.clip_grad_norm_ between backward() and step() (after "
                              "GradScaler.unscale_) as usual")
         if adaptive and momentum:
-            raise ValueError("adaptive=True chooses among exact, bfloat16 and the compressor per bucket; DGC's "
+            raise ValueError("adaptive=True chooses among exact, bfloat16 and the compressor; DGC's "
                              "momentum= masks by what the sparse compressor sent and cannot follow the switches: "
                              "use optimizer= instead")
         if model is not None and not isinstance(model, torch.nn.Module):
@@ -327,9 +328,13 @@ def _reduce(state: CompressionState, buffer: torch.Tensor, params: list[torch.Te
         state.stats.uncompressed_buckets += 1
         state.stats.bytes_sent += ring
         raw, fut = _average(buffer, state.process_group, world)
+    elif state.tuner is None:
+        raw, fut = _compress(state, buffer, params, signature, index, rank, world, nbytes, state.compressor, False)
     else:
-        compressor = state.compressor if state.tuner is None else state.tuner.option(state.iter)
-        raw, fut = _compress(state, buffer, params, signature, index, rank, world, nbytes, compressor)
+        state.tuner.bind(two_levels(state.process_group))
+        option = state.tuner.option(state.iter)
+        raw, fut = _compress(state, buffer, params, signature, index, rank, world, nbytes, option.compressor,
+                             option.flat)
     if last:
         state.memory.end_iteration()
     return _end_bucket(state, raw, fut, last)
@@ -384,10 +389,11 @@ def _end_bucket(state: CompressionState, raw: torch.futures.Future, fut: torch.f
 
 
 def _compress(state: CompressionState, buffer: torch.Tensor, params: list[torch.Tensor], signature: Signature,
-              index: int, rank: int, world: int, nbytes: int, compressor: Optional[Compressor]
+              index: int, rank: int, world: int, nbytes: int, compressor: Optional[Compressor], flat: bool
               ) -> tuple[torch.futures.Future, torch.futures.Future]:
     """A bucket through ``compressor`` (None: exactly, with what the error-feedback memory holds
-    added, as the adaptive choice sends it), its update directions with ``optimizer=``."""
+    added, as the adaptive choice sends it), in one level over hosts if ``flat`` (an adaptive
+    choice on a group that takes two), its update directions with ``optimizer=``."""
     if state.optimizer is None and not state.momentum and not isinstance(state.compressor, (FP16, BF16)):
         state._log_once("advice", "ddlcomm hook: compressing gradients with %r and no optimizer=: with momentum SGD "
                         "or Adam this loses accuracy; pass optimizer=ddlcomm.optim.SGD/Adam/AdamW(...) to average "
@@ -398,7 +404,7 @@ def _compress(state: CompressionState, buffer: torch.Tensor, params: list[torch.
     placement = compressor if compressor is not None and not sparse else BF16()
     if state.error_feedback:
         worker, server, momentum = state.memory.buffers(signature, rank, world, bool(state.momentum and sparse),
-                                                        buffer.device, state.process_group, placement)
+                                                        buffer.device, state.process_group, placement, flat)
     if state.clip_norm is not None:  # DGC's local clipping, before the momentum accumulates
         limit = state.clip_norm / math.sqrt(world)
         norm = buffer.norm()
@@ -411,10 +417,11 @@ def _compress(state: CompressionState, buffer: torch.Tensor, params: list[torch.
         # Momentum factor masking: entries sent last time (zero residual) restart from zero.
         momentum.masked_fill_(worker == 0, 0.0).mul_(state.momentum).add_(buffer)
         buffer.copy_(momentum)
+    if worker is not None:  # memory made by the other plan goes now, whole
+        state.memory.follow_plan(signature, buffer, flat, rank, world, state.process_group, placement)
     if compressor is None:
         if worker is not None:  # everything the memory holds goes now
-            state.memory.send_whole(signature, buffer, rank, world, state.process_group,
-                                    placement if buffer.device.type == "cpu" else None)
+            state.memory.send_whole(signature, buffer, rank, world, state.process_group, placement)
         state.stats.uncompressed_buckets += 1
         state.stats.bytes_sent += ring_all_reduce_bytes(nbytes, world)
         raw, fut = _average(buffer, state.process_group, world)
@@ -429,7 +436,8 @@ def _compress(state: CompressionState, buffer: torch.Tensor, params: list[torch.
         verify = (signature, repr(compressor)) not in state._verified
         state._verified.add((signature, repr(compressor)))
         raw, fut = start_compressed_all_reduce(buffer, compressor, worker, server, group=state.process_group,
-                                               average=True, stream=call_stream(state.iter, index), verify=verify)
+                                               average=True, stream=call_stream(state.iter, index), verify=verify,
+                                               flat=flat)
     if directions:
         optimizer = state.optimizer
 

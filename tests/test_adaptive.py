@@ -4,9 +4,13 @@ and checkpoints. Its speed against fixed choices is a benchmark (docs/compressio
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
-from harness import assert_all_ok, launch
+from ddlcomm.compressors import OneBit
+from harness import assert_all_ok, launch, launch_script
 
 
 @pytest.mark.parametrize("scenario", ["choice_rule", "misuse_is_refused"])
@@ -14,12 +18,36 @@ def test_choice_rule_and_misuse(scenario: str) -> None:
     assert_all_ok(launch("adaptive", scenario, 2, timeout=120))
 
 
-@pytest.mark.parametrize("hosts", [1, 2])
-def test_switching_options_loses_nothing(hosts: int) -> None:
-    """On 2 hosts x 2 ranks the server residuals lie where the hierarchical plan puts them."""
+@pytest.mark.parametrize("hosts,algorithm", [(1, "auto"), (2, "auto"), (2, "hierarchical")])
+def test_switching_options_loses_nothing(hosts: int, algorithm: str) -> None:
+    """On 2 hosts x 2 ranks the server residuals lie where the hierarchical plan puts them, and
+    the ddlcomm group (under auto; the gloo group too where forced) also tries one level."""
     where = {r: {"DDLCOMM_HOST_ID": f"host-{r * hosts // 4}"} for r in range(4)}
-    assert_all_ok(launch("adaptive", "nothing_is_lost", 4, timeout=180, rank_env=where))
+    assert_all_ok(launch("adaptive", "nothing_is_lost", 4, timeout=180, rank_env=where,
+                         env={"DDLCOMM_ALLREDUCE_ALGO": algorithm}))
 
 
 def test_ranks_train_and_choose_alike() -> None:
     assert_all_ok(launch("adaptive", "trains_alike_everywhere", 2, timeout=240))
+
+
+def test_paired_benchmark_reports_ratios_over_two_hosts() -> None:
+    """ddlcomm.bench.adaptive_paired (whose runs docs/collectives.md reports), small, on 2 named
+    hosts of 2 ranks: every method reports its paired ratios to the fixed hooks, and the
+    adaptive hook measured four options (one level among them) and chose one of them."""
+    import ddlcomm.bench.adaptive_paired as bench
+
+    methods = ["fixed 1-bit hook", "fixed 1-bit hook (one level)", "adaptive 1-bit hook"]
+    hosts = {r: {"DDLCOMM_HOST_ID": f"host-{r // 2}"} for r in range(4)}
+    results = launch_script(Path(bench.__file__), 4, timeout=240, rank_env=hosts,
+                            args=("--width", "256", "--depth", "1", "--rounds", "3", "--methods", ",".join(methods)))
+    assert_all_ok(results)
+    records = [json.loads(line[len("RESULT "):]) for line in results[0].output.splitlines()
+               if line.startswith("RESULT ")]
+    assert [r["method"] for r in records] == methods, results[0].output[-2000:]
+    for record in records:
+        others = {f"ratio_to {m}" for m in methods[:2] if m != record["method"]}
+        assert others <= set(record) and all(len(record[k]) == 3 and record[k][0] > 0 for k in others), record
+    adaptive, onebit = records[-1], repr(OneBit())
+    assert len(adaptive["measured"]) == 4, adaptive
+    assert adaptive["choice"] in ("exact", "BF16()", onebit, f"{onebit} one level"), adaptive

@@ -248,8 +248,8 @@ void hierarchicalScatterReduceGather(Call& call, const CompressedAllreduceArgs& 
 
 // The scatter-reduce-gather's hierarchy (quantizers and casts), where the topology suits it (as
 // the exact all-reduce's choice, and forced alike); sparse formats have none of its residuals.
-bool hierarchical(const Communicator& comm, const compress::Config& config) {
-  return !compress::isSparse(config.format) && layeredByHost(comm);
+bool hierarchical(const Communicator& comm, const compress::Config& config, bool flat) {
+  return !flat && !compress::isSparse(config.format) && compressedTwoLevels(comm);
 }
 
 }  // namespace
@@ -276,9 +276,11 @@ size_t serverResidualLength(size_t count, int rank, int size) {
   return length;
 }
 
+bool compressedTwoLevels(const Communicator& comm) { return layeredByHost(comm); }
+
 std::vector<std::pair<size_t, size_t>> serverChunks(const Communicator& comm, const compress::Config& config,
-                                                    size_t count) {
-  return serverChunks(comm.topology(), hierarchical(comm, config), count, comm.rank(), comm.size());
+                                                    size_t count, bool flat) {
+  return serverChunks(comm.topology(), hierarchical(comm, config, flat), count, comm.rank(), comm.size());
 }
 
 std::vector<std::pair<size_t, size_t>> serverChunks(const Topology& topology, bool layered, size_t count, int r,
@@ -308,13 +310,14 @@ void compressedAllreduce(Communicator& comm, const CompressedAllreduceArgs& a) {
   compress::checkFloatType(a.dtype, "the compressed all-reduce's tensor");
   comm.run(OpCode::CompressedAllreduce, a.dtype, a.count, [&](Call& call) {
     if (a.count == 0) return;
-    if (compress::isSparse(a.config.format) && layeredByHost(comm)) {
+    const bool twoLevels = !a.flat && compressedTwoLevels(comm);
+    if (compress::isSparse(a.config.format) && twoLevels) {
       ++comm.counters().hierarchicalCompressedAllreduces;
       hierarchicalSparse(call, a);
     } else if (compress::isSparse(a.config.format)) {
       sparseAmong(call, a, ring::Members::all(comm), static_cast<char*>(a.data), a.workerResidual, a.count,
                   a.average ? 1.f / float(comm.size()) : 1.f);
-    } else if (hierarchical(comm, a.config)) {
+    } else if (hierarchical(comm, a.config, a.flat)) {
       ++comm.counters().hierarchicalCompressedAllreduces;
       hierarchicalScatterReduceGather(call, a);
     } else {

@@ -22,6 +22,7 @@ struct CompressedAllreduceArgs {
   float* serverResidual = nullptr;  // float32[serverResidualLength(...)], or null
   bool average = true;              // divide the sum by the number of ranks
   uint64_t stream = 0;              // randomness stream of this call (e.g. the training step)
+  bool flat = false;                // one level even where the group takes two (the adaptive hooks' choice)
 };
 
 // Quantizers and casts reduce the vector in pieces of kPieceElements elements (the last
@@ -49,11 +50,15 @@ std::vector<PieceSpan> piecesOf(size_t count, int size);
 // Length of the server residual of `rank`: its chunk of every piece, in piece order.
 size_t serverResidualLength(size_t count, int rank, int size);
 
+// Whether compressed all-reduces on `comm` take two levels (exact inside each host, compressed
+// across) unless a call asks for one (CompressedAllreduceArgs::flat): where layeredByHost.
+bool compressedTwoLevels(const Communicator& comm);
+
 // The [begin, end) ranges whose sums this rank re-encodes in a compressed all-reduce of
 // `count` elements on `comm` (the flat plan, or the hierarchical one where `comm` takes it for
-// `config`), in its server residual's order.
+// `config` and the call is not `flat`), in its server residual's order.
 std::vector<std::pair<size_t, size_t>> serverChunks(const Communicator& comm, const compress::Config& config,
-                                                    size_t count);
+                                                    size_t count, bool flat = false);
 
 // The same for a plan given by its hosts: the hierarchical one where `layered`, else the flat one.
 std::vector<std::pair<size_t, size_t>> serverChunks(const Topology& topology, bool layered, size_t count, int rank,
@@ -79,9 +84,9 @@ size_t compressedAllreduceWireBytes(const compress::Config& config, size_t count
 // decodes and sums the n payloads in rank order, re-encodes the sum with its server residual;
 // an all-gather of those payloads gives every rank the same bytes to decode.
 // Sparse formats (top-k, random-k): all-gather of every rank's (index, value) payload,
-// decoded and summed in rank order. Over hosts (layeredByHost) both are exact inside each
-// host: its ranks reduce-scatter, each compresses its shard of the host sum with the ranks at
-// its place on the other hosts, and they all-gather the result inside the host.
+// decoded and summed in rank order. Over hosts (compressedTwoLevels, unless `flat`) both are
+// exact inside each host: its ranks reduce-scatter, each compresses its shard of the host sum
+// with the ranks at its place on the other hosts, and they all-gather the result inside the host.
 void compressedAllreduce(Communicator& comm, const CompressedAllreduceArgs& args);
 
 }  // namespace ddlcomm

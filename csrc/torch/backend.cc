@@ -190,9 +190,13 @@ GroupStats ProcessGroupDdlcomm::stats() {
 }
 
 std::vector<std::pair<size_t, size_t>> ProcessGroupDdlcomm::compressedServerChunks(const compress::Config& config,
-                                                                                  size_t numel) {
+                                                                                  size_t numel, bool flat) {
   return ask<std::vector<std::pair<size_t, size_t>>>(
-      [config, numel](Communicator& comm) { return serverChunks(comm, config, numel); });
+      [config, numel, flat](Communicator& comm) { return serverChunks(comm, config, numel, flat); });
+}
+
+bool ProcessGroupDdlcomm::compressedTwoLevels() {
+  return ask<bool>([](Communicator& comm) { return ddlcomm::compressedTwoLevels(comm); });
 }
 
 int64_t ProcessGroupDdlcomm::serverResidualNumel(int64_t numel) const {
@@ -221,13 +225,13 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDdlcomm::compressedAllreduce(at::Tens
                                                                         const compress::Config& config,
                                                                         std::optional<at::Tensor> workerResidual,
                                                                         std::optional<at::Tensor> serverResidual,
-                                                                        bool average, uint64_t stream) {
+                                                                        bool average, uint64_t stream, bool flat) {
   checkCompressible(tensor, "compressed allreduce");
   checkResidual(workerResidual, tensor.numel(), "worker residual");
   checkResidual(serverResidual, serverResidualNumel(tensor.numel()), "server residual");
   const DataType dtype = toDataType(tensor);
   return enqueue(c10d::OpType::ALLREDUCE, {tensor},
-                 [tensor, config, workerResidual, serverResidual, average, stream, dtype](Communicator& comm) mutable {
+                 [tensor, config, workerResidual, serverResidual, average, stream, flat, dtype](Communicator& comm) mutable {
                    at::Tensor work = staged(tensor);
                    CompressedAllreduceArgs args;
                    args.config = config;
@@ -238,6 +242,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDdlcomm::compressedAllreduce(at::Tens
                    args.serverResidual = serverResidual ? serverResidual->data_ptr<float>() : nullptr;
                    args.average = average;
                    args.stream = stream;
+                   args.flat = flat;
                    ddlcomm::compressedAllreduce(comm, args);
                    writeBack(tensor, work);
                  });

@@ -167,11 +167,12 @@ class ProcessGroupDdlcomm : public c10d::Backend {
 
   // Compressed all-reduce of a float tensor with error feedback (residuals are float32,
   // owned by the caller: the worker one has the tensor's numel, the server one
-  // serverResidualNumel()). Returns the average over ranks if `average`.
+  // serverResidualNumel()). Returns the average over ranks if `average`; one level over hosts if
+  // `flat`, where the group would take two.
   c10::intrusive_ptr<c10d::Work> compressedAllreduce(at::Tensor& tensor, const compress::Config& config,
                                                      std::optional<at::Tensor> workerResidual,
                                                      std::optional<at::Tensor> serverResidual, bool average,
-                                                     uint64_t stream);
+                                                     uint64_t stream, bool flat);
   int64_t serverResidualNumel(int64_t numel) const;
   // Compressed reduce-scatter (ddlcomm.fsdp): `output` (m elements) = the reduction of chunk
   // `rank` of every rank's `input` (size * m elements, `output`'s dtype); the worker residual
@@ -199,9 +200,12 @@ class ProcessGroupDdlcomm : public c10d::Backend {
   // thread after everything submitted before (call without the GIL).
   GroupStats stats();
   // The [begin, end) ranges whose sums this rank re-encodes in a compressed all-reduce of
-  // `numel` elements with `config` on this group (flat or hierarchical plan), in the order its
-  // server residual holds them (call without the GIL).
-  std::vector<std::pair<size_t, size_t>> compressedServerChunks(const compress::Config& config, size_t numel);
+  // `numel` elements with `config` on this group (flat or hierarchical plan; the flat one if
+  // `flat`), in the order its server residual holds them (call without the GIL).
+  std::vector<std::pair<size_t, size_t>> compressedServerChunks(const compress::Config& config, size_t numel,
+                                                                bool flat);
+  // Whether compressed all-reduces on this group take two levels over hosts (call without the GIL).
+  bool compressedTwoLevels();
 
  private:
   // `question`'s answer, taken on the executor after everything submitted before.

@@ -200,8 +200,10 @@ PYBIND11_MODULE(_C, m) {
            "dist.all_reduce(tensor, op) without c10d's dispatch: blocking, in place (ddlcomm.all_reduce_).")
       .def("compressed_allreduce", &ProcessGroupDdlcomm::compressedAllreduce, py::arg("tensor"), py::arg("config"),
            py::arg("worker_residual") = py::none(), py::arg("server_residual") = py::none(),
-           py::arg("average") = true, py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>(),
-           "Compressed all-reduce with error feedback; returns a Work whose future holds [tensor].")
+           py::arg("average") = true, py::arg("stream") = 0, py::arg("flat") = false,
+           py::call_guard<py::gil_scoped_release>(),
+           "Compressed all-reduce with error feedback; returns a Work whose future holds [tensor]. flat: one "
+           "level over hosts where the group takes two (compressed_two_levels).")
       .def("compressed_reduce_scatter", &ProcessGroupDdlcomm::compressedReduceScatter, py::arg("output"),
            py::arg("input"), py::arg("config"), py::arg("worker_residual") = py::none(), py::arg("average") = true,
            py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>(),
@@ -268,14 +270,18 @@ PYBIND11_MODULE(_C, m) {
                   "to begin) each; chunk i of a piece goes to rank i.")
       .def(
           "compressed_server_chunks",
-          [](ProcessGroupDdlcomm& pg, const ddlcomm::compress::Config& config, size_t numel) {
+          [](ProcessGroupDdlcomm& pg, const ddlcomm::compress::Config& config, size_t numel, bool flat) {
             py::gil_scoped_release noGil;
-            return pg.compressedServerChunks(config, numel);
+            return pg.compressedServerChunks(config, numel, flat);
           },
-          py::arg("config"), py::arg("numel"),
+          py::arg("config"), py::arg("numel"), py::arg("flat") = false,
           "The [begin, end) ranges whose sums this rank re-encodes in a compressed all-reduce of `numel` "
-          "elements on this group (the flat plan, or the hierarchical one over its hosts), in the order its "
-          "server residual holds them.")
+          "elements on this group (the flat plan, or the hierarchical one over its hosts unless `flat`), in the "
+          "order its server residual holds them.")
+      .def("compressed_two_levels", &ProcessGroupDdlcomm::compressedTwoLevels,
+           py::call_guard<py::gil_scoped_release>(),
+           "Whether compressed all-reduces on this group take two levels over its hosts (exact inside each, "
+           "compressed across) unless a call asks for one level (flat=True).")
       .def_static(
           "server_residual_numel",
           [](size_t numel, int rank, int size) {

@@ -1,15 +1,22 @@
-"""The adaptive DDP hook against no hook, step for step: is it ever slower?
+"""The adaptive DDP hook against no hook and the fixed hooks, step for step: is it ever slower?
 
 Separate runs of each method vary by up to 20% on a shared 2-core machine (docs/choosing-a-
 compressor.md, "Letting the hook choose"), more than the few percent in question. Here every
 method trains its own copy of the 25.2M-parameter MLP in one process, past its warm-up and the
 adaptive hooks' measurement, and then the methods take turns, one step each per round in an
 order that rotates from round to round, so that whatever the machine does at a moment falls on
-all of them alike. Per round, each method's step time over no hook's is one paired ratio; the
-report gives the median ratio and the order-statistic 95% interval of that median (the slowest
-rank's time per step).
+all of them alike. Per round, each method's step time over no hook's (and over each fixed
+hook's) is one paired ratio; the report gives the median ratio and the order-statistic 95%
+interval of that median (the slowest rank's time per step).
 
     torchrun --standalone --nproc-per-node 4 -m ddlcomm.bench.adaptive_paired --rounds 40
+
+On emulated hosts of several ranks, against the fixed 1-bit hook in two levels and in one
+(a group with ``allreduce_algorithm="ring"``):
+
+    python -m ddlcomm.bench.slownet.run_compressed --module ddlcomm.bench.adaptive_paired \
+        --rates 1gbit --ranks 2 --ranks-per-host 2 --out DIR -- --rounds 30 \
+        --methods "fixed 1-bit hook,fixed 1-bit hook (one level),adaptive 1-bit hook"
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+import ddlcomm
 from ddlcomm import compressors, hooks
 from ddlcomm.bench import init_ranks
 from ddlcomm.bench.compressed import make_model
@@ -43,23 +51,23 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=2048, help="hidden width of the MLP")
     parser.add_argument("--depth", type=int, default=6, help="hidden layers (2048 x 2048 each: 6 -> 25.2M parameters)")
     parser.add_argument("--batch", type=int, default=16, help="per-rank batch")
+    parser.add_argument("--methods", default="no hook,fixed 1-bit hook,adaptive fp16 hook,adaptive 1-bit hook",
+                        help=f"comma-separated, among: {', '.join(METHODS)}")
     args = parser.parse_args()
+    names = [m.strip() for m in args.methods.split(",") if m.strip()]
+    unknown = sorted(set(names) - set(METHODS))
+    if unknown:
+        raise SystemExit(f"--methods: no method {unknown}; the methods: {list(METHODS)}")
     init_ranks("ddlcomm")
     torch.set_num_threads(1)
     rank = dist.get_rank()
     x = torch.randn(args.batch, args.width, generator=torch.Generator().manual_seed(rank))
     y = torch.randint(0, 10, (args.batch,), generator=torch.Generator().manual_seed(rank))
-    methods = {
-        "no hook": None,
-        "fixed 1-bit hook": hooks.CompressionState(None, compressors.OneBit(), start_compress_iter=2),
-        "adaptive fp16 hook": hooks.CompressionState(None, compressors.FP16(), start_compress_iter=2, adaptive=True),
-        "adaptive 1-bit hook": hooks.CompressionState(None, compressors.OneBit(), start_compress_iter=2,
-                                                      adaptive=True),
-    }
+    methods = {name: METHODS[name]() for name in names}
     steps = {}
     for name, state in methods.items():
         model = make_model(args.width, args.depth)
-        ddp = DistributedDataParallel(model)
+        ddp = DistributedDataParallel(model, process_group=None if state is None else state.process_group)
         if state is not None:
             ddp.register_comm_hook(state, hooks.compressed_hook)
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -69,13 +77,12 @@ def main() -> None:
             torch.nn.functional.cross_entropy(ddp(x), y).backward()
             opt.step()
 
-        for _ in range(20):  # past the warm-up (2) and the adaptive measurement (4 + 3 x 4)
+        for _ in range(24):  # past the warm-up (2) and the adaptive measurement (4 + 4 x 4 at most)
             step()
         assert getattr(state, "tuner", None) is None or state.tuner.settled(state.iter)
         steps[name] = step
 
-    names = list(steps)
-    seconds = {name: [] for name in names}
+    seconds: dict[str, list[float]] = {name: [] for name in names}
     for round_ in range(args.rounds):
         for name in names[round_ % len(names):] + names[:round_ % len(names)]:
             dist.barrier()
@@ -87,16 +94,36 @@ def main() -> None:
     if rank != 0:
         dist.destroy_process_group()
         return
+    references = [n for n in names if getattr(methods[n], "tuner", None) is None]  # no hook and the fixed hooks
     for name in names:
-        ratios = [t / base for t, base in zip(seconds[name], seconds["no hook"])]
-        low, high = median_interval(ratios)
-        state = methods[name]
-        tuner = getattr(state, "tuner", None)
-        print("RESULT " + json.dumps({
-            "method": name, "median_s": statistics.median(seconds[name]), "ratio_to_no_hook": statistics.median(ratios),
-            "ratio_95": [low, high], "rounds": args.rounds,
-            "choice": None if tuner is None else tuner.name(tuner.choice)}), flush=True)
+        tuner = getattr(methods[name], "tuner", None)
+        record = {"kind": "paired", "method": name, "seconds": statistics.median(seconds[name]),
+                  "speedup": statistics.median(seconds[references[0]]) / statistics.median(seconds[name]),
+                  "rounds": args.rounds, "choice": None if tuner is None else tuner.name(tuner.choice),
+                  "measured": None if tuner is None else tuner.measured}
+        for reference in references:
+            if reference != name:
+                ratios = [t / base for t, base in zip(seconds[name], seconds[reference])]
+                record[f"ratio_to {reference}"] = [statistics.median(ratios), *median_interval(ratios)]
+        print("RESULT " + json.dumps(record), flush=True)
     dist.destroy_process_group()
+
+
+def _one_level(compressor: compressors.Compressor) -> hooks.CompressionState:
+    """A fixed hook in one level where the world takes two: over a group whose algorithm is the ring."""
+    ring = dist.new_group(backend="ddlcomm", pg_options=ddlcomm.Options(allreduce_algorithm="ring"))
+    return hooks.CompressionState(ring, compressor, start_compress_iter=2)
+
+
+METHODS = {  # name -> its state (None: DDP's own all-reduce), made after init
+    "no hook": lambda: None,
+    "fixed 1-bit hook": lambda: hooks.CompressionState(None, compressors.OneBit(), start_compress_iter=2),
+    "fixed 1-bit hook (one level)": lambda: _one_level(compressors.OneBit()),
+    "adaptive fp16 hook": lambda: hooks.CompressionState(None, compressors.FP16(), start_compress_iter=2,
+                                                         adaptive=True),
+    "adaptive 1-bit hook": lambda: hooks.CompressionState(None, compressors.OneBit(), start_compress_iter=2,
+                                                          adaptive=True),
+}
 
 
 if __name__ == "__main__":

@@ -235,10 +235,19 @@ def ddp_bench(gloo, width: int, depth: int, iters: int, batch: int, only: Option
     for name, make in (("fp16", compressors.FP16), ("1-bit", compressors.OneBit)):
         state = hooks.CompressionState(None, make(), start_compress_iter=2, adaptive=True)
         configs.append((f"ddlcomm adaptive {name} hook", None, state, hooks.compressed_hook))
+    # The fixed hooks in one level where the world takes two (a group with allreduce_algorithm="ring"):
+    # only when asked for, as new_group connects every rank.
+    one_level = {f"ddlcomm {name} hook (one level)": name for name in ("1-bit", "ternary")}
+    for label, name in one_level.items():
+        if only and label in only:
+            ring = dist.new_group(backend="ddlcomm", pg_options=ddlcomm.Options(allreduce_algorithm="ring"))
+            state = hooks.CompressionState(ring, COMPRESSORS[name](), start_compress_iter=2)
+            configs.append((label, ring, state, HOOKS.get(name, hooks.compressed_hook)))
     if only:
-        unknown = sorted(set(only) - {label for label, *_ in configs})
+        methods = [label for label, *_ in configs if label not in one_level] + list(one_level)
+        unknown = sorted(set(only) - set(methods))
         if unknown:
-            raise SystemExit(f"--ddp-methods: no method {unknown}; the methods: {[label for label, *_ in configs]}")
+            raise SystemExit(f"--ddp-methods: no method {unknown}; the methods: {methods}")
         configs = [config for config in configs if config[0] in only]
     base = None
     for label, group, state, hook in configs:
@@ -253,10 +262,10 @@ def ddp_bench(gloo, width: int, depth: int, iters: int, batch: int, only: Option
             torch.nn.functional.cross_entropy(ddp(x), y).backward()
             opt.step()
 
-        # Past every hook's warm-up and the adaptive hook's measurement (2 + 16 iterations), alike
-        # for all: with 3 steps the fixed 1-bit hook took 0.67 s a step at 1 Gbit/s, an adaptive
-        # one (after 12, sending 1-bit) 0.48 s.
-        for _ in range(20):
+        # Past every hook's warm-up and the adaptive hook's measurement (2 + 20 iterations with
+        # the one-level option), alike for all: with 3 steps the fixed 1-bit hook took 0.67 s a
+        # step at 1 Gbit/s, an adaptive one (after 12, sending 1-bit) 0.48 s.
+        for _ in range(24):
             step()
         assert getattr(state, "tuner", None) is None or state.tuner.settled(state.iter)
         seconds = timed(step, iters)

@@ -13,6 +13,8 @@ from common import ddlcomm_stats, init, run
 from compression import flat_params, small_model, synthetic, train_step
 from ddlcomm import compressors, hooks, optim
 from ddlcomm.adaptive import Tuner
+from ddlcomm.compressed import two_levels
+from ddlcomm.ddp_memory import FeedbackMemory
 
 
 class Bucket:
@@ -42,19 +44,29 @@ def _same_everywhere(value: torch.Tensor, group=None) -> bool:
 
 def choice_rule() -> None:
     """The slowest rank's median decides, and the least lossy option within 10% of the fastest
-    wins."""
+    wins; on a group of two levels over hosts the compressor in one level is an option too."""
     rank, n = init("gloo")
-    assert [Tuner(compressors.OneBit(), 2).name(i) for i in range(3)] == ["exact", "BF16()", repr(compressors.OneBit())]
-    assert len(Tuner(compressors.BF16(), start=2).options) == 2  # no option twice
-    cases = [  # this rank's seconds per option (exact, bf16, 1-bit) -> the choice
+    onebit = repr(compressors.OneBit())
+    tuner = Tuner(compressors.OneBit(), 2)
+    assert [tuner.name(i) for i in range(4)] == ["exact", "BF16()", onebit, f"{onebit} one level"]
+    tuner.bind(False)  # one level is the compressor's own plan: no option of its own
+    assert [tuner.name(i) for i in range(len(tuner.options))] == ["exact", "BF16()", onebit]
+    bf16 = Tuner(compressors.BF16(), start=2)
+    bf16.bind(True)
+    assert [bf16.name(i) for i in range(len(bf16.options))] == ["exact", "BF16()", "BF16() one level"]  # none twice
+    cases = [  # this rank's seconds per option (exact, bf16, 1-bit[, 1-bit one level]) -> the choice
         ([1.0, 0.97, 0.5], 2),
         ([1.0, 0.97, 0.5 if rank == 0 else 2.0], 0),  # rank 1 finds 1-bit slow: the slowest rank decides
         ([1.0, 0.85, 0.8], 1),  # bf16 within 10% of 1-bit, exact not
         ([1.0, 0.95, 0.92], 0),
+        ([1.0, 0.9, 0.7, 0.5], 3),  # one level faster than two by more than 10%
+        ([1.0, 0.9, 0.5, 0.47], 2),  # two levels (less lossy) within 10% of one
     ]
     for seconds, expected in cases:
         tuner = Tuner(compressors.OneBit(), start=2)
-        assert tuner.length == tuner.SETTLE + 3 * (1 + tuner.TRIALS)
+        tuner.bind(len(seconds) == 4)
+        k = len(seconds)
+        assert tuner.length == tuner.SETTLE + k * (1 + tuner.TRIALS)
         sent = []
         for it in range(2, 2 + tuner.length):
             assert tuner.measuring(it) and not tuner.settled(it)
@@ -64,8 +76,8 @@ def choice_rule() -> None:
             # The settling and switching iterations take 100 s: ignored; so is one slow trial of each.
             noise = [1.0, 1.3, 0.99][(it - 2 - tuner.SETTLE) % (1 + tuner.TRIALS) - 1] if timed else 100.0
             tuner.record(it, seconds[option] * noise, None, torch.device("cpu"))
-        # Settling with the compressor, then a block each, the lossiest first.
-        assert sent == [2] * tuner.SETTLE + sum(([o] * (1 + tuner.TRIALS) for o in (2, 1, 0)), []), sent
+        # Settling with the compressor (the group's plan), then a block each, the lossiest first.
+        assert sent == [2] * tuner.SETTLE + sum(([o] * (1 + tuner.TRIALS) for o in range(k - 1, -1, -1)), []), sent
         assert tuner.settled(2 + tuner.length) and tuner.choice == expected, (seconds, tuner.measured)
         assert tuner.window == 2 + tuner.PERIOD and tuner.measuring(2 + tuner.PERIOD)
         # The next measurement settles with the choice.
@@ -73,10 +85,18 @@ def choice_rule() -> None:
     saved = tuner.state_dict()
     other = Tuner(compressors.OneBit(), start=2)
     other.load_state_dict(saved)
+    other.bind(True)
     assert other.choice == tuner.choice and other.window == tuner.window
+    # A choice of one level loaded where the group takes one level anyway: the compressor.
+    one_level = Tuner(compressors.OneBit(), start=2)
+    one_level.load_state_dict({"choice": f"{onebit} one level", "window": 3})
+    one_level.bind(False)
+    assert one_level.name(one_level.choice) == onebit
     # Without a choice (a state saved without one): the compressor, and a measurement next.
     fresh = Tuner(compressors.OneBit(), start=2)
-    assert fresh.option(50) == compressors.OneBit() and fresh.window == 51 and fresh.measuring(51)
+    fresh.bind(True)
+    assert fresh.option(50).compressor == compressors.OneBit() and not fresh.option(50).flat
+    assert fresh.window == 51 and fresh.measuring(51)
     try:
         Tuner(compressors.Ternary(), start=2).load_state_dict({"choice": repr(compressors.OneBit()), "window": 3})
     except ValueError as error:
@@ -86,9 +106,11 @@ def choice_rule() -> None:
 
 
 def nothing_is_lost() -> None:
-    """Through the measurement (1-bit, bf16 and exact in turn, residuals carried across) and a
-    last iteration sent exactly, the results add up to the inputs' average: an exact send
-    carries the worker and server residuals whole. Ranks agree bitwise on every result."""
+    """Through the measurement (1-bit in one level where the group takes two, 1-bit, bf16 and
+    exact in turn, residuals carried across) and a last iteration sent exactly, the results add
+    up to the inputs' average: an exact send, or one by the other plan, carries the worker and
+    server residuals whole. Ranks agree bitwise on every result. The memory goes through its
+    state dict after the last one-level iteration: which plan made it must come back with it."""
     rank, n = init()
     for group in (None, dist.new_group(backend="gloo")):
         state = hooks.CompressionState(group, compressors.OneBit(), start_compress_iter=2, min_compression_bytes=0,
@@ -97,6 +119,7 @@ def nothing_is_lost() -> None:
         total_in = [torch.zeros(m, dtype=torch.float64) for m in numels]
         total_out = [torch.zeros(m, dtype=torch.float64) for m in numels]
         steps = 2 + state.tuner.length + 3
+        reloaded = False
         for step in range(steps):
             if step == steps - 1:
                 state.tuner.choice = 0  # the last one exact
@@ -111,7 +134,13 @@ def nothing_is_lost() -> None:
                 out = fut.wait()
                 assert _same_everywhere(out), f"step {step} bucket {i}: ranks disagree"
                 total_out[i] += out.double()
+            if state.memory.flat and not state.tuner.option(state.iter).flat and not reloaded:
+                memory, reloaded = FeedbackMemory(), True
+                memory.load_state_dict(state.memory.state_dict())
+                state.memory = memory
         assert state.tuner.choice is not None and state.stats.compressed_buckets > 0
+        assert len(state.tuner.options) == (4 if two_levels(group) else 3)  # one level tried where two are taken
+        assert reloaded == two_levels(group)
         if group is None and ddlcomm_stats()["topology"] == "2 hosts x 2 ranks":
             assert ddlcomm_stats()["hierarchical_compressed_allreduces"] > 0
         for i in range(len(numels)):

@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from common import ddlcomm_stats, init, run
 from ddlcomm import ProcessGroupDdlcomm, compressors
-from ddlcomm.compressed import compressed_all_reduce, native_backend, server_chunks, server_residual_numel
+from ddlcomm.compressed import compressed_all_reduce, native_backend, server_chunks, server_residual_numel, two_levels
 from ddlcomm.host_levels import host_levels
 
 U = 2.0**-24  # float32 unit roundoff
@@ -94,29 +94,31 @@ def inputs(rank: int, numel: int, s_numel: int) -> tuple[torch.Tensor, torch.Ten
 
 
 def check_conservation(name: str, numel: int, group, gloo: dist.ProcessGroup, stream: int,
-                       positions: torch.Tensor | None = None, hosts: list[list[int]] | None = None) -> None:
+                       positions: torch.Tensor | None = None, hosts: list[list[int]] | None = None,
+                       flat: bool = False) -> None:
     """One compressed all-reduce of `numel` elements, checked against the law at `positions`
     (default: every element). With `hosts`, the hierarchical plan: the law is the same (only the
     ranks that compress a shard touch their worker residual there; the exact sums inside a host
-    add at most (ranks per host - 1) u mean|x|, within the tolerance's (n + 2) u A)."""
+    add at most (ranks per host - 1) u mean|x|, within the tolerance's (n + 2) u A). `flat`: the
+    call asks for one level (the flat plan, whatever the group's)."""
     rank, n = dist.get_rank(), dist.get_world_size()
     comp = COMPRESSORS[name]()
     sparse = comp.format in SPARSE
-    what = f"{name} x{numel} on {'ddlcomm' if native_backend(group) else 'gloo'}"
+    what = f"{name} x{numel} on {'ddlcomm' if native_backend(group) else 'gloo'}{' flat' if flat else ''}"
     if positions is None:
         positions = torch.arange(numel)
 
-    mine = own_chunks(numel, rank, n, None if sparse else hosts)
-    if hosts is None:
+    mine = own_chunks(numel, rank, n, None if sparse or flat else hosts)
+    if hosts is None or flat:
         assert mine == server_chunks(numel, rank, n), f"{what}: server_chunks disagrees with the documented split"
-    assert mine == server_chunks(numel, rank, n, group, comp), f"{what}: the group's plan is not the documented one"
+    assert mine == server_chunks(numel, rank, n, group, comp, flat), f"{what}: the group's plan is not the documented"
     s_numel = sum(end - begin for begin, end in mine)
     assert s_numel == server_residual_numel(numel, rank, n)
     x, w_old, s_old = inputs(rank, numel, s_numel)
     x0 = x[positions].double()
     x, w_new, s_new = x.clone(), w_old.clone(), s_old.clone()
 
-    out = compressed_all_reduce(x, comp, w_new, s_new, group=group, stream=stream).wait()
+    out = compressed_all_reduce(x, comp, w_new, s_new, group=group, stream=stream, flat=flat).wait()
     assert out.dtype == torch.float32 and out.shape == (numel,)
     for t in (out, w_new, s_new):  # a finite float32 sum of values below 1e6: all are finite
         assert bool(torch.isfinite(t.sum())), what
@@ -207,7 +209,8 @@ def hierarchical() -> None:
     """Ranks 0-1 and 2-3 on two named hosts: every compressor's all-reduce on the ddlcomm group
     and on a gloo group (exact inside each host, compressed across; natively, and over gloo's
     collectives) keeps the law over the hierarchical plan, the sparse formats included (their
-    selection made on each rank's shard of its host's sum)."""
+    selection made on each rank's shard of its host's sum); a call with flat=True (the adaptive
+    hook's one-level option) keeps it over the flat plan, and both groups agree bitwise either way."""
     init()
     gloo = dist.new_group(backend="gloo")
     hosts = [[0, 1], [2, 3]]
@@ -217,6 +220,7 @@ def hierarchical() -> None:
     assert levels is not None and levels.topology == "2 hosts x 2 ranks", "the gloo group's hosts"
     assert dist.get_process_group_ranks(levels.host) == hosts[dist.get_rank() // 2]
     assert dist.get_process_group_ranks(levels.across) == [dist.get_rank() % 2, 2 + dist.get_rank() % 2]
+    assert two_levels(None) and two_levels(gloo)
     for numel in (6, 4099, 70_001):
         for group in (None, gloo):
             for stream, name in enumerate(COMPRESSORS):
@@ -226,18 +230,22 @@ def hierarchical() -> None:
     for group in (None, gloo):
         for name in TWO_PIECES:
             check_conservation(name, numel, group, gloo, stream=7, positions=positions, hosts=hosts)
+    for group in (None, gloo):
+        for stream, name in enumerate(COMPRESSORS):
+            check_conservation(name, 4099, group, gloo, stream, flat=True)
     # Two ranks a host sum alike in either order, so here the fallback's bits are the native ones.
-    for stream, name in enumerate(COMPRESSORS):
-        comp, rank, numel = COMPRESSORS[name](), dist.get_rank(), 70_001
-        x, w, s = inputs(rank, numel, server_residual_numel(numel, rank, 4))
-        results = []
-        for group in (None, gloo):
-            out, w_new, s_new = x.clone(), w.clone(), s.clone()
-            compressed_all_reduce(out, comp, w_new, s_new, group=group, stream=stream).wait()
-            results.append((out, w_new, s_new))
-        for what, native, fallback in zip(("result", "worker residual", "server residual"), *results):
-            assert torch.equal(native, fallback), f"{name}: the gloo group's {what} differs from the native one"
-    # Only the ddlcomm group's calls are native: 3 sizes, two pieces, compared.
+    for flat in (False, True):
+        for stream, name in enumerate(COMPRESSORS):
+            comp, rank, numel = COMPRESSORS[name](), dist.get_rank(), 70_001
+            x, w, s = inputs(rank, numel, server_residual_numel(numel, rank, 4))
+            results = []
+            for group in (None, gloo):
+                out, w_new, s_new = x.clone(), w.clone(), s.clone()
+                compressed_all_reduce(out, comp, w_new, s_new, group=group, stream=stream, flat=flat).wait()
+                results.append((out, w_new, s_new))
+            for what, native, fallback in zip(("result", "worker residual", "server residual"), *results):
+                assert torch.equal(native, fallback), f"{name}: the gloo group's {what} differs from the native one"
+    # Only the ddlcomm group's calls without flat take two levels: 3 sizes, two pieces, compared.
     took = ddlcomm_stats()["hierarchical_compressed_allreduces"] - before["hierarchical_compressed_allreduces"]
     assert took == 4 * len(COMPRESSORS) + len(TWO_PIECES), took
 

@@ -1,4 +1,4 @@
-"""Compressed all-reduce and DDP hooks on an emulated slow network, 4 ranks, one run.
+"""Compressed all-reduce and DDP hooks on an emulated slow network, one run (or, with --module, another benchmark).
 
     sudo python -m ddlcomm.bench.slownet.run_compressed --rates 1gbit,10gbit --out results
 
@@ -20,10 +20,9 @@ from .network import SlowNet
 
 
 def run_rate(rate: str, hosts: int, extra: list[str], timeout: float, ranks_per_host: int = 1,
-             delay: str = "0") -> list[dict]:
+             delay: str = "0", module: str = "ddlcomm.bench.compressed") -> list[dict]:
     with SlowNet(ranks=hosts, rate=rate, delay=delay) as net:
-        results = collect_results(net, [sys.executable, "-m", "ddlcomm.bench.compressed", *extra], timeout, rate,
-                                  ranks_per_host)
+        results = collect_results(net, [sys.executable, "-m", module, *extra], timeout, rate, ranks_per_host)
     for record in results:
         record["rate"] = rate
         print(f"  [{rate}] {record['kind']:<9} {record['method']:<26} {record['seconds']:8.3f} s  "
@@ -92,12 +91,14 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=4, help="emulated hosts")
     parser.add_argument("--ranks-per-host", type=int, default=1, help="ranks in each host (shared memory between them)")
     parser.add_argument("--delay", default="0", help="one-way delay of every link (tc syntax, e.g. 20ms)")
+    parser.add_argument("--module", default="ddlcomm.bench.compressed",
+                        help="the benchmark every rank runs (also ddlcomm.bench.adaptive_paired)")
     args = parser.parse_args()
     require_slownet("ddlcomm.bench.slownet.run_compressed")
     extra = worker_args(args)
     results: list[dict] = []
     for rate in args.rates.split(","):
-        results += run_rate(rate, args.ranks, extra, args.timeout, args.ranks_per_host, args.delay)
+        results += run_rate(rate, args.ranks, extra, args.timeout, args.ranks_per_host, args.delay, args.module)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "slownet.json").write_text(json.dumps(results, indent=1))
