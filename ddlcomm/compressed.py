@@ -107,8 +107,9 @@ def host_levels_of(group: dist.ProcessGroup) -> Optional[HostLevels]:
 
 def two_levels(group: Optional[dist.ProcessGroup] = None) -> bool:
     """Whether compressed all-reduces on `group` take two levels over its hosts (exact inside
-    each, compressed across) unless a call passes ``flat=True``. On a group of another backend,
-    collective the first time (``host_levels_of``)."""
+    each, compressed across) unless a call passes ``flat=True``. On a ddlcomm group the answer
+    comes after the collectives queued before it (ask once, not per call); on a group of another
+    backend, collective the first time (``host_levels_of``)."""
     group = group or dist.group.WORLD
     backend = native_backend(group)
     if backend is not None:

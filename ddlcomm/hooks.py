@@ -108,11 +108,12 @@ class CompressionState(CompressionOptions, HookCheckpoint):
             iteration's buckets are then reduced after backward() rather than during it. With
             FP16/BF16 or without ``optimizer=``, call ``clip_grad_norm_`` as usual.
         adaptive: send the buckets exactly, in bfloat16 or through ``compressor``, whichever
-            finished iterations first when they were tried (3 iterations each after the
+            finished iterations first when they were tried (4 iterations each after the
             warm-up, and again every 1000 iterations; ``ddlcomm.adaptive``); on a group that
-            takes two levels over hosts, the compressor in one level is tried too. The choice is
-            the same on every rank and logged at INFO level; with ``optimizer=`` every option
-            averages update directions.
+            takes two levels over hosts, the compressor in one level is tried too; so is a plan
+            per bucket where a cost model fitted to the buckets' timed transfers proposes one
+            that mixes options (CPU buckets). The choice is the same on every rank and logged at
+            INFO level; with ``optimizer=`` every option averages update directions.
 
     Attributes:
         stats: a ``CompressionStats``: bytes sent against a plain ring all-reduce's, and
@@ -331,10 +332,18 @@ def _reduce(state: CompressionState, buffer: torch.Tensor, params: list[torch.Te
     elif state.tuner is None:
         raw, fut = _compress(state, buffer, params, signature, index, rank, world, nbytes, state.compressor, False)
     else:
-        state.tuner.bind(two_levels(state.process_group))
-        option = state.tuner.option(state.iter)
+        tuner, iteration, issued = state.tuner, state.iter, time.perf_counter()
+        if not tuner.bound:  # once: two_levels waits for the group's queued collectives
+            tuner.bind(two_levels(state.process_group))
+        option = tuner.option(iteration, index)
         raw, fut = _compress(state, buffer, params, signature, index, rank, world, nbytes, option.compressor,
                              option.flat)
+        if tuner.timed(iteration) and buffer.device.type == "cpu":  # the cost model's data (ddlcomm.adaptive)
+            def arrived(f: torch.futures.Future) -> torch.Tensor:
+                tuner.transferred(iteration, index, nbytes, issued, time.perf_counter())
+                return f.value()
+
+            fut = fut.then(arrived)
     if last:
         state.memory.end_iteration()
     return _end_bucket(state, raw, fut, last)

@@ -51,6 +51,7 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=2048, help="hidden width of the MLP")
     parser.add_argument("--depth", type=int, default=6, help="hidden layers (2048 x 2048 each: 6 -> 25.2M parameters)")
     parser.add_argument("--batch", type=int, default=16, help="per-rank batch")
+    parser.add_argument("--bucket-cap-mb", type=float, default=25, help="DDP's bucket_cap_mb")
     parser.add_argument("--methods", default="no hook,fixed 1-bit hook,adaptive fp16 hook,adaptive 1-bit hook",
                         help=f"comma-separated, among: {', '.join(METHODS)}")
     args = parser.parse_args()
@@ -67,7 +68,8 @@ def main() -> None:
     steps = {}
     for name, state in methods.items():
         model = make_model(args.width, args.depth)
-        ddp = DistributedDataParallel(model, process_group=None if state is None else state.process_group)
+        ddp = DistributedDataParallel(model, process_group=None if state is None else state.process_group,
+                                      bucket_cap_mb=args.bucket_cap_mb)
         if state is not None:
             ddp.register_comm_hook(state, hooks.compressed_hook)
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -77,9 +79,11 @@ def main() -> None:
             torch.nn.functional.cross_entropy(ddp(x), y).backward()
             opt.step()
 
-        for _ in range(24):  # past the warm-up (2) and the adaptive measurement (4 + 4 x 4 at most)
+        tuner = getattr(state, "tuner", None)
+        for _ in range(24):  # past the warm-up (2) and the allocations
             step()
-        assert getattr(state, "tuner", None) is None or state.tuner.settled(state.iter)
+        while tuner is not None and not tuner.settled(state.iter):  # past its measurement (4 + 3 x 10 at most)
+            step()
         steps[name] = step
 
     seconds: dict[str, list[float]] = {name: [] for name in names}
@@ -100,7 +104,9 @@ def main() -> None:
         record = {"kind": "paired", "method": name, "seconds": statistics.median(seconds[name]),
                   "speedup": statistics.median(seconds[references[0]]) / statistics.median(seconds[name]),
                   "rounds": args.rounds, "choice": None if tuner is None else tuner.name(tuner.choice),
-                  "measured": None if tuner is None else tuner.measured}
+                  "measured": None if tuner is None else tuner.measured,
+                  "costs": None if tuner is None else tuner.costs, "plan": None if tuner is None else
+                  [tuner.name(o) for o in tuner.buckets]}
         for reference in references:
             if reference != name:
                 ratios = [t / base for t, base in zip(seconds[name], seconds[reference])]

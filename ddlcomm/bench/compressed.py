@@ -262,12 +262,13 @@ def ddp_bench(gloo, width: int, depth: int, iters: int, batch: int, only: Option
             torch.nn.functional.cross_entropy(ddp(x), y).backward()
             opt.step()
 
-        # Past every hook's warm-up and the adaptive hook's measurement (2 + 20 iterations with
-        # the one-level option), alike for all: with 3 steps the fixed 1-bit hook took 0.67 s a
-        # step at 1 Gbit/s, an adaptive one (after 12, sending 1-bit) 0.48 s.
+        # Past every hook's warm-up, alike for all (with 3 steps the fixed 1-bit hook took 0.67 s a
+        # step at 1 Gbit/s, an adaptive one after 12, sending 1-bit, 0.48 s), and past the adaptive
+        # hook's measurement (up to 2 + 34 iterations with the one-level option and a plan per bucket).
         for _ in range(24):
             step()
-        assert getattr(state, "tuner", None) is None or state.tuner.settled(state.iter)
+        while getattr(state, "tuner", None) is not None and not state.tuner.settled(state.iter):
+            step()
         seconds = timed(step, iters)
         base = base or seconds
         if isinstance(state, hooks.CompressionState):
@@ -281,7 +282,8 @@ def ddp_bench(gloo, width: int, depth: int, iters: int, batch: int, only: Option
         else:
             wire = fp32_wire
         tuner = getattr(state, "tuner", None)
-        chose = {} if tuner is None else {"choice": tuner.name(tuner.choice), "measured": tuner.measured}
+        chose = {} if tuner is None else {"choice": tuner.name(tuner.choice), "measured": tuner.measured,
+                                          "plan": [tuner.name(o) for o in tuner.buckets]}
         report(kind="ddp", method=label, seconds=seconds, speedup=base / seconds, wire_bytes=wire, params=params,
                **chose)
 

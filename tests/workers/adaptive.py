@@ -66,18 +66,21 @@ def choice_rule() -> None:
         tuner = Tuner(compressors.OneBit(), start=2)
         tuner.bind(len(seconds) == 4)
         k = len(seconds)
-        assert tuner.length == tuner.SETTLE + k * (1 + tuner.TRIALS)
+        assert tuner.length == tuner.SETTLE + 2 * k * (1 + tuner.TRIALS)
         sent = []
         for it in range(2, 2 + tuner.length):
             assert tuner.measuring(it) and not tuner.settled(it)
             option = tuner.options.index(tuner.option(it))
             sent.append(option)
-            timed = it >= 2 + tuner.SETTLE and (it - 2 - tuner.SETTLE) % (1 + tuner.TRIALS) != 0
+            block, step = divmod(it - 2 - tuner.SETTLE, 1 + tuner.TRIALS)
             # The settling and switching iterations take 100 s: ignored; so is one slow trial of each.
-            noise = [1.0, 1.3, 0.99][(it - 2 - tuner.SETTLE) % (1 + tuner.TRIALS) - 1] if timed else 100.0
+            noise = 100.0 if block < 0 or step == 0 else [1.5, 1.02][step - 1] if block < k else [1.0, 1.02][step - 1]
+            if it == 1 + tuner.length:  # asking for the next iteration's option before the last record
+                assert tuner.option(it + 1) == tuner.options[2]
             tuner.record(it, seconds[option] * noise, None, torch.device("cpu"))
-        # Settling with the compressor (the group's plan), then a block each, the lossiest first.
-        assert sent == [2] * tuner.SETTLE + sum(([o] * (1 + tuner.TRIALS) for o in range(k - 1, -1, -1)), []), sent
+        # Settling with the compressor (the group's plan), then two blocks each, from the lossiest and back.
+        there = list(range(k - 1, -1, -1))
+        assert sent == [2] * tuner.SETTLE + sum(([o] * (1 + tuner.TRIALS) for o in there + there[::-1]), []), sent
         assert tuner.settled(2 + tuner.length) and tuner.choice == expected, (seconds, tuner.measured)
         assert tuner.window == 2 + tuner.PERIOD and tuner.measuring(2 + tuner.PERIOD)
         # The next measurement settles with the choice.
@@ -105,6 +108,64 @@ def choice_rule() -> None:
         raise AssertionError("the choice of another compressor was loaded")
 
 
+def per_bucket_plan() -> None:
+    """The cost model: fitted per option to the buckets' own times (a bucket issued before the
+    previous one arrived counts from that arrival), it picks per bucket the least lossy option
+    within 10% of the fastest; a plan that mixes options is tried on whole steps after the
+    options and chosen only where it beats every option by 10%. A uniform plan is not tried.
+    The plan comes back from a state dict."""
+    rank, n = init("gloo")
+    sizes = [65536, 16 << 20]
+    # The transfers' seconds per option: exact 1 ms + 10 ns/B, bf16 1 ms + 5 ns/B, 1-bit 5 ms + 0.5 ns/B
+    # (rank 1's bf16 slower: the slowest rank's median counts) -> bf16 for 64 KiB, 1-bit for 16 MiB.
+    links = [(1e-3, 10e-9), (1e-3, (5.2 if rank == 1 else 5.0) * 1e-9), (5e-3, 0.5e-9)]
+    cases = [  # (whole-step seconds per option and of the plan, the plan's links or None) -> choice
+        ([1.0, 0.8, 0.6, 0.53], links, Tuner.PER_BUCKET),
+        ([1.0, 0.8, 0.6, 0.56], links, 2),  # 1-bit within 10% of the plan: a single option wins
+        ([1.0, 0.8, 0.6, 0.9], links, 2),
+        ([1.0, 0.8, 0.6, None], [(0, 10e-9), (0, 6e-9), (0, 0.5e-9)], 2),  # 1-bit for both: no plan to try
+    ]
+    for seconds, model, expected in cases:
+        tuner = Tuner(compressors.OneBit(), start=2)
+        tuner.bind(False)
+        it, sent = 2, []
+        while tuner.measuring(it) or it == 2:
+            option = tuner.options.index(tuner.option(it, 0)) if tuner.option(it, 0) == tuner.option(it, 1) else -1
+            sent.append(option)
+            if tuner.timed(it):
+                alpha, beta = model[option]
+                done = 0.0
+                for b, size in enumerate(sizes):  # both issued at 0: the second waits for the first
+                    done += alpha + beta * size
+                    tuner.transferred(it, b, size, 0.0, done)
+            tuner.record(it, seconds[option] * (1.2 if it % 3 == 0 else 1.0), None, torch.device("cpu"))
+            it += 1
+        mixed = seconds[-1] is not None
+        assert tuner.choice == expected, (seconds, tuner.measured, tuner.buckets, tuner.costs)
+        order = [2, 1, 0, 0, 1, 2] + ([-1, -1] if mixed else [])
+        assert len(tuner.measured) == (4 if mixed else 3) and it == 2 + tuner.SETTLE + len(order) * 3
+        assert sent[tuner.SETTLE:] == sum(([o] * 3 for o in order), []), sent
+        if mixed:
+            assert tuner.buckets == [1, 2], tuner.buckets
+            for o, (alpha, beta) in enumerate(links):
+                worst = 5.2e-9 if o == 1 else beta
+                assert abs(tuner.costs[o][0] - alpha) < 1e-9 and abs(tuner.costs[o][1] - worst) < 1e-15, tuner.costs
+    saved = Tuner(compressors.OneBit(), start=2)
+    saved.choice, saved.buckets = Tuner.PER_BUCKET, [1, 2, 0]
+    assert saved.name(saved.choice) == f"per bucket [BF16(), {repr(compressors.OneBit())}, exact]"
+    loaded = Tuner(compressors.OneBit(), start=2)
+    loaded.load_state_dict(saved.state_dict())
+    loaded.bind(True)
+    assert loaded.choice == Tuner.PER_BUCKET and loaded.buckets == [1, 2, 0]
+    assert [loaded.option(5000, b) for b in range(4)] == [loaded.options[o] for o in (1, 2, 0, 2)]
+    try:
+        Tuner(compressors.Ternary(), start=2).load_state_dict(saved.state_dict())
+    except ValueError as error:
+        assert "not among this state's options" in str(error)
+    else:
+        raise AssertionError("a plan of another compressor was loaded")
+
+
 def nothing_is_lost() -> None:
     """Through the measurement (1-bit in one level where the group takes two, 1-bit, bf16 and
     exact in turn, residuals carried across) and a last iteration sent exactly, the results add
@@ -118,12 +179,14 @@ def nothing_is_lost() -> None:
         numels = [5000, 300_000]
         total_in = [torch.zeros(m, dtype=torch.float64) for m in numels]
         total_out = [torch.zeros(m, dtype=torch.float64) for m in numels]
-        steps = 2 + state.tuner.length + 3
-        reloaded = False
-        for step in range(steps):
-            if step == steps - 1:
-                state.tuner.choice = 0  # the last one exact
-            futures = []
+        reloaded, step, steps = False, 0, None
+        while steps is None or step < steps:
+            if steps is None and step > 2 and state.tuner.settled(state.iter):
+                steps = step + 4  # then each bucket its own option, in turn, and the last one exact
+            if steps is not None:
+                state.tuner.choice = 0 if step == steps - 1 else Tuner.PER_BUCKET
+                state.tuner.buckets = [[1, 2], [2, 0], [0, 1]][step % 3]
+            futures, counted = [], (state.stats.compressed_buckets, state.stats.uncompressed_buckets)
             for i, m in enumerate(numels):
                 grad = torch.randn(m, generator=torch.Generator().manual_seed(1000 * step + 10 * rank + i)) * (i + 1)
                 everyone = [torch.randn(m, generator=torch.Generator().manual_seed(1000 * step + 10 * r + i)) * (i + 1)
@@ -134,11 +197,16 @@ def nothing_is_lost() -> None:
                 out = fut.wait()
                 assert _same_everywhere(out), f"step {step} bucket {i}: ranks disagree"
                 total_out[i] += out.double()
+            if steps is not None and step < steps - 1:  # each bucket went its own way (exact: not compressed)
+                exact = state.tuner.buckets.count(0)
+                assert (state.stats.compressed_buckets - counted[0], state.stats.uncompressed_buckets - counted[1]) \
+                    == (2 - exact, exact), (step, state.tuner.buckets, state.stats)
             if state.memory.flat and not state.tuner.option(state.iter).flat and not reloaded:
                 memory, reloaded = FeedbackMemory(), True
                 memory.load_state_dict(state.memory.state_dict())
                 state.memory = memory
-        assert state.tuner.choice is not None and state.stats.compressed_buckets > 0
+            step += 1
+        assert state.stats.compressed_buckets > 0
         assert len(state.tuner.options) == (4 if two_levels(group) else 3)  # one level tried where two are taken
         assert reloaded == two_levels(group)
         if group is None and ddlcomm_stats()["topology"] == "2 hosts x 2 ranks":
@@ -182,6 +250,10 @@ def trains_alike_everywhere() -> None:
             assert torch.isfinite(params).all()
             assert _same_everywhere(params, gloo), "ranks hold different parameters"
             assert _same_everywhere(torch.tensor(state.tuner.measured), gloo), "ranks measured differently"
+            # The cost model saw every bucket's transfers (all compressed here) and proposed the same plan everywhere.
+            assert state.tuner.buckets and state.tuner.costs, (state.tuner.buckets, state.tuner.costs)
+            assert all(c is not None and c[0] >= 0 and c[1] >= 0 for c in state.tuner.costs), state.tuner.costs
+            assert _same_everywhere(torch.tensor(state.tuner.buckets), gloo), "ranks planned differently"
             saved = state.state_dict()
             fresh = hooks.CompressionState(group, compressors.Ternary(block_size=64), start_compress_iter=2,
                                            adaptive=True, model=model)
@@ -204,6 +276,7 @@ def misuse_is_refused() -> None:
 if __name__ == "__main__":
     run({
         "choice_rule": choice_rule,
+        "per_bucket_plan": per_bucket_plan,
         "nothing_is_lost": nothing_is_lost,
         "trains_alike_everywhere": trains_alike_everywhere,
         "misuse_is_refused": misuse_is_refused,
