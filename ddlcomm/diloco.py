@@ -64,7 +64,7 @@ import torch
 import torch.distributed as dist
 
 from .compressed import compressed_all_reduce
-from .compressors import BF16, FP16, Compressor
+from .compressors import BF16, FP16, Compressor, all_finite
 from .fragments import Fragment, InFlight, split
 from .optim import averages_directions
 from .options import CompressionStats
@@ -166,8 +166,10 @@ class DiLoCo:
             # The global weights, in float32 whatever the replica's dtype: the outer step
             # accumulates small pseudo-gradients into them.
             self._globals = [p.detach().to(torch.float32, copy=True) for p in self._params]
+        # foreach: Nesterov's look-ahead in place in the gradient (the average, used once)
+        # rather than a model-sized temporary at every outer step.
         self.outer_optimizer = torch.optim.SGD(self._globals, lr=outer_lr, momentum=outer_momentum,
-                                               nesterov=nesterov and outer_momentum > 0)
+                                               nesterov=nesterov and outer_momentum > 0, foreach=True)
         rank, n = dist.get_rank(self._group()), dist.get_world_size(self._group())
         sizes = [p.numel() for p in self._params]
         self._fragments = split(sizes, fragments, sync_every, self._part[1], rank, n, compressor,
@@ -181,6 +183,14 @@ class DiLoCo:
         self._warm_worker, self._warm_server = self._residuals(
             self.warmup_compressor if error_feedback else None, synced)
         self.fragment_parameters = [self._params[f.first:f.last] for f in self._fragments]
+        # Each fragment's pseudo-gradient (then its average), and with overlap the replica's
+        # part when it was sent, in buffers kept between syncs: a fresh model-sized tensor
+        # costs several copies' time in page faults on a CPU (the CNN of docs/diloco.md). A
+        # fragment's next sync starts after its last was applied (overlap < sync_every).
+        device = self._params[0].device
+        self._sends = [torch.zeros(self._part[1] * (f.end - f.begin), device=device) for f in self._fragments]
+        self._snapshots = [torch.zeros(f.end - f.begin, device=device) if overlap_steps else None
+                           for f in self._fragments]
         self._in_flight: list[InFlight] = []
         self._plain_bytes = ring_all_reduce_bytes(synced * 4, n)  # DDP's float32 all-reduce (of this part)
         self.stats = CompressionStats()
@@ -319,17 +329,22 @@ class DiLoCo:
         """Sends the fragment's pseudo-gradient (global minus local weights), or in the warm-up
         its gradient, to be averaged."""
         globals_, params = self._slice(fragment)
-        if gradient:  # no gradient: zero, as DDP sends for an unused parameter
-            delta = torch.cat([(torch.zeros_like(p, dtype=torch.float32) if p.grad is None
-                                else p.grad.to(torch.float32)).reshape(-1) for p in params])
-        else:
-            delta = torch.cat([(g - p.to(torch.float32)).reshape(-1) for g, p in zip(globals_, params)])
-        snapshot = torch.cat([p.detach().reshape(-1).to(torch.float32) for p in params]) if overlap else None
+        delta, snapshot = self._sends[fragment.index], self._snapshots[fragment.index] if overlap else None
+        offset = 0
+        for g, p in zip(globals_, params):
+            view = delta[offset : offset + p.numel()]
+            if not gradient:  # global minus replica
+                torch.sub(g.reshape(-1), view.copy_(p.detach().reshape(-1)), out=view)
+            elif p.grad is None:  # zero, as DDP sends for an unused parameter
+                view.zero_()
+            else:
+                view.copy_(p.grad.reshape(-1))
+            if snapshot is not None:
+                snapshot[offset : offset + p.numel()].copy_(p.detach().reshape(-1))
+            offset += p.numel()
+        delta[offset:].zero_()  # with parts: the padding to equal parts
         group = self._group()
         index, parts = self._part
-        if parts > 1:  # the whole pseudo-gradient, padded to equal parts; this rank syncs its own
-            size = fragment.end - fragment.begin
-            delta = torch.nn.functional.pad(delta, (0, parts * size - delta.numel()))
         part = delta.view(parts, -1)[index]
         compressor = self.warmup_compressor if gradient else self.compressor
         if compressor is None:
@@ -387,12 +402,16 @@ class DiLoCo:
         globals_, params = self._slice(fragment)
         if flight.gradient:  # the inner optimizer steps with the average (non-finite: as with DDP)
             offset = 0
-            for p in params:
-                p.grad = delta[offset : offset + p.numel()].view_as(p).to(p.dtype)
+            for p in params:  # copied: the buffer is the next sync's, and .grad the user's
+                average = delta[offset : offset + p.numel()].view_as(p)
+                if p.grad is None:
+                    p.grad = average.to(p.dtype, copy=True)
+                else:
+                    p.grad.copy_(average)
                 offset += p.numel()
             self._take_buffers(flight)
             return
-        if not bool(torch.isfinite(delta).all()):
+        if not all_finite(delta):
             # The average is the same on every rank, so every rank raises here.
             raise RuntimeError(f"DiLoCo: the averaged pseudo-gradient of outer step {self.outer_steps} is not finite "
                                f"(rank {dist.get_rank(group)}); the global weights were left unchanged")
@@ -405,9 +424,10 @@ class DiLoCo:
         for g, p in zip(globals_, params):
             if flight.snapshot is None:
                 p.copy_(g)
-            else:  # keep what the inner steps added while the average travelled
-                since = p.detach().to(torch.float32) - flight.snapshot[offset : offset + p.numel()].view_as(p)
-                p.copy_(g + since)
+            else:  # keep what the inner steps added while the average travelled (in place: the
+                # snapshot is used once)
+                since = flight.snapshot[offset : offset + p.numel()].view_as(p).neg_().add_(p.detach())
+                p.copy_(since.add_(g))
             offset += p.numel()
             g.grad = None
         self._take_buffers(flight)

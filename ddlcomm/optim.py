@@ -232,10 +232,10 @@ class SGD(DirectionOptimizer, torch.optim.SGD):
         state = self.state[param]
         buf = state.get("momentum_buffer")
         if group["nesterov"] and buf is not None:
-            # torch steps by g + momentum * new_buf; g is implied by the averaged buffer
-            # (nesterov requires dampening 0).
-            implied = direction - momentum * buf
-            param.add_(implied.add_(direction, alpha=momentum), alpha=-lr)
+            # torch steps by g + momentum * new_buf; g = new_buf - momentum * old_buf is implied
+            # by the averaged buffer (nesterov requires dampening 0). In place: a temporary of
+            # a large parameter's size costs more than the step on a CPU (page faults).
+            param.add_(direction, alpha=-lr * (1 + momentum)).add_(buf, alpha=lr * momentum)
         elif group["nesterov"]:
             param.add_(direction, alpha=-lr * (1 + momentum))
         else:
