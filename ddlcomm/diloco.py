@@ -179,9 +179,9 @@ class DiLoCo:
         # a single compressed all-reduce of every parameter).
         self._worker, self._server = self._residuals(compressor if self.error_feedback else None, synced)
         # The warm-up's gradients keep their own memory: it is in gradient units, the outer
-        # residuals in weight units.
-        self._warm_worker, self._warm_server = self._residuals(
-            self.warmup_compressor if error_feedback else None, synced)
+        # residuals in weight units. Freed when the warm-up ends.
+        self._warm_feedback = self.warmup_compressor if error_feedback else None
+        self._warm_worker, self._warm_server = self._residuals(self._warm_feedback, synced)
         self.fragment_parameters = [self._params[f.first:f.last] for f in self._fragments]
         # Each fragment's pseudo-gradient (then its average), and with overlap the replica's
         # part when it was sent, in buffers kept between syncs: a fresh model-sized tensor
@@ -250,6 +250,7 @@ class DiLoCo:
                         g.copy_(p)
             if self.inner_steps == self.warmup_steps:
                 self._hook.remove()
+                self._warm_worker = self._warm_server = None
             return took
         applied = self._finish(lambda flight: flight.due <= self.inner_steps)
         for fragment in self._fragments:
@@ -495,10 +496,15 @@ class DiLoCo:
         shapes = [g.shape for g in self._globals]
         if [g.shape for g in state["globals"]] != shapes:
             raise ValueError("DiLoCo: the saved global weights do not match this model's parameters")
+        warming = int(state["inner_steps"]) < self.warmup_steps
+        self._warm_worker, self._warm_server = (  # as this object's own warm-up leaves them
+            self._residuals(self._warm_feedback, self._fragments[-1].end) if warming else (None, None))
         for name, mine in (("worker_residual", self._worker), ("server_residual", self._server),
                            ("warmup_worker_residual", self._warm_worker),
                            ("warmup_server_residual", self._warm_server)):
             theirs = state.get(name)
+            if name.startswith("warmup") and not warming:
+                continue  # the warm-up's memory is not needed after it (saved by a version that kept it)
             if (mine is None) != (theirs is None) or (mine is not None and mine.shape != theirs.shape):
                 raise ValueError(f"DiLoCo: the saved {name} does not match this compressor and model")
             if mine is not None:

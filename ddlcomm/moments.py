@@ -37,6 +37,8 @@ def normalised_step(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, step: float
     (see the module docs), written into ``out`` (a new tensor when None; it may be ``exp_avg``'s
     own storage only if the moment is not needed afterwards)."""
     first = torch.div(exp_avg, 1 - beta1**step, out=out)
-    squared = first * first
-    denom = (exp_avg_sq / (1 - beta2**step)).sub_(squared).clamp_(min=0.0).div_(ranks)
-    return first.div_(denom.add_(squared).sqrt_().add_(eps))
+    # One temporary: m^2 is formed twice rather than kept (a fresh tensor of a large
+    # parameter's size costs more than the arithmetic on a CPU: page faults).
+    denom = torch.div(exp_avg_sq, 1 - beta2**step)
+    denom.addcmul_(first, first, value=-1).clamp_(min=0.0).div_(ranks).addcmul_(first, first)
+    return first.div_(denom.sqrt_().add_(eps))

@@ -277,7 +277,8 @@ def warmup_conservation(backend: str, names: str) -> None:
         model = _model()
         # No weight decay: p.grad stays A_t.
         inner = (optim.SGD if directions else torch.optim.SGD)(model.parameters(), lr=0.05, momentum=0.9)
-        diloco = DiLoCo(model, inner, sync_every=100, warmup_steps=8, compressor=compressors.OneBit(),
+        # 9 warm-up steps, 8 taken: the warm-up's residuals are freed when it ends.
+        diloco = DiLoCo(model, inner, sync_every=100, warmup_steps=9, compressor=compressors.OneBit(),
                         warmup_compressor=COMPRESSORS[name]())
         flat = lambda ts: torch.cat([t.reshape(-1).double() for t in ts])  # noqa: E731
         start = diloco.state_dict()
@@ -346,6 +347,12 @@ def _resume(name: str, rank: int) -> None:
             torch.save({"model": model.state_dict(), "inner": inner.state_dict(), "diloco": diloco.state_dict()}, buffer)
             saved = buffer.getvalue()
     uninterrupted = _flat(model)
+    if cwarmup:  # the warm-up's memory is freed when it ends, and a state saved after it loads
+        after = diloco.state_dict()
+        assert after["warmup_worker_residual"] is None and after["warmup_server_residual"] is None, after.keys()
+        fresh = build()[2]
+        fresh.load_state_dict(after)
+        assert fresh.state_dict()["warmup_worker_residual"] is None, "a state saved after the warm-up kept its memory"
     model, inner, diloco = build()
     state = torch.load(io.BytesIO(saved), weights_only=True)
     model.load_state_dict(state["model"])
