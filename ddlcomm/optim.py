@@ -148,9 +148,16 @@ class DirectionOptimizer:
 
     @torch.no_grad()
     def step(self, closure=None):  # type: ignore[override]
+        # A closure (Lightning, L-BFGS-style loops) runs backward, and with it the hook that
+        # leaves the averaged directions: first, as torch's optimizers run it.
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
         pending, self._pending = self._pending, {}
         if not pending:
-            return super().step(closure)
+            super().step()
+            return loss
         self._check_unchanged(pending)
         # The base class skips parameters without a gradient: hide the averaged directions
         # from it, let it update the rest, then apply them.
@@ -158,7 +165,7 @@ class DirectionOptimizer:
         for p in hidden:
             p.grad = None
         try:
-            loss = super().step(closure)
+            super().step()
         finally:
             for p, g in hidden.items():
                 p.grad = g

@@ -4,9 +4,11 @@ ranks), non-finite gradients, checkpointing and no_sync. Training quality: test_
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from ddlcomm import compressors, hooks
 from harness import assert_all_ok, launch
@@ -83,3 +85,68 @@ def test_state_refuses_options_it_would_ignore_or_misuse(options: dict, error: t
 
 def test_native_backend_is_found_under_the_debug_wrapper() -> None:
     assert_all_ok(launch("compression", "debug_wrapper", 2, timeout=120, env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}))
+
+
+@pytest.fixture
+def one_rank() -> Iterator[None]:
+    """A world of one gloo rank in this process: the hooks run their fallback (compressing as
+    on many ranks) without starting any."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+class _Bucket:
+    """The part of dist.GradBucket the hook reads: an iteration's only bucket, with no
+    parameters to map (the hook keys its memory by the bucket's index)."""
+
+    def __init__(self, buffer: torch.Tensor) -> None:
+        self._buffer = buffer
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        return []
+
+    def index(self) -> int:
+        return 0
+
+    def is_last(self) -> bool:
+        return True
+
+
+def test_dgc_momentum_restarts_where_top_k_sent(one_rank: None) -> None:
+    """DGC's momentum factor masking (CompressionState(momentum=) with top-k): an entry sent in
+    one call (its worker residual is zero afterwards) starts its momentum afresh in the next;
+    the others keep accumulating. After two calls the momentum is g2 where call 1 sent and
+    momentum * g1 + g2 elsewhere."""
+    momentum = 0.9
+    state = hooks.CompressionState(compressor=compressors.TopK(ratio=0.25), momentum=momentum,
+                                   min_compression_bytes=0, start_compress_iter=2)
+    state.iter = state.start_compress_iter
+    generator = torch.Generator().manual_seed(0)
+    g1, g2 = torch.randn(64, generator=generator), torch.randn(64, generator=generator)
+    hooks.topk_hook(state, _Bucket(g1.clone())).wait()
+    (worker,) = state.memory.worker_residuals.values()
+    sent = worker == 0
+    assert 0 < int(sent.sum()) < sent.numel(), "top-k sent none or all of the entries: nothing to tell apart"
+    hooks.topk_hook(state, _Bucket(g2.clone())).wait()
+    assert state.stats.compressed_buckets == 2
+    (accumulated,) = state.memory.momenta.values()
+    torch.testing.assert_close(accumulated, torch.where(sent, g2, momentum * g1 + g2))
+
+
+@pytest.mark.parametrize("short", [0, 1], ids=["exactly", "one_float_less"])
+def test_min_compression_bytes_is_the_smallest_bucket_compressed(one_rank: None, short: int) -> None:
+    """A bucket of exactly min_compression_bytes is compressed; one a float32 smaller goes as a
+    plain all-reduce ("buckets smaller than min_compression_bytes")."""
+    floats = 256
+    state = hooks.CompressionState(compressor=compressors.OneBit(), min_compression_bytes=floats * 4,
+                                   start_compress_iter=2)
+    state.iter = state.start_compress_iter
+    hooks.onebit_hook(state, _Bucket(torch.randn(floats - short))).wait()
+    counts = (state.stats.compressed_buckets, state.stats.uncompressed_buckets)
+    assert counts == ((1, 0) if short == 0 else (0, 1)), counts

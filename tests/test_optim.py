@@ -133,6 +133,14 @@ def test_clipping_or_grad_scaler_on_averaged_directions_is_refused() -> None:
     assert_all_ok(launch("compression", "misuse_is_refused", 2, timeout=120))
 
 
+def test_step_with_a_closure_applies_the_averaged_directions() -> None:
+    """2 ranks, SGD with momentum and AdamW through 1-bit and top-k hooks, compressed from the
+    third step: ``opt.step(closure)`` (backward inside step(), as Lightning and L-BFGS-style
+    loops call it) trains bit for bit as ``closure(); opt.step()`` and returns the closure's
+    loss (tests/workers/closure.py)."""
+    assert_all_ok(launch("closure", "closure_steps", 2, timeout=180))
+
+
 def test_hook_state_takes_only_ddlcomm_optimizers() -> None:
     params = _params()
     with pytest.raises(TypeError, match="ddlcomm.optim"):
@@ -189,6 +197,34 @@ def test_signatures_are_torchs() -> None:
     for ours, theirs in ((optim.SGD, torch.optim.SGD), (optim.Adam, torch.optim.Adam), (optim.AdamW, torch.optim.AdamW)):
         assert inspect.signature(ours) == inspect.signature(theirs), ours
     assert "betas" in inspect.signature(optim.AdamW).parameters
+
+
+@pytest.mark.parametrize("name", ["Adam", "AdamW"])
+def test_adam_direction_scales_the_variance_by_the_ranks(name: str) -> None:
+    """The direction Adam and AdamW hand a hook averaging over 4 ranks, over 3 steps, against
+    Adam's moments written out here: m and v as torch updates them, bias corrected, and the step
+    m / (sqrt(v') + eps) with v' = m^2 + max(v - m^2, 0) / ranks. At step 1 v = m^2, so the
+    ranks change nothing there: steps 2 and 3 tell whether they are passed on."""
+    beta1, beta2, eps, ranks = 0.8, 0.95, 1e-8, 4
+    params = _params()
+    opt = getattr(optim, name)(params, lr=1e-2, betas=(beta1, beta2), eps=eps)
+    first = [torch.zeros_like(p) for p in params]
+    second = [torch.zeros_like(p) for p in params]
+    for step in (1, 2, 3):
+        grads = _grads(step)
+        directions = [g.clone() for g in grads]
+        opt.local_directions(params, directions, ranks=ranks)
+        for i, (grad, direction) in enumerate(zip(grads, directions)):
+            first[i] = beta1 * first[i] + (1 - beta1) * grad
+            second[i] = beta2 * second[i] + (1 - beta2) * grad * grad
+            m = first[i] / (1 - beta1**step)
+            v = second[i] / (1 - beta2**step)
+            expected = m / ((m * m + (v - m * m).clamp(min=0) / ranks).sqrt() + eps)
+            torch.testing.assert_close(direction, expected, msg=lambda text: f"step {step}: {text}")
+        opt.averaged(params, directions)  # one rank's average is its own direction
+        for param, direction in zip(params, directions):
+            param.grad = direction
+        opt.step()
 
 
 def test_adams_normalised_step_scales_the_variance_and_is_bounded() -> None:

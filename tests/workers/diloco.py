@@ -335,24 +335,26 @@ def _resume(name: str, rank: int) -> None:
         return model, inner, DiLoCo(model, inner, sync_every=4, compressor=COMPRESSORS[name](), **options)
 
     model, inner, diloco = build()
-    saved = None
+    saved = ended = None
     for step in range(16):
         _inner_step(model, inner, rank, step)
         if diloco.step():
             _assert_globals_equal(diloco, f"{name}, outer step {diloco.outer_steps}")
             if not streaming:
                 _assert_replicas_equal(model, f"{name}, outer step {diloco.outer_steps}")
+        if cwarmup and diloco.inner_steps == diloco.warmup_steps:  # the warm-up's last step
+            ended = diloco.state_dict()
         if step == 9:  # between outer steps: the replica differs from the global weights
             buffer = io.BytesIO()
             torch.save({"model": model.state_dict(), "inner": inner.state_dict(), "diloco": diloco.state_dict()}, buffer)
             saved = buffer.getvalue()
     uninterrupted = _flat(model)
-    if cwarmup:  # the warm-up's memory is freed when it ends, and a state saved after it loads
-        after = diloco.state_dict()
-        assert after["warmup_worker_residual"] is None and after["warmup_server_residual"] is None, after.keys()
-        fresh = build()[2]
-        fresh.load_state_dict(after)
-        assert fresh.state_dict()["warmup_worker_residual"] is None, "a state saved after the warm-up kept its memory"
+    if cwarmup:  # the warm-up's memory is freed when it ends, and a state saved then or after it loads
+        for when, after in (("at its last step", ended), ("after it", diloco.state_dict())):
+            assert after["warmup_worker_residual"] is None and after["warmup_server_residual"] is None, when
+            fresh = build()[2]
+            fresh.load_state_dict(after)
+            assert fresh.state_dict()["warmup_worker_residual"] is None, f"a state saved {when} kept its memory"
     model, inner, diloco = build()
     state = torch.load(io.BytesIO(saved), weights_only=True)
     model.load_state_dict(state["model"])
