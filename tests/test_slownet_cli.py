@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -120,12 +121,45 @@ def test_cli_as_non_root_exits_2() -> None:
     assert "root" in p.stderr and "Traceback" not in p.stderr
 
 
-def test_check_says_whether_the_network_can_be_emulated() -> None:
-    """scripts/demo.sh runs its slow-network part only where ``--check`` exits 0."""
-    ok, reason = SlowNet.available()
-    p = cli("--check")
-    assert p.returncode == (0 if ok else 1), p
-    assert p.stdout.strip() == ("slownet: can emulate the network" if ok else f"slownet: cannot emulate the network: {reason}")
+def _without_iptables(tmp_path: Path) -> dict[str, str]:
+    """An environment whose PATH holds every command of this one's but iptables (links in a
+    directory of their own): how a machine without the iptables package looks to slownet."""
+    hidden = tmp_path / "bin"
+    hidden.mkdir()
+    for directory in os.environ.get("PATH", "").split(os.pathsep):
+        if not os.path.isdir(directory):
+            continue
+        for name in os.listdir(directory):
+            target = os.path.join(directory, name)
+            if not name.startswith(("iptables", "ip6tables")) and not (hidden / name).exists() \
+                    and os.access(target, os.X_OK) and os.path.isfile(target):
+                (hidden / name).symlink_to(target)
+    return dict(os.environ, PATH=str(hidden))
+
+
+@pytest.mark.parametrize("tools", ["all", "no iptables"])
+@pytest.mark.parametrize("impairment", [[], ["--delay", "1ms"], ["--loss", "1%"]])
+def test_check_answers_what_a_run_does(tools: str, impairment: list[str], tmp_path: Path) -> None:
+    """scripts/demo.sh runs its slow-network part only where ``--check`` exits 0: for the rate,
+    delay and loss asked, the check says yes exactly when a run with them starts, with the
+    delay tools present and hidden (a kernel without netem needs iptables for delay and loss)."""
+    env = None if tools == "all" else _without_iptables(tmp_path)
+    options = ["--rate", "1gbit", *impairment]
+    check = subprocess.run([*CLI, "--check", *options], capture_output=True, text=True, timeout=60, env=env)
+    assert check.returncode in (0, 1) and len(check.stdout.strip().splitlines()) == 1, check
+    run = subprocess.run([*CLI, "--ranks", "2", *options, "--", "true"], capture_output=True, text=True,
+                         timeout=120, env=env)
+    if check.returncode == 0:
+        assert check.stdout.startswith("slownet: can emulate the network (rate 1000mbit"), check.stdout
+        assert run.returncode == 0, run.stderr
+    else:
+        assert check.stdout.startswith("slownet: cannot emulate the network: "), check.stdout
+        reason = check.stdout.strip().removeprefix("slownet: cannot emulate the network: ")
+        assert run.returncode == 2 and reason in run.stderr, (reason, run.stderr)
+    probe = SlowNet.probe()
+    if probe.ok and (probe.netem or probe.iptables):  # so the hidden case is the one without the tools
+        expect = 0 if tools == "all" or probe.netem or not impairment else 1
+        assert check.returncode == expect, check.stdout
 
 
 def test_units() -> None:

@@ -1,5 +1,5 @@
 // ddlcomm._C.compress: the compressor kernels on raw addresses. The Python wrapper
-// (ddlcomm/compress.py) checks the tensors and passes data_ptr()s; these functions release the
+// (ddlcomm/compressors.py) checks the tensors and passes data_ptr()s; these functions release the
 // GIL around the kernels, which validate everything else and raise ddlcomm errors, translated
 // here into ValueError / TypeError.
 #include <cstdint>
@@ -45,7 +45,7 @@ void translateErrors(std::exception_ptr error) {
 
 void bindCompression(py::module_& m) {
   py::register_local_exception_translator(translateErrors);
-  py::module_ c = m.def_submodule("compress", "Compressor kernels on raw buffers (see ddlcomm.compress)");
+  py::module_ c = m.def_submodule("compress", "Compressor kernels on raw buffers (see ddlcomm.compressors)");
 
   py::enum_<Format>(c, "Format")
       .value("ONE_BIT", Format::OneBit)

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from .plots import pyplot
 from .slownet.units import parse_rate, parse_time
 
 PARAMETERS = ("alpha_net", "eta", "alpha_shm", "beta_shm")
@@ -373,14 +374,12 @@ def compressed_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def plot(rows: list[dict], projected: dict[str, list[dict]], path: Path, compressed_rows: list[dict] = ()) -> None:
+def plot(rows: list[dict], projected: dict[str, list[dict]], path: Path, compressed_rows: list[dict] = ()) -> bool:
     """Measured against predicted (every record, the compressed ones as squares), and the
-    projected all-reduce time by hosts."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    projected all-reduce time by hosts; False (nothing written) without matplotlib."""
+    plt = pyplot(path)
+    if plt is None:
+        return False
     fig, (left, right) = plt.subplots(1, 2, figsize=(15, 5.2))
     for algorithm in dict.fromkeys(r["algorithm"] for r in rows if r["algorithm"] != "gloo"):
         for fitted, marker in ((True, "o"), (False, "x")):
@@ -411,12 +410,13 @@ def plot(rows: list[dict], projected: dict[str, list[dict]], path: Path, compres
         ax.grid(True, which="both", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110, bbox_inches="tight")
+    return True
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--measurements", required=True, help="measurements.json of run_cost_model")
-    parser.add_argument("--out", help="folder for model.json (fit, errors, projections) and model.png")
+    parser.add_argument("--out", help="folder for model.json (fit, errors, projections) and model.png (matplotlib)")
     parser.add_argument("--project", default="10gbit/0.05ms,1gbit/5ms,100mbit/25ms",
                         help="links (rate/one-way delay of each link) to project to many hosts")
     parser.add_argument("--bytes", type=float, default=100e6, help="gradient bytes of the projection")
@@ -472,8 +472,10 @@ def main() -> None:
         extra = f"\n## Compressed all-reduces\n\n{compressed_table(compressed_rows)}\n" if compressed_rows else ""
         (out / "errors.md").write_text(f"# Cost model: prediction error per configuration\n\n`{command}` "
                                        f"(docs/cost-model.md).\n\n{error_table(rows)}\n{extra}")
-        plot(rows, projected, out / "model.png", compressed_rows)
-        print(f"\nwrote {out / 'model.json'}, {out / 'errors.md'} and {out / 'model.png'}")
+        if plot(rows, projected, out / "model.png", compressed_rows):
+            print(f"\nwrote {out / 'model.json'}, {out / 'errors.md'} and {out / 'model.png'}")
+        else:
+            print(f"\nwrote {out / 'model.json'} and {out / 'errors.md'}")
 
 
 if __name__ == "__main__":

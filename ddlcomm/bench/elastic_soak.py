@@ -1,7 +1,7 @@
 """Elastic soak: the compressed training paths under torchrun --max-restarts, with ranks killed
 and the job resumed from checkpoints, over and over for a given time.
 
-    .venv/bin/python -m ddlcomm.bench.elastic_soak [--minutes 30] [--json out.json]
+    .venv/bin/python -m ddlcomm.bench.elastic_soak [--minutes 30] [--json out.json] [--paths ddp-onebit,...]
 
 Each cycle runs every path (DDP with the 1-bit, ternary, top-k and fp16 hooks; FSDP2 with
 1-bit) of tests/workers/elastic.py on 4 ranks for 40 steps, with two ranks killed (os._exit(9))
@@ -56,7 +56,13 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--minutes", type=float, default=30, help="how long to keep starting killed-and-resumed runs")
     parser.add_argument("--json", help="also write the figures here")
+    parser.add_argument("--paths", default=",".join(PATHS),
+                        help=f"comma-separated training paths to cycle through (default: all, {','.join(PATHS)})")
     args = parser.parse_args()
+    paths = [p.strip() for p in args.paths.split(",") if p.strip()]
+    unknown = [p for p in paths if p not in PATHS]
+    if unknown or not paths:
+        parser.error(f"--paths: no path {unknown}; the paths: {','.join(PATHS)}")
     if not WORKER.is_file():
         raise SystemExit(f"elastic_soak: {WORKER} not found: run it from a source checkout")
     shm_before = set(os.listdir("/dev/shm"))
@@ -67,7 +73,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         cycle = 0
         while time.monotonic() < deadline and not failures:
-            for path in PATHS:
+            for path in paths:
                 if path not in reference:
                     done, params, _ = _run(Path(tmp) / f"{path}-straight", path, 0)
                     if done.returncode != 0 or params is None:
@@ -93,7 +99,7 @@ def main() -> int:
     left = sorted(set(os.listdir("/dev/shm")) - shm_before)
     print("\n| path | runs | restarts | passed | seconds per run (min-max) | RSS MiB, first cycle | RSS MiB, last cycle |")
     print("| --- | ---: | ---: | ---: | --- | --- | --- |")
-    for path in PATHS:
+    for path in paths:
         mine = [r for r in rows if r["path"] == path]
         if not mine:
             continue
@@ -104,7 +110,7 @@ def main() -> int:
     print(f"\n{len(rows)} runs in {cycle} cycles, {sum(r['ok'] for r in rows)} passed; left in /dev/shm: {left or 'nothing'}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"minutes": args.minutes, "steps": STEPS, "kills_per_run": KILLS, "rows": rows,
+            json.dump({"minutes": args.minutes, "steps": STEPS, "kills_per_run": KILLS, "paths": paths, "rows": rows,
                        "dev_shm_left": left, "failures": failures}, f, indent=1)
     for failure in failures:
         print(failure, file=sys.stderr)

@@ -34,10 +34,10 @@ The benchmark drivers that run on it, ``run_X`` running the ``ddlcomm.bench.X`` 
 emulated hosts (``driver`` holds what they share): ``run_compressed`` (compressed all-reduce
 and DDP hooks), ``run_fsdp_step`` (FSDP2 steps) and ``run_time_to_accuracy``, e.g.
 ``sudo python -m ddlcomm.bench.slownet.run_fsdp_step --rates 1gbit,10gbit --out docs/results``.
-Their old names (``compressed``, ``fsdp_step``, ``time_to_accuracy``, the workers' names) still
-run them for one release and warn.
 
-Needs root and iproute2 (``ip``, ``tc``), plus iptables for delay/loss without netem. The
+Needs root and iproute2 (``ip``, ``tc``), plus iptables for delay/loss without netem
+(scripts/setup.sh installs both where it can). ``--check`` with the run's ``--rate``,
+``--delay``, ``--loss`` and ``--shaper`` says whether that run would start, or why not. The
 emulation's modules use the standard library only (importing the package imports ddlcomm,
 and with it torch).
 """

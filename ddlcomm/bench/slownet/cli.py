@@ -9,13 +9,13 @@ import sys
 import threading
 from typing import Any, Sequence
 
-from .commands import SlowNetError
+from .commands import SlowNetError, SlowNetUnavailable
 from .launch import DEFAULT_MASTER_PORT, run_ranks
 from .netns import cleanup_stale
 from .network import DEFAULT_SUBNET, SlowNet
 from .probe import missing_prerequisite
-from .shaping import SHAPERS
-from .units import parse_loss, parse_rate, parse_time
+from .shaping import SHAPERS, resolve_shaper
+from .units import Shaping, parse_loss, parse_rate, parse_time
 
 
 def _arg(parse: Any) -> Any:
@@ -54,11 +54,26 @@ def build_parser() -> argparse.ArgumentParser:
                     help="kill everything after this many seconds (default 600)")
     ap.add_argument("--keep", action="store_true", help="do not delete the namespaces (debugging)")
     ap.add_argument("--check", action="store_true",
-                    help="only say whether this machine can emulate the network (exit 0) or why not (exit 1)")
+                    help="only say whether this machine can emulate the network that --rate, --delay, --loss "
+                         "and --shaper ask for (exit 0) or why not (exit 1)")
     ap.add_argument("--cleanup-stale", action="store_true",
                     help="delete ddl-* namespaces of dead processes, then run COMMAND if any")
     ap.add_argument("command", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     return ap
+
+
+def check(shaper: str, shaping: Shaping) -> int:
+    """``--check``: whether a run with these options would start, by the same choice of shaper
+    the run makes (so it never says yes to a delay that only netem or iptables could add)."""
+    probe = SlowNet.probe()
+    try:
+        chosen = resolve_shaper(shaper, probe, shaping)
+    except SlowNetUnavailable as e:
+        print(f"slownet: cannot emulate the network: {e}")
+        return 1
+    how = chosen if chosen == "netem" or not shaping.impairment else f"tbf, {shaping.impairment} by {probe.iptables}"
+    print(f"slownet: can emulate the network ({shaping}: {how})")
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -66,9 +81,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if args.check:
-        ok, reason = SlowNet.available()
-        print(f"slownet: {'can emulate the network' if ok else 'cannot emulate the network: ' + reason}")
-        return 0 if ok else 1
+        return check(args.shaper, Shaping.parse(args.rate, args.delay, args.loss))
     if not command and not args.cleanup_stale:
         ap.error("no COMMAND given (put it after --)")
     missing = missing_prerequisite()

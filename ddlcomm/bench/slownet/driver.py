@@ -73,20 +73,3 @@ def collect_results(net: SlowNet, argv: list[str], timeout: float, what: str, ra
 def save_figure(fig, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-
-
-def renamed(old: dict, new: str) -> None:
-    """Makes the module whose globals are ``old`` an alias of ``ddlcomm.bench.slownet.<new>``
-    for one release: it warns, hands out the new module's names, and under ``python -m``
-    runs the new module's main."""
-    import importlib
-    import warnings
-
-    module = importlib.import_module(f"{__package__}.{new}")
-    running = old["__name__"] == "__main__"
-    name = old["__spec__"].name if running else old["__name__"]
-    warnings.warn(f"{name} is now {module.__name__}; the old name goes in the next release",
-                  FutureWarning, stacklevel=2 if running else 3)
-    old["__getattr__"] = lambda attribute: getattr(module, attribute)
-    if running:
-        module.main()

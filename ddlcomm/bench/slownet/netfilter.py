@@ -76,11 +76,11 @@ class Netfilter:
                 self.iptables(ns, "-A", CHAIN, "-m", "statistic", "--mode", "random",
                                "--probability", f"{s.loss_pct / 100:.6f}", "-j", "DROP")
             if s.delay_s:
-                self._start_delayer(ns, 2 * s.delay_s)
+                self.start_delayer(ns, 2 * s.delay_s)
                 # No --queue-bypass: without the delayer, packets drop (fail closed).
                 self.iptables(ns, "-A", CHAIN, "-j", "NFQUEUE", "--queue-num", "0")
 
-    def _start_delayer(self, ns: str, delay_s: float) -> None:
+    def start_delayer(self, ns: str, delay_s: float) -> None:
         """Start nfq_delay.py in ``ns``; return once it has bound queue 0."""
         proc = subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, str(DELAYER),
                                  "--queue", "0", "--delay", repr(delay_s)],

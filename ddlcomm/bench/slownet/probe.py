@@ -1,6 +1,7 @@
 """What this machine supports: root, iproute2, network namespaces, the netem and tbf qdiscs,
-and an iptables that can add the delay/loss fixture's rules (netfilter.py). Found once with a
-throwaway namespace (``SlowNet.probe``, ``SlowNet.available``). The standard library only."""
+and an iptables that can add the delay/loss fixture's rules, with the packet delayer able to
+bind its queue (netfilter.py). Found once with a throwaway namespace (``SlowNet.probe``,
+``SlowNet.available``). The standard library only."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import shutil
 from dataclasses import dataclass
 
 from .commands import SlowNetError, sh
+from .netfilter import Netfilter
 from .netns import unique_name
 
 
@@ -34,7 +36,8 @@ def missing_prerequisite() -> str | None:
 
 
 def probe_iptables(ns: str) -> str | None:
-    """The first of iptables-legacy, iptables that can add the fixture's rules in ``ns``."""
+    """The first of iptables-legacy, iptables that can add the fixture's rules in ``ns``, where
+    the packet delayer can bind its queue (a kernel without nfnetlink_queue cannot)."""
     rules = (["-m", "statistic", "--mode", "random", "--probability", "0.5", "-j", "DROP"],
              ["-j", "NFQUEUE", "--queue-num", "0"])
     for tool in ("iptables-legacy", "iptables"):
@@ -45,6 +48,13 @@ def probe_iptables(ns: str) -> str | None:
                 sh("ip", "netns", "exec", ns, tool, "-w", "10", "-A", "OUTPUT", *rule)
         except SlowNetError:
             continue
+        fixture = Netfilter(tool)
+        try:
+            fixture.start_delayer(ns, 0.001)
+        except SlowNetError:
+            return None
+        finally:
+            fixture.close()
         return tool
     return None
 

@@ -5,7 +5,7 @@
 For each link rate it builds the emulated cluster of ddlcomm.bench.slownet (one network
 namespace per host, a bridge, every link shaped with tc; ``--ranks-per-host`` ranks in each), runs
 ``python -m ddlcomm.bench.compressed`` on every rank, prints the tables, and writes
-``slownet.json`` and ``slownet.png`` (time vs link bandwidth) into --out.
+``slownet.json`` and ``slownet.png`` (time vs link bandwidth; with matplotlib, the plots extra) into --out.
 Needs root and iproute2; exits non-zero with the reason when namespaces are unavailable.
 """
 
@@ -15,6 +15,7 @@ import json
 import sys
 from pathlib import Path
 
+from ..plots import pyplot
 from .driver import bench_parser, collect_results, require_slownet, save_figure, worker_args
 from .network import SlowNet
 
@@ -48,12 +49,8 @@ def table(results: list[dict], kind: str) -> str:
 
 
 def plot(results: list[dict], path: Path) -> bool:
-    """The all-reduce and DDP panels of what ran; False (nothing written) where neither ran."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    """The all-reduce and DDP panels of what ran; False (nothing written) where neither ran
+    or matplotlib is not installed."""
     def gbits(rate: str) -> float:
         value = float(rate.rstrip("gbitm"))
         return value if rate.endswith("gbit") else value / 1000
@@ -69,6 +66,9 @@ def plot(results: list[dict], path: Path) -> bool:
     if first["ddp"]:
         panels.append(("ddp", f"DDP iteration, {first['ddp'].get('params', 0) / 1e6:.1f}M-parameter model"))
     if not panels:
+        return False
+    plt = pyplot(path)
+    if plt is None:
         return False
     fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.5), squeeze=False)
     for ax, (kind, title) in zip(axes[0], panels):

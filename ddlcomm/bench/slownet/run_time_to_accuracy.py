@@ -7,7 +7,8 @@ AdamW, from ddlcomm.bench.tasks, sized so that communication matters) it runs
 ``python -m ddlcomm.bench.time_to_accuracy`` on every rank, then reports for each method the
 training time until the metric reaches a target: within 0.5 points of gloo fp32's final
 accuracy or 1% of its final loss, and a looser 1 point / 2%. Writes ``time_to_accuracy.json``,
-``time_to_accuracy.md`` and ``time_to_accuracy.png`` (metric against wall time) into --out.
+``time_to_accuracy.md`` and ``time_to_accuracy.png`` (metric against wall time; with matplotlib, the plots
+extra) into --out.
 Needs root and iproute2; exits non-zero with the reason when namespaces are unavailable.
 """
 
@@ -17,6 +18,7 @@ import json
 import sys
 from pathlib import Path
 
+from ..plots import pyplot
 from .driver import bench_parser, collect_results, require_slownet, save_figure
 from .network import SlowNet
 
@@ -112,12 +114,12 @@ def report(results: list[dict]) -> str:
     return f"{strict}\n\n{loose}"
 
 
-def plot(results: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def plot(results: list[dict], path: Path) -> bool:
+    """Metric against training seconds, a panel per task and rate; False (nothing written)
+    without matplotlib."""
+    plt = pyplot(path)
+    if plt is None:
+        return False
     panels = list(dict.fromkeys((r["task"], r["rate"]) for r in results))
     fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.2), squeeze=False)
     for ax, (task, rate) in zip(axes[0], panels):
@@ -135,6 +137,7 @@ def plot(results: list[dict], path: Path) -> None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     save_figure(fig, path)
+    return True
 
 
 def main() -> None:
@@ -182,9 +185,11 @@ def main() -> None:
 def write_report(results: list[dict], out: Path) -> None:
     text = report(results)
     (out / "time_to_accuracy.md").write_text(text + "\n")
-    plot(results, out / "time_to_accuracy.png")
-    print("\n" + text)
-    print(f"wrote {out / 'time_to_accuracy.md'} and .png")
+    print("\n" + text, flush=True)
+    if plot(results, out / "time_to_accuracy.png"):
+        print(f"wrote {out / 'time_to_accuracy.md'} and .png")
+    else:
+        print(f"wrote {out / 'time_to_accuracy.md'}")
 
 
 if __name__ == "__main__":
