@@ -14,7 +14,8 @@ A group's transport is ``DDLCOMM_TRANSPORT`` (auto by default), or its own ``pg_
 Launch with ``torchrun`` like any other backend. ``ProcessGroupDdlcomm`` is the backend class
 torch creates for a group (``help(ddlcomm.ProcessGroupDdlcomm)`` lists its methods); the
 compressors are in ``ddlcomm.compressors``, the DDP hooks in ``ddlcomm.hooks`` with their
-optimizers in ``ddlcomm.optim``, FSDP2 in ``ddlcomm.fsdp``, benchmarks in ``ddlcomm.bench``.
+optimizers in ``ddlcomm.optim``, FSDP2 in ``ddlcomm.fsdp``, a slow-network emulator in
+``ddlcomm.slownet``; the benchmarks are in a source checkout's ``bench/``.
 """
 
 from __future__ import annotations

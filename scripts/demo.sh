@@ -17,7 +17,8 @@ case "${1:-}" in
 esac
 bash scripts/setup.sh
 VENV="$PWD/.venv/bin"
-cd "$(mktemp -d)"  # run against the installed package
+# The benchmarks (bench/) run from the repository root, where `-m bench.NAME` finds them;
+# ddlcomm is the editable install setup.sh made.
 export OMP_NUM_THREADS=1
 quiet() { grep -v -e "^W[0-9]" -e OMP_NUM_THREADS -e '^\*\*\*' || true; }
 if [ "$SHORT" = 1 ]; then
@@ -27,18 +28,18 @@ else
 fi
 for n in $RANKS; do
   echo "== all-reduce, $n ranks: gloo and ddlcomm over each of its transports"
-  "$VENV/torchrun" --standalone --nproc-per-node "$n" -m ddlcomm.bench.collectives \
+  "$VENV/torchrun" --standalone --nproc-per-node "$n" -m bench.collectives \
     --ops all_reduce "${BENCH[@]}" 2>&1 | quiet
 done
 echo "== DDP training on ddlcomm, $DDP_RANKS ranks: plain all-reduce, then the 1-bit and ternary hooks"
-"$VENV/torchrun" --standalone --nproc-per-node "$DDP_RANKS" -m ddlcomm.examples.ddp_demo "${STEPS[@]}" 2>&1 | quiet
+"$VENV/torchrun" --standalone --nproc-per-node "$DDP_RANKS" -m bench.ddp_demo "${STEPS[@]}" 2>&1 | quiet
 RATE=100mbit DELAY=0.5ms
 echo "== the same DDP training across 4 emulated hosts: one network namespace per rank, $RATE links, $DELAY delay"
 # --check answers for this rate and delay, by the choice the run itself makes.
-if check=$("$VENV/python" -m ddlcomm.bench.slownet --check --rate "$RATE" --delay "$DELAY"); then
+if check=$("$VENV/python" -m ddlcomm.slownet --check --rate "$RATE" --delay "$DELAY"); then
   echo "   $check"
-  "$VENV/python" -m ddlcomm.bench.slownet --ranks 4 --rate "$RATE" --delay "$DELAY" -- \
-    "$VENV/python" -m ddlcomm.examples.ddp_demo "${SLOW_STEPS[@]}" 2>&1 | sed -e '/cannot be retrieved/d' -e 's/^\[rank 0\] //'
+  "$VENV/python" -m ddlcomm.slownet --ranks 4 --rate "$RATE" --delay "$DELAY" -- \
+    "$VENV/python" -m bench.ddp_demo "${SLOW_STEPS[@]}" 2>&1 | sed -e '/cannot be retrieved/d' -e 's/^\[rank 0\] //'
 else
   echo "   skipped: ${check#slownet: }"
 fi

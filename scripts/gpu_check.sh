@@ -2,7 +2,7 @@
 # One command for a GPU machine (python3 with a CUDA torch, nvcc, cmake; ninja optional):
 # builds the extension against that torch (pip install --no-build-isolation -e ., in the
 # background) and csrc/cuda standalone; runs the GPU test (all sizes, plus >2^31 elements);
-# then tests/test_gpu.py and the DDP step benchmark (ddlcomm.bench.cuda.ddp_step) on the
+# then tests/test_gpu.py and the DDP step benchmark (bench.cuda.ddp_step) on the
 # extension; then the GPU test under compute-sanitizer memcheck on a reduced size set, the
 # CUDA benchmark (with the 25 MB bucket on its own) and the plain-torch comparison.
 # Logs go to $1 (default ./gpu-results): summary.txt (every step with its exit status),
@@ -86,8 +86,8 @@ if [ -n "$EXTENSION" ]; then
   if wait "$EXTENSION"; then
     skipped pytest || step pytest "${GPU_CHECK_PYTEST_LIMIT:-500}" pytest.log bash -c "cd /tmp && PYTHONUNBUFFERED=1 python3 -m pytest -q -rA \
       -p no:cacheprovider ${GPU_CHECK_PYTEST_ARGS:-} '$ROOT/tests/test_gpu.py'"
-    skipped ddp_step || step ddp_step 200 ddp_step.log bash -c "cd /tmp && PYTHONUNBUFFERED=1 python3 -m \
-      ddlcomm.bench.cuda.ddp_step --json '$RESULTS/ddp_step.json'"
+    skipped ddp_step || step ddp_step 200 ddp_step.log bash -c "cd '$ROOT' && PYTHONUNBUFFERED=1 python3 -m \
+      bench.cuda.ddp_step --json '$RESULTS/ddp_step.json'"
   else
     FAILED=1
   fi
@@ -109,7 +109,7 @@ skipped bench || step bench 150 bench.log "$BUILD/bench_cuda_kernels" --csv="$RE
 # A 25 MB DDP bucket (24 MiB): encode+EF plus decode-accumulate against the 1 ms target.
 skipped bucket || step bucket 60 bucket.log "$BUILD/bench_cuda_kernels" --min-mib=24 --max-mib=24
 # By its path: it imports torch only.
-skipped torch || step torch 150 torch.log env PYTHONUNBUFFERED=1 python3 "$ROOT/ddlcomm/bench/cuda/torch_ops.py" \
+skipped torch || step torch 150 torch.log env PYTHONUNBUFFERED=1 python3 "$ROOT/bench/cuda/torch_ops.py" \
   --bench "$BUILD/bench_cuda_kernels" --sizes-mib 1,16,64,256
 
 note "done: $([ $FAILED -eq 0 ] && echo 'all steps passed' || echo 'SOME STEPS FAILED') (results in $RESULTS)"

@@ -10,7 +10,7 @@ PYTHON=${PYTHON:-python3}
 # System packages, installed as root where apt-get exists; elsewhere one line says what is
 # missing and what goes without it:
 #   libucx-dev ucx-utils pkg-config: the UCX transport (DDLCOMM_TRANSPORT=ucx; else built without it)
-#   iproute2: ip and tc, the emulated network's namespaces, links and rates (ddlcomm.bench.slownet)
+#   iproute2: ip and tc, the emulated network's namespaces, links and rates (ddlcomm.slownet)
 #   iptables: its delay and loss on kernels without the netem qdisc
 #   libtcmalloc-minimal4: the allocator the FSDP2 step benchmark gives each rank by default
 missing=()
@@ -26,7 +26,7 @@ if [ ${#missing[@]} -gt 0 ]; then
     install || { apt-get update -q >/dev/null 2>&1 && install; } ||
       echo "setup: could not install ${missing[*]}: without them the UCX transport is left out and the emulated network may lack delay" >&2
   else
-    echo "setup: missing system packages (install them as root): ${missing[*]}; until then the UCX transport is left out and the emulated network (ddlcomm.bench.slownet) may not run" >&2
+    echo "setup: missing system packages (install them as root): ${missing[*]}; until then the UCX transport is left out and the emulated network (ddlcomm.slownet) may not run" >&2
   fi
 fi
 
@@ -39,12 +39,13 @@ if ! .venv/bin/python -c "import torch, numpy, pytest, hypothesis, scikit_build_
   .venv/bin/pip install -q torch==2.13.0 numpy pytest hypothesis "scikit-build-core>=0.10" ninja cmake matplotlib scikit-learn
 fi
 # Editable: the checkout itself is the package (its compiled extension is found through the
-# install), so Python run in the checkout's root, or `-m ddlcomm.bench...`, imports it as is.
+# install), so Python run in the checkout's root (the benchmarks, `python -m bench.NAME`)
+# imports it as is.
 # The extras (plots, test) are already there: pip only records them.
 if [ -d build ]; then
   echo "setup: building ddlcomm (incremental: seconds to a few minutes)"
 else
-  echo "setup: building ddlcomm's C++ extension (the first build takes 10-15 min on 2 cores; later ones are incremental)"
+  echo "setup: building ddlcomm's C++ extension (the first build takes a few minutes on 2 cores; later ones are incremental)"
 fi
 .venv/bin/pip install -q --no-build-isolation -e ".[plots,test]"
 .venv/bin/python - <<'PY'

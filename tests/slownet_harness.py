@@ -1,4 +1,4 @@
-"""What the tests of ddlcomm.bench.slownet share (test_slownet.py, test_slownet_ddlcomm.py,
+"""What the tests of ddlcomm.slownet share (test_slownet.py, test_slownet_ddlcomm.py,
 test_slownet_cli.py): the marks that skip them where SlowNet cannot run, the fixtures behind
 them, and a subprocess helper.
 
@@ -15,7 +15,7 @@ import subprocess
 
 import pytest
 
-from ddlcomm.bench.slownet import Probe, SlowNet
+from ddlcomm.slownet import Probe, SlowNet
 
 __all__ = ["OK", "REASON", "needs_net", "needs_impairment", "needs_iptables", "probe", "impairable", "iptables",
            "communicate_or_kill"]

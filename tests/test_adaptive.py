@@ -32,14 +32,14 @@ def test_ranks_train_and_choose_alike() -> None:
 
 
 def test_paired_benchmark_reports_ratios_over_two_hosts() -> None:
-    """ddlcomm.bench.adaptive_paired (whose runs docs/collectives.md reports), small, on 2 named
+    """bench.adaptive_paired (whose runs docs/collectives.md reports), small, on 2 named
     hosts of 2 ranks: every method reports its paired ratios to the fixed hooks, and the
     adaptive hook measured four options (one level among them) and chose one of them."""
-    import ddlcomm.bench.adaptive_paired as bench
+    import bench.adaptive_paired as paired
 
     methods = ["fixed 1-bit hook", "fixed 1-bit hook (one level)", "adaptive 1-bit hook"]
     hosts = {r: {"DDLCOMM_HOST_ID": f"host-{r // 2}"} for r in range(4)}
-    results = launch_script(Path(bench.__file__), 4, timeout=240, rank_env=hosts,
+    results = launch_script(Path(paired.__file__), 4, timeout=240, rank_env=hosts,
                             args=("--width", "256", "--depth", "1", "--rounds", "3", "--methods", ",".join(methods)))
     assert_all_ok(results)
     records = [json.loads(line[len("RESULT "):]) for line in results[0].output.splitlines()

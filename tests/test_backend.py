@@ -247,7 +247,7 @@ print("torch", torch.__version__)
 
 def test_the_checkout_root_imports_the_built_package() -> None:
     """scripts/setup.sh installs in editable mode: Python run in the clone's root (the README's
-    `-m ddlcomm.bench...` commands) imports the checkout, with its extension."""
+    `-m bench...` commands) imports the checkout, with its extension."""
     code = "import ddlcomm, ddlcomm._C, ddlcomm.hooks; print(ddlcomm.__file__, ddlcomm.is_available())"
     result = run_python(code, ROOT)
     assert result.returncode == 0, result.stderr
@@ -265,7 +265,7 @@ def test_collectives_benchmark_refuses_bad_arguments_before_running(args: tuple,
                                                                     capsys: pytest.CaptureFixture) -> None:
     import torch.distributed as dist
 
-    from ddlcomm.bench import collectives
+    from bench import collectives
 
     # In this process (a fresh one per case cost 2 s each): argparse's usage error, exit 2,
     # before any process group exists.

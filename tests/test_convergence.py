@@ -1,6 +1,6 @@
 """Training quality under compression, with the optimizers and settings people use.
 
-The convergence benchmark's MLP (ddlcomm.bench.tasks, 300 steps, warm-up and cosine schedule,
+The convergence benchmark's MLP (bench.tasks, 300 steps, warm-up and cosine schedule,
 global batch 128) trains on 2 ranks of 64 with SGD (momentum 0.9, lr 0.4) and AdamW (lr 3e-3),
 the learning rates that are best for plain all-reduce. Each compressed hook, given its
 ddlcomm.optim optimizer, must reach plain all-reduce's accuracy over the same two seeds. Two
@@ -57,7 +57,7 @@ def test_compressed_hooks_keep_accuracy_with_momentum_sgd_and_adamw() -> None:
 
 def test_time_to_accuracy_benchmark_refuses_unknown_methods() -> None:
     """--methods is comma-separated: a name with a comma, split, once ran as plain DDP."""
-    from ddlcomm.bench.time_to_accuracy import METHODS, check_methods
+    from bench.time_to_accuracy import METHODS, check_methods
 
     assert not [m for m in METHODS if "," in m], METHODS
     check_methods(METHODS)
@@ -66,13 +66,13 @@ def test_time_to_accuracy_benchmark_refuses_unknown_methods() -> None:
 
 
 def test_time_to_accuracy_benchmark_runs_every_method() -> None:
-    """The time-to-accuracy benchmark's worker and report (ddlcomm.bench.slownet.run_time_to_accuracy,
+    """The time-to-accuracy benchmark's worker and report (bench.slownet.run_time_to_accuracy,
     run on an emulated network only by hand): every method trains, its curve is timed, and the
     report sets the target from gloo fp32."""
     import math
 
-    from ddlcomm.bench.slownet.run_time_to_accuracy import compute_share, report, summarise
-    from ddlcomm.bench.time_to_accuracy import METHODS
+    from bench.slownet.run_time_to_accuracy import compute_share, report, summarise
+    from bench.time_to_accuracy import METHODS
 
     # The MLP: the machinery is under test, and its evaluation is 20x cheaper than the CNN's.
     results = launch("convergence", "time_to_accuracy_curves", 2, timeout=300, args=("mlp", "sgd"))

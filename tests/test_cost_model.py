@@ -1,4 +1,4 @@
-"""The all-reduce cost model (ddlcomm.bench.cost_model): its formulas agree with each other where
+"""The all-reduce cost model (bench.cost_model): its formulas agree with each other where
 the algorithms coincide, and its fit recovers the constants that made the data. Its accuracy on
 the emulated cluster is measured by hand (docs/cost-model.md)."""
 
@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from ddlcomm.bench.cost_model import (Cluster, Link, compressed_terms, evaluate, evaluate_compressed, fit,
+from bench.cost_model import (Cluster, Link, compressed_terms, evaluate, evaluate_compressed, fit,
                                       nccl_ring, payload_ratio, predict, predict_compressed, projections, terms)
 
 TRUE = {"alpha_net": 2e-4, "eta": 1.05, "alpha_shm": 2e-5, "beta_shm": 5e-10, "window": float(4 << 20)}

@@ -247,21 +247,23 @@ def test_source_layout_names_only_existing_paths():
 
 
 @pytest.mark.parametrize("module", ["convergence", "collectives"])
-def test_benchmark_started_without_torchrun_says_how(module: str, tmp_path: Path):
-    """Not torch's raw "RANK expected": one line naming the launcher and the command."""
+def test_benchmark_started_without_torchrun_says_how(module: str):
+    """Not torch's raw "RANK expected": one line naming the launcher and the command (run from
+    the repository root, as the docs say)."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    result = subprocess.run([sys.executable, "-m", f"ddlcomm.bench.{module}"], cwd=tmp_path, env=env,
+    result = subprocess.run([sys.executable, "-m", f"bench.{module}"], cwd=ROOT, env=env,
                             capture_output=True, text=True, timeout=120)
     assert result.returncode != 0
-    assert f"torchrun --nproc-per-node 4 -m ddlcomm.bench.{module}" in result.stderr, result.stderr
+    assert f"torchrun --nproc-per-node 4 -m bench.{module}" in result.stderr, result.stderr
     assert "Traceback" not in result.stderr, result.stderr
 
 
 HELP_CHECK = r'''
 import contextlib, io, pkgutil, re, runpy, sys
-import ddlcomm.bench
-modules = ["ddlcomm.examples.ddp_demo"] + [m.name for m in pkgutil.walk_packages(ddlcomm.bench.__path__, "ddlcomm.bench.")
-                                          if not m.ispkg]
+import bench, ddlcomm.slownet
+modules = [m.name for package in (bench, ddlcomm.slownet)
+           for m in pkgutil.walk_packages(package.__path__, package.__name__ + ".") if not m.ispkg]
+assert "bench.ddp_demo" in modules and "ddlcomm.slownet.__main__" in modules, modules
 for module in modules:
     out = io.StringIO()
     sys.argv = [module, "--help"]
@@ -280,18 +282,20 @@ for module in modules:
 '''
 
 
-def test_every_command_line_option_is_described(tmp_path: Path):
-    """Every benchmark's and the demo's ``--help`` describes each option it lists."""
-    result = subprocess.run([sys.executable, "-c", HELP_CHECK], cwd=tmp_path, capture_output=True, text=True,
+def test_every_command_line_option_is_described():
+    """Every benchmark's, the demo's and the emulator's ``--help`` describes each option it
+    lists (run from the repository root, where ``bench`` is found)."""
+    result = subprocess.run([sys.executable, "-c", HELP_CHECK], cwd=ROOT, capture_output=True, text=True,
                             timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "UNDESCRIBED" not in result.stdout, result.stdout
 
 
 # How the code reads a DDLCOMM_* environment variable: the C++ helpers and the transport
-# table's spin entries (csrc), os.environ (ddlcomm/).
+# table's spin entries (csrc), os.environ (ddlcomm/ and the benchmarks, bench/).
+_ENVIRON = re.compile(r'environ(?:\.get\(|\[)"(DDLCOMM_[A-Z_]+)"')
 _ENV_READS = [(ROOT / "csrc", "*.cc", re.compile(r'env(?:String|Integer)\("(DDLCOMM_[A-Z_]+)"|"(DDLCOMM_[A-Z]+_SPIN_US)"')),
-              (ROOT / "ddlcomm", "*.py", re.compile(r'environ(?:\.get\(|\[)"(DDLCOMM_[A-Z_]+)"'))]
+              (ROOT / "ddlcomm", "*.py", _ENVIRON), (ROOT / "bench", "*.py", _ENVIRON)]
 
 
 def test_every_environment_variable_is_in_the_configuration_table():
@@ -316,14 +320,15 @@ def test_help_of_the_package_is_short():
 
 
 def test_no_module_imports_another_modules_private_names():
-    """What ddlcomm's modules share has a public name (ddlcomm.wire, ddlcomm.options); the
-    compiled extension ``_C`` is the one underscore module they import."""
+    """What ddlcomm's modules and the benchmarks (bench/) share has a public name
+    (ddlcomm.wire, ddlcomm.options); the compiled extension ``_C`` is the one underscore module
+    they import."""
     import ast
 
     offenders = []
-    for path in sorted((ROOT / "ddlcomm").rglob("*.py")):
+    for path in sorted([*(ROOT / "ddlcomm").rglob("*.py"), *(ROOT / "bench").rglob("*.py")]):
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("ddlcomm")):
+            if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").split(".")[0] in ("ddlcomm", "bench")):
                 offenders += [f"{path.relative_to(ROOT)}: {alias.name}" for alias in node.names
                               if alias.name.startswith("_") and alias.name != "_C"]
     assert not offenders, offenders

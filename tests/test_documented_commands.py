@@ -1,20 +1,22 @@
 """Every benchmark that README.md and docs/ tell a reader to run, run in its shortest form.
 
-Each ``python -m ddlcomm.bench...`` / ``torchrun ... -m ddlcomm.bench...`` module named in
-README.md, docs/*.md and docs/results/*.md has a case in ``CASES``: the smallest sizes, steps
-and iterations its own options allow, 2 ranks where torchrun starts them
-(``torchrun --standalone --nproc-per-node 2``), output into the test's temporary folder. A
+Each ``python -m bench...`` / ``torchrun ... -m bench...`` module (the benchmarks of a source
+checkout, run from the repository root) and ``python -m ddlcomm.slownet`` named in README.md,
+docs/*.md and docs/results/*.md has a case in ``CASES``: the smallest sizes, steps and
+iterations its own options allow, 2 ranks where torchrun starts them
+(``torchrun --standalone --nproc-per-node 2``), run from the repository root as the docs say,
+output into the test's temporary folder. A
 case passes when the command exits 0 and writes the files and the table line it is expected
 to. ``test_every_documented_benchmark_has_a_case`` keeps ``CASES`` and the docs in step: a
 newly documented benchmark without a case fails it.
 
-The emulated-network drivers (``ddlcomm.bench.slownet``, ``ddlcomm.bench.slownet.run_*``) run
-only where ``python -m ddlcomm.bench.slownet --check`` exits 0 (root, network namespaces, tc);
-``ddlcomm.bench.cuda.*`` only with a CUDA GPU; ``ddlcomm.bench.torchft_diloco`` only with
+The emulator and the emulated-network drivers (``ddlcomm.slownet``, ``bench.slownet.run_*``) run
+only where ``python -m ddlcomm.slownet --check`` exits 0 (root, network namespaces, tc);
+``bench.cuda.*`` only with a CUDA GPU; ``bench.torchft_diloco`` only with
 torchft installed (not a dependency of ddlcomm). Skipped otherwise, with the reason.
 
 matplotlib is optional (the ``plots`` extra): a benchmark without it writes its tables and
-files and skips its figure with one line on stderr (``ddlcomm.bench.plots.pyplot``);
+files and skips its figure with one line on stderr (``bench.plots.pyplot``);
 ``test_plot_is_skipped_in_one_line_without_matplotlib`` runs plotting benchmarks with
 ``import matplotlib`` failing.
 """
@@ -38,10 +40,11 @@ DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT
 BIN = Path(sys.executable).parent
 TIMEOUT_S = 300
 
-# `-m ddlcomm.bench.X` after python or torchrun (a command may break across lines of the
-# markdown source); ``--module ddlcomm.bench.X`` (an argument) and ``ddlcomm.bench.NAME``
+# `-m bench.X` or `-m ddlcomm.slownet` after python or torchrun (a command may break across
+# lines of the markdown source); ``--module bench.X`` (an argument) and ``bench.NAME``
 # (a placeholder) are not benchmarks of their own.
-_DOCUMENTED = re.compile(r"(?<![\w-])-m\s+(ddlcomm\.bench(?:\.[a-z_][a-z0-9_]*)+)")
+_MODULE = r"(bench(?:\.[a-z_][a-z0-9_]*)+|ddlcomm\.slownet(?:\.[a-z_][a-z0-9_]*)*)\b"
+_DOCUMENTED = re.compile(r"(?<![\w-])-m\s+" + _MODULE)
 
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 
@@ -68,64 +71,64 @@ print(f"rank {dist.get_rank()} of {dist.get_world_size()}: {t.tolist()}", flush=
 dist.destroy_process_group()
 """
 
-# The smallest DDP model of ddlcomm.bench.compressed (--width/--depth/--batch) and its fewest steps.
+# The smallest DDP model of bench.compressed (--width/--depth/--batch) and its fewest steps.
 _SMALL_DDP = ("--numel", "4096", "--repeats", "1", "--width", "16", "--depth", "1", "--iters", "1", "--batch", "2")
 
 CASES: dict[str, Case] = {
-    "ddlcomm.bench.adaptive_paired": Case(
+    "bench.adaptive_paired": Case(
         ("--rounds", "1", "--width", "16", "--depth", "1", "--batch", "2", "--methods", "no hook,adaptive 1-bit hook"),
         torchrun=True, line='"method": "adaptive 1-bit hook"'),
-    "ddlcomm.bench.collectives": Case(
+    "bench.collectives": Case(
         ("--ops", "all_reduce", "--sizes", "4096", "--budget", "0.01"), torchrun=True, line="  all_reduce "),
-    "ddlcomm.bench.compress_kernels": Case(("--sizes", "1", "--reps", "1", "--only", "1-bit"), line="1-bit "),
-    "ddlcomm.bench.compressed": Case(_SMALL_DDP, torchrun=True, line='"kind": "ddp", "method": "ddlcomm 1-bit hook"'),
-    "ddlcomm.bench.convergence": Case(
+    "bench.compress_kernels": Case(("--sizes", "1", "--reps", "1", "--only", "1-bit"), line="1-bit "),
+    "bench.compressed": Case(_SMALL_DDP, torchrun=True, line='"kind": "ddp", "method": "ddlcomm 1-bit hook"'),
+    "bench.convergence": Case(
         ("--tasks", "mlp", "--optimizers", "sgd", "--methods", "all-reduce,1-bit", "--seeds", "1", "--steps", "3",
          "--start-compress-iter", "2", "--out", "{out}"),
         torchrun=True, files=("convergence.json", "convergence.md"), line="| 1-bit | "),
-    "ddlcomm.bench.cost_model": Case(
+    "bench.cost_model": Case(
         ("--measurements", str(ROOT / "docs" / "results" / "cost_model" / "measurements.json"), "--out", "{out}"),
         files=("model.json", "errors.md"), plots=("model.png",), line="median abs. error"),
-    "ddlcomm.bench.cuda.ddp_step": Case(
+    "bench.cuda.ddp_step": Case(
         ("--width", "64", "--layers", "1", "--batch", "8", "--warmup", "2", "--steps", "1",
          "--json", "{out}/ddp_step.json"), files=("ddp_step.json",), line="vs all-reduce", needs="cuda"),
-    "ddlcomm.bench.diloco": Case(
+    "bench.diloco": Case(
         ("--recipe", "mlp-nesterov", "--methods", "DiLoCo 1-bit", "--seeds", "1", "--steps", "2", "--sync-every", "1",
          "--out", "{out}"), torchrun=True, files=("diloco.json", "diloco.md"), line="| DiLoCo 1-bit | "),
     # One path of one cycle still starts 4 ranks under torchrun four times (an uninterrupted
     # run, then one killed twice and resumed): about a minute on 2 cores.
-    "ddlcomm.bench.elastic_soak": Case(
+    "bench.elastic_soak": Case(
         ("--minutes", "0.01", "--paths", "ddp-fp16", "--json", "{out}/elastic_soak.json"),
         files=("elastic_soak.json",), line="1 passed", slow=True),
-    "ddlcomm.bench.soak": Case(("--ops", "24", "--max-mib", "0.0625", "--ranks", "2", "--timeout", "240"),
+    "bench.soak": Case(("--ops", "24", "--max-mib", "0.0625", "--ranks", "2", "--timeout", "240"),
                                line="| **all** | **24** |"),
-    "ddlcomm.bench.time_to_accuracy": Case(
+    "bench.time_to_accuracy": Case(
         ("--task", "mlp", "--steps", "2", "--eval-every", "1", "--methods", "gloo fp32,DiLoCo 1-bit",
          "--sync-every", "1"), torchrun=True, line='RESULT {"method": "DiLoCo 1-bit"'),
-    "ddlcomm.bench.torchft_diloco": Case(
+    "bench.torchft_diloco": Case(
         ("--recipe", "mlp-nesterov", "--replicas", "2", "--seeds", "1", "--steps", "2", "--sync-every", "1",
          "--out", "{out}/torchft_diloco.json"), files=("torchft_diloco.json",), line="RESULT ", needs="torchft"),
-    "ddlcomm.bench.slownet": Case(
+    "ddlcomm.slownet": Case(
         ("--ranks", "2", "--rate", "1gbit", "--", sys.executable, "{out}/train.py"), line="rank 1 of 2: [2.0",
         needs="slownet"),
-    "ddlcomm.bench.slownet.run_compressed": Case(
+    "bench.slownet.run_compressed": Case(
         ("--rates", "1gbit", "--ranks", "2", "--out", "{out}", "--", *_SMALL_DDP),
         files=("slownet.json",), plots=("slownet.png",), line="| ddlcomm 1-bit hook | ", needs="slownet"),
-    "ddlcomm.bench.slownet.run_cost_model": Case(
+    "bench.slownet.run_cost_model": Case(
         ("--hosts", "2", "--ranks-per-host", "1", "--rates", "1gbit", "--delays", "0.05ms", "--out", "{out}", "--",
          "--sizes", "65536", "--repeats", "1", "--warmup", "0", "--algorithms", "gloo,ring"),
         files=("measurements.json",), line="ring ", needs="slownet"),
     # 4 ranks: the driver has no --ranks. --allocator system where tcmalloc is not installed.
-    "ddlcomm.bench.slownet.run_fsdp_step": Case(
+    "bench.slownet.run_fsdp_step": Case(
         ("--rates", "1gbit", "--out", "{out}", "--", "--width", "64", "--depth", "1", "--batch", "2",
          "--iters", "1", "--methods", "gloo,1-bit"),
         files=("fsdp_step.json", "fsdp_step.md"), line="| 1-bit | ", needs="slownet"),
     # 4 ranks: the driver has no --ranks; the language model (the cheaper task), one step.
-    "ddlcomm.bench.slownet.run_time_to_accuracy": Case(
+    "bench.slownet.run_time_to_accuracy": Case(
         ("--rates", "1gbit", "--tasks", "lm", "--steps", "1", "--methods", "gloo fp32", "--out", "{out}"),
         files=("time_to_accuracy.json", "time_to_accuracy.md"), plots=("time_to_accuracy.png",),
         line="| gloo fp32 | ", needs="slownet"),
-    "ddlcomm.bench.slownet.run_tcp_streams": Case(
+    "bench.slownet.run_tcp_streams": Case(
         ("--rates", "1gbit", "--streams", "1", "--repeats", "1", "--bytes", "1000000"),
         line="1 stream(s) each way", needs="slownet"),
 }
@@ -144,16 +147,16 @@ def documented_modules() -> dict[str, list[str]]:
 
 @functools.cache
 def slownet_unavailable() -> str:
-    """Empty where ``python -m ddlcomm.bench.slownet --check`` exits 0, else why not."""
+    """Empty where ``python -m ddlcomm.slownet --check`` exits 0, else why not."""
     try:
-        check = subprocess.run([sys.executable, "-m", "ddlcomm.bench.slownet", "--check"], capture_output=True,
+        check = subprocess.run([sys.executable, "-m", "ddlcomm.slownet", "--check"], capture_output=True,
                                text=True, timeout=120, cwd=ROOT / "tests")
     except (OSError, subprocess.TimeoutExpired) as e:
-        return f"`python -m ddlcomm.bench.slownet --check` did not run: {e}"
+        return f"`python -m ddlcomm.slownet --check` did not run: {e}"
     if check.returncode == 0:
         return ""
     said = (check.stdout + check.stderr).strip().splitlines()
-    return (f"needs root and network namespaces: `python -m ddlcomm.bench.slownet --check` exits "
+    return (f"needs root and network namespaces: `python -m ddlcomm.slownet --check` exits "
             f"{check.returncode}: {said[-1] if said else '(no output)'}")
 
 
@@ -180,7 +183,7 @@ def environment(**extra: str) -> dict[str, str]:
 
 def command(module: str, case: Case, out: Path) -> list[str]:
     args = [a.replace("{out}", str(out)) for a in case.args]
-    if module == "ddlcomm.bench.slownet.run_fsdp_step" and not _has_tcmalloc():
+    if module == "bench.slownet.run_fsdp_step" and not _has_tcmalloc():
         args = ["--allocator", "system", *args]
     if case.torchrun:
         return [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "2", "-m", module, *args]
@@ -203,7 +206,7 @@ def _tail(result: subprocess.CompletedProcess) -> str:
 
 def test_every_documented_benchmark_has_a_case():
     documented = documented_modules()
-    assert "ddlcomm.bench.slownet.run_compressed" in documented, "the docs' commands were not found: check _DOCUMENTED"
+    assert "bench.slownet.run_compressed" in documented, "the docs' commands were not found: check _DOCUMENTED"
     missing = {m: documented[m] for m in sorted(set(documented) - set(CASES))}
     stale = sorted(set(CASES) - set(documented))
     assert not missing, (f"benchmarks documented without a short-form case in tests/test_documented_commands.py "
@@ -213,11 +216,11 @@ def test_every_documented_benchmark_has_a_case():
     assert not absent, f"the docs run modules that do not exist: {absent}"
 
 
-_PLAIN_PYTHON = re.compile(r"(?<![\w-])python3?\s+-m\s+(ddlcomm\.bench(?:\.[a-z_][a-z0-9_]*)+)")
+_PLAIN_PYTHON = re.compile(r"(?<![\w-])python3?\s+-m\s+" + _MODULE)
 
 
 def test_benchmarks_whose_ranks_torchrun_starts_are_documented_with_torchrun():
-    """``python -m ddlcomm.bench.collectives`` only says to start it with torchrun (exit 1)."""
+    """``python -m bench.collectives`` only says to start it with torchrun (exit 1)."""
     wrong = [f"{doc.relative_to(ROOT)}: python -m {module}" for doc in DOCS
              for module in _PLAIN_PYTHON.findall(doc.read_text(encoding="utf-8"))
              if module in CASES and CASES[module].torchrun]
@@ -225,10 +228,11 @@ def test_benchmarks_whose_ranks_torchrun_starts_are_documented_with_torchrun():
 
 
 def test_the_command_pattern_reads_wrapped_commands_and_skips_arguments():
-    text = ("`torchrun --standalone --nproc-per-node 4\n-m ddlcomm.bench.diloco --out DIR`; `python -m\n"
-            "ddlcomm.bench.slownet.run_compressed --module ddlcomm.bench.adaptive_paired`; each "
-            "`python -m ddlcomm.bench.NAME`; `ddlcomm.bench.tasks` is a library.")
-    assert _DOCUMENTED.findall(text) == ["ddlcomm.bench.diloco", "ddlcomm.bench.slownet.run_compressed"]
+    text = ("`torchrun --standalone --nproc-per-node 4\n-m bench.diloco --out DIR`; `python -m\n"
+            "bench.slownet.run_compressed --module bench.adaptive_paired`; each "
+            "`python -m bench.NAME`; `bench.tasks` is a library; `sudo python -m ddlcomm.slownet --check`; "
+            "`-m benchmarks`, `-m ddlcomm.slownetwork`.")
+    assert _DOCUMENTED.findall(text) == ["bench.diloco", "bench.slownet.run_compressed", "ddlcomm.slownet"]
 
 
 @pytest.mark.parametrize("module", [pytest.param(m, id=m, marks=[pytest.mark.slow] if c.slow else [])
@@ -240,8 +244,8 @@ def test_documented_benchmark_runs_in_its_shortest_form(module: str, tmp_path: P
         pytest.skip(reason)
     out = tmp_path / "out"
     out.mkdir()
-    (out / "train.py").write_text(TRAIN)  # the training script of `python -m ddlcomm.bench.slownet -- ...`
-    result = run(command(module, case, out), tmp_path, environment())
+    (out / "train.py").write_text(TRAIN)  # the training script of `python -m ddlcomm.slownet -- ...`
+    result = run(command(module, case, out), ROOT, environment())
     assert result.returncode == 0, _tail(result)
     assert "Traceback" not in result.stderr, _tail(result)
     assert case.line in result.stdout, f"no line with {case.line!r}\n{_tail(result)}"
@@ -252,13 +256,13 @@ def test_documented_benchmark_runs_in_its_shortest_form(module: str, tmp_path: P
 
 # Plotting benchmarks, each with what it writes besides its figure and the figure.
 HIDDEN = {
-    "ddlcomm.bench.cost_model": (CASES["ddlcomm.bench.cost_model"], "model.png"),
-    "ddlcomm.bench.slownet.run_time_to_accuracy --render": (
+    "bench.cost_model": (CASES["bench.cost_model"], "model.png"),
+    "bench.slownet.run_time_to_accuracy --render": (
         Case(("--render", "{out}/time_to_accuracy.json"), files=("time_to_accuracy.md",), line="| gloo fp32 | ",
              inputs={"time_to_accuracy.json": ROOT / "docs" / "results" / "time_to_accuracy.json"}),
         "time_to_accuracy.png"),
     # The report of issue #67: the tables, then ModuleNotFoundError, exit 1, no slownet.json.
-    "ddlcomm.bench.slownet.run_compressed": (
+    "bench.slownet.run_compressed": (
         Case(("--rates", "1gbit", "--ranks", "2", "--out", "{out}", "--", "--skip-ddp", "--numel", "4096",
               "--repeats", "1"), files=("slownet.json",), line="| ddlcomm 1-bit | ", needs="slownet"),
         "slownet.png"),
@@ -283,7 +287,7 @@ def test_plot_is_skipped_in_one_line_without_matplotlib(name: str, tmp_path: Pat
     for target, source in case.inputs.items():
         shutil.copy(source, out / target)
     pythonpath = os.pathsep.join(p for p in (str(hidden), os.environ.get("PYTHONPATH", "")) if p)
-    result = run(command(module, case, out), tmp_path, environment(PYTHONPATH=pythonpath))
+    result = run(command(module, case, out), ROOT, environment(PYTHONPATH=pythonpath))
     assert result.returncode == 0, _tail(result)
     assert "Traceback" not in result.stderr, _tail(result)
     notes = [line for line in result.stderr.splitlines() if "matplotlib" in line]
@@ -296,8 +300,8 @@ def test_plot_is_skipped_in_one_line_without_matplotlib(name: str, tmp_path: Pat
 
 
 def test_only_the_shared_helper_imports_matplotlib():
-    """Every figure goes through ddlcomm.bench.plots.pyplot, which copes with its absence."""
-    helper = ROOT / "ddlcomm" / "bench" / "plots.py"
-    importing = [str(p.relative_to(ROOT)) for p in sorted((ROOT / "ddlcomm").rglob("*.py"))
+    """Every figure goes through bench.plots.pyplot, which copes with its absence."""
+    helper = ROOT / "bench" / "plots.py"
+    importing = [str(p.relative_to(ROOT)) for p in sorted([*(ROOT / "ddlcomm").rglob("*.py"), *(ROOT / "bench").rglob("*.py")])
                  if p != helper and re.search(r"^\s*(?:import|from)\s+matplotlib\b", p.read_text(), re.MULTILINE)]
-    assert not importing, f"import matplotlib outside ddlcomm/bench/plots.py (use its pyplot()): {importing}"
+    assert not importing, f"import matplotlib outside bench/plots.py (use its pyplot()): {importing}"

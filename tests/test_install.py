@@ -2,7 +2,8 @@
 wheel built from the checkout against the installed torch, without build isolation, installed
 into a fresh virtual environment; then two ranks under torchrun, started from another
 directory, join a "ddlcomm" group without importing ddlcomm (torch's backend autoload) and
-all-reduce.
+all-reduce. The wheel ships the slow-network emulator (``python -m ddlcomm.slownet``) but not
+the benchmarks (the checkout's ``bench/``).
 
 The wheel build shares the editable install's build tree (pyproject.toml's build-dir), so it
 compiles nothing new. torch and numpy come from the test environment through a .pth line,
@@ -13,6 +14,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import sysconfig
+import zipfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,6 +44,11 @@ def test_wheel_installs_into_a_fresh_environment_and_runs(tmp_path: Path) -> Non
     _run([sys.executable, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps", "-q", ROOT, "-w", wheels],
          ROOT, timeout=900)
     (wheel,) = wheels.glob("ddlcomm-*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        names = archive.namelist()
+    benchmarks = [n for n in names if n.startswith(("bench/", "ddlcomm/bench/", "ddlcomm/examples/"))]
+    assert not benchmarks, f"the wheel ships benchmarks: {benchmarks}"
+    assert {"ddlcomm/slownet/__main__.py", "ddlcomm/slownet/nfq_delay.py"} <= set(names), names
     venv = tmp_path / "venv"
     # Without its own pip (ensurepip takes ~8 s): the test environment's pip installs into it.
     _run([sys.executable, "-m", "venv", "--without-pip", venv], tmp_path, timeout=300)
@@ -57,3 +64,8 @@ def test_wheel_installs_into_a_fresh_environment_and_runs(tmp_path: Path) -> Non
          timeout=180)
     imported = [(elsewhere / f"rank{rank}.txt").read_text() for rank in range(2)]
     assert imported == [str(Path(site, "ddlcomm"))] * 2, imported  # the wheel, not the checkout
+    # The emulator is a tool of the installed package; the benchmarks are nowhere on its path.
+    emulator = _run([python, "-m", "ddlcomm.slownet", "--help"], elsewhere, timeout=120)
+    assert "python -m ddlcomm.slownet" in emulator.stdout, emulator.stdout
+    found = _run([python, "-c", "import importlib.util; print(importlib.util.find_spec('bench'))"], elsewhere, 60)
+    assert found.stdout.strip() == "None", found.stdout

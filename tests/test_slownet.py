@@ -1,4 +1,4 @@
-"""Tests for ddlcomm.bench.slownet's emulated network against real namespaces, veths, qdiscs and
+"""Tests for ddlcomm.slownet's emulated network against real namespaces, veths, qdiscs and
 netfilter: addresses and environment, rate, delay, loss, a link taken down, and cleanup.
 ddlcomm over it is in test_slownet_ddlcomm.py, the command line in test_slownet_cli.py; what
 they need to run (root, iproute2, netem or iptables) is in slownet_harness.py. All traffic
@@ -17,8 +17,8 @@ import pytest
 from slownet_harness import impairable, iptables, probe  # noqa: F401 (fixtures the marks use)
 from slownet_harness import communicate_or_kill, needs_impairment, needs_iptables, needs_net
 
-from ddlcomm.bench import slownet
-from ddlcomm.bench.slownet import Probe, SlowNet, SlowNetUnavailable
+from ddlcomm import slownet
+from ddlcomm.slownet import Probe, SlowNet, SlowNetUnavailable
 
 
 PORT = 5201

@@ -1,4 +1,4 @@
-"""The command line of ddlcomm.bench.slownet (``python -m ddlcomm.bench.slownet``): it runs every
+"""The command line of ddlcomm.slownet (``python -m ddlcomm.slownet``): it runs every
 rank, propagates failures, times out, cleans up on signals and refuses what it cannot do; and
 the units its options take. What the tests need to run is in slownet_harness.py.
 """
@@ -18,10 +18,10 @@ import pytest
 from slownet_harness import impairable, iptables, probe  # noqa: F401 (fixtures the marks use)
 from slownet_harness import communicate_or_kill, needs_iptables, needs_net
 
-from ddlcomm.bench import slownet
-from ddlcomm.bench.slownet import SlowNet
+from ddlcomm import slownet
+from ddlcomm.slownet import SlowNet
 
-CLI = [sys.executable, "-m", "ddlcomm.bench.slownet"]
+CLI = [sys.executable, "-m", "ddlcomm.slownet"]
 
 
 def cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:

@@ -1,4 +1,4 @@
-"""ddlcomm over ddlcomm.bench.slownet's emulated network: ranks in separate namespaces running
+"""ddlcomm over ddlcomm.slownet's emulated network: ranks in separate namespaces running
 tests/workers/impaired.py, exact results over a lossy slow network, and what every rank does when
 one rank's link is cut. What they need to run is in slownet_harness.py.
 """
@@ -22,8 +22,8 @@ from harness import RANK_ENV, WORKERS
 from slownet_harness import impairable, probe  # noqa: F401 (fixtures the marks use)
 from slownet_harness import needs_impairment, needs_net
 
-from ddlcomm.bench import slownet
-from ddlcomm.bench.slownet import SlowNet
+from ddlcomm import slownet
+from ddlcomm.slownet import SlowNet
 
 
 # The rendezvous store, hosted as torchrun's agent would be: in rank 0's namespace

@@ -1,5 +1,5 @@
 """Soak test, short version: random collectives of every kind on 4 ranks, each result checked
-against a reference (tests/workers/soak.py). The long run is ``python -m ddlcomm.bench.soak``
+against a reference (tests/workers/soak.py). The long run is ``python -m bench.soak``
 (docs/results/soak.md)."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Training-quality scenarios for tests/test_convergence.py, run on every rank.
 
-The task is the convergence benchmark's MLP (``ddlcomm.bench.tasks``): 300 steps, warm-up and
+The task is the convergence benchmark's MLP (``bench.tasks``): 300 steps, warm-up and
 cosine schedule, at the learning rates that are best for plain all-reduce, and the benchmark's
 global batch of 128 split over the ranks.
 """
@@ -13,15 +13,15 @@ import torch
 import torch.distributed as dist
 
 from common import init, run
-from ddlcomm.bench import time_to_accuracy
-from ddlcomm.bench.convergence import METHODS, train
-from ddlcomm.bench.tasks import make_task
+from bench import time_to_accuracy
+from bench.convergence import METHODS, train
+from bench.tasks import make_task
 
 GLOBAL_BATCH = 128  # the benchmark's 4 ranks x 32
 
 
 def quality(runs: str, seeds: str = "0", sharding: str = "ddp") -> None:
-    """``runs``: "optimizer:method;..." (method names of ddlcomm.bench.convergence.METHODS),
+    """``runs``: "optimizer:method;..." (method names of bench.convergence.METHODS),
     with DDP hooks or FSDP2 (``sharding``). Prints ``QUALITY {optimizer: {method: [accuracy
     per seed]}}`` on rank 0."""
     rank, _ = init(timeout_s=300)

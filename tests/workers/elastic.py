@@ -1,5 +1,5 @@
 """Compressed training under torchrun, resuming from per-rank checkpoints: run by
-tests/test_elastic.py and ddlcomm.bench.elastic_soak with `--max-restarts`, where ranks exit
+tests/test_elastic.py and bench.elastic_soak with `--max-restarts`, where ranks exit
 hard in the first attempts.
 
     torchrun --nproc-per-node N elastic.py CHECKPOINT_DIR RESULT_FILE STEPS [KILL_AT [PATH]]

@@ -9,7 +9,7 @@ over a gloo group, and be the same on every rank.
 
     python tests/workers/soak.py soak OPS SEED MAX_BYTES [CORRUPT_FROM]
 
-Run by tests/test_soak.py (short) and ddlcomm.bench.soak (long). Each rank prints one line
+Run by tests/test_soak.py (short) and bench.soak (long). Each rank prints one line
 ``SOAK {json}`` with its counts, timings and memory, then fails if any check failed. Each kind
 of operation, and how it is checked, is in soak_collectives.py; the reference in soak_reference.py.
 """

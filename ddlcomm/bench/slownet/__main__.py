@@ -1,7 +1,0 @@
-"""``python -m ddlcomm.bench.slownet [options] -- COMMAND [ARGS...]``: see cli.py."""
-
-import sys
-
-from .cli import main
-
-sys.exit(main())

@@ -1,1 +1,0 @@
-"""Runnable examples: ``torchrun --nproc-per-node 4 -m ddlcomm.examples.ddp_demo``."""

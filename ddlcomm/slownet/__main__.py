@@ -1,0 +1,7 @@
+"""``python -m ddlcomm.slownet [options] -- COMMAND [ARGS...]``: see cli.py."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())
