@@ -147,11 +147,11 @@ def _destroy_at_exit() -> None:
         dist.destroy_process_group()
     if _made_groups:
         # A gloo group the program still holds at exit may have a worker thread that releases
-        # its last Work (and the tensors in it, which takes the GIL) 2-30 ms after the work
-        # completed; if CPython's finalization starts first, that thread is killed mid-release
-        # and the process aborts ("terminate called without an active exception"). It is
-        # torch's race (seen with no ddlcomm group at all), made likely by how fast a ddlcomm
-        # group is destroyed (1 ms, against gloo's 11-18 ms): give such threads the GIL briefly.
+        # its last Work (and the tensors in it, which takes the GIL) some milliseconds after the
+        # work completed; if CPython's finalization starts first, that thread is killed
+        # mid-release and the process aborts ("terminate called without an active exception").
+        # It is torch's race (seen with no ddlcomm group at all), made likely by a ddlcomm group
+        # being destroyed much faster than a gloo one: give such threads the GIL briefly.
         time.sleep(_EXIT_GRACE_S)
 
 

@@ -13,8 +13,8 @@ steps: each iteration is timed from its first bucket's hook to the next iteratio
 measurement starts ``SETTLE`` iterations after the warm-up (the first compressed iterations are
 slower: allocations) and runs two blocks per option, in one pass from the lossiest (one level
 compresses each rank's gradient, two levels the host's sum) to exact and back, so that a
-machine slowing down or speeding up over the measurement (this 2-core machine goes through
-phases of about ten iterations 30% slower) falls on every option alike; a block is one
+machine slowing down or speeding up over the measurement (a shared machine goes through
+slower phases of several iterations) falls on every option alike; a block is one
 iteration to switch (an exact send after a lossy one carries the error-feedback memory), then
 ``TRIALS`` timed ones. The slowest rank's median of each option (one all-reduce, so every rank
 takes the same choice) decides: the least lossy option within ``MARGIN`` of the fastest is

@@ -205,7 +205,7 @@ class DiLoCo:
                     not averages_directions(inner_optimizer, warmup_compressor):
                 logging.getLogger(__name__).warning(
                     "DiLoCo: a warm-up through %r with a torch optimizer compresses gradients, which momentum and "
-                    "Adam amplify (the CNN of docs/diloco.md: 81%% against 94%% with directions); use a "
+                    "Adam amplify (docs/diloco.md, \"The CNN: a warm-up, then outer steps\"); use a "
                     "ddlcomm.optim optimizer, whose update directions it then averages", warmup_compressor)
 
     def _residuals(self, compressor: Optional[Compressor], synced: int

@@ -378,7 +378,7 @@ class FSDPCompressionState(CompressionOptions):
         # The first moment is the group's; the second is of this rank's chunk alone, from its own
         # gradient when compressed (it never sees compression error and costs no traffic). Its
         # variance is left as it is (ranks=1): scaled to the group's batch, as ddlcomm.optim's
-        # per-rank moments need, the language model lost 0.8-1.7% (docs/fsdp.md).
+        # per-rank moments need, the language model lost accuracy (docs/fsdp.md).
         mine = gradient[r * m:(r + 1) * m].to(dtype)
         second = self._memory(self.exp_avg_sqs, name, m, flat.device, dtype)
         update_second(second, mine, beta2)

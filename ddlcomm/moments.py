@@ -3,8 +3,8 @@ and the FSDP2 reduce-scatter (``ddlcomm.fsdp``'s ``adam_betas=``) both apply.
 
 Where a compressor averages Adam's step over ``n`` ranks, each rank's second moment ``v`` comes
 from its own gradients: it holds the noise of a batch ``n`` times smaller than the one Adam on
-the average gradient normalises by, so steps normalised by it are too short (2% of the
-transformer's loss even through fp16, docs/choosing-a-compressor.md). The step therefore
+the average gradient normalises by, so steps normalised by it are too short (measured even
+through fp16 in docs/choosing-a-compressor.md). The step therefore
 normalises by ``v' = m^2 + (v - m^2) / n``: the variance part of ``v`` scaled back to the full
 batch's. Since ``v' >= m^2`` every element's step is at most 1 in size, about where Adam's own
 steps stay; where this rank's gradient is zero and the first moment is not (a dead unit, an

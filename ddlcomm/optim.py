@@ -116,11 +116,10 @@ class DirectionOptimizer:
                        ranks: int) -> None:
         """``local_directions`` for an average of ``ranks`` ranks through ``compressor``.
 
-        Random-k keeps each rank's own second moment (ranks=1): with the correction for the
-        ranks' smaller batches it reached 0.599 against 0.632 without (tests/workers/gpu.py's DDP
-        task). Top-k keeps SGD's momentum on each rank (its largest entries wait for their turn);
-        random-k, whose entries all wait about as long, trained better with the shared one (MLP,
-        nesterov lr 0.05: 94.3% against 93.6%; at lr 0.4 each rank's own diverged)."""
+        Random-k keeps each rank's own second moment (ranks=1): it trained worse with the
+        correction for the ranks' smaller batches. Top-k keeps SGD's momentum on each rank (its
+        largest entries wait for their turn); random-k, whose entries all wait about as long,
+        trained better with the shared one (docs/choosing-a-compressor.md)."""
         samples = compressor is not None and compressor.samples_randomly
         sparse = compressor is not None and compressor.is_sparse
         self.local_directions(params, grads, ranks=1 if samples else ranks, sparse=sparse and not samples)

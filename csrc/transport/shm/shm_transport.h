@@ -26,8 +26,7 @@ namespace ddlcomm::shm {
 struct ShmOptions {
   size_t ringBytes = 1 << 20;    // DDLCOMM_SHM_RING_BYTES: per pair and direction, a power of two
   // DDLCOMM_SHM_WINDOW_BYTES: each of a rank's two windows. Small enough that a fill stays in
-  // the caches between being written, reduced and copied out (measured: 1 MiB beats 4 MiB
-  // by 1.5-2x at 16-64 MiB on 2 cores with 2 MiB of L2 each).
+  // the caches between being written, reduced and copied out (docs/transports.md).
   size_t windowBytes = 1 << 20;
   bool required = false;  // DDLCOMM_TRANSPORT=shm: every rank must be local, no fallback
 
