@@ -17,41 +17,20 @@ arXiv 2311.08105) applies it to the global weights, which every replica then tak
 
 The compressed average is bitwise the same on every rank (``ddlcomm.compressed``), so the
 replicas are bitwise equal after every outer step. The residual each rank keeps carries what
-compression left out into the next outer step; with ``outer_momentum=0`` that memory is the
-only one, as SparseLoCo (arXiv 2508.15706) uses it. Floating-point buffers that the model's
-``state_dict`` holds (BatchNorm's running statistics) are averaged exactly, in one all-reduce
-that travels with the first fragment's average (and with each warm-up average); buffers
-registered with ``persistent=False`` (an attention mask) are derived, and left alone.
+compression left out into the next outer step (with ``outer_momentum=0`` the only memory, as
+SparseLoCo, arXiv 2508.15706). Floating-point buffers of the model's ``state_dict``
+(BatchNorm's statistics) are averaged exactly with the first fragment; non-persistent ones are
+left alone. The constructor's options, each described in docs/diloco.md:
 
-Streaming (Streaming DiLoCo, arXiv 2501.18512): with ``fragments=F`` the parameters are cut
-into F contiguous parts of about equal size, and part ``k`` takes its outer step at inner
-steps ``(k + 1) * sync_every / F`` (mod ``sync_every``), so the network carries 1/F of the
-model at a time, F times as often. With ``overlap_steps=d`` a fragment's average travels
-while the next ``d`` inner steps compute and is applied ``d`` steps late: the fragment's
-global weights take the outer step, and the replica keeps what its own inner steps added to
-the fragment since it was sent (``local = global + (local - local_at_send)``; the buffers
-likewise: ``average + (buffer - buffer_at_send)``). The global
-weights stay bitwise equal on every rank; the replicas differ by those ``d`` steps, as they
-do between outer steps anyway.
-
-Warm-up (post-local SGD, Lin et al. arXiv 1808.07217): with ``warmup_steps=N`` the first N
-inner steps train as DDP does, where outer steps lose most: ``inner_optimizer.step()`` first
-averages the gradients over the replicas (a step pre-hook), in float32 or through
-``warmup_compressor`` with error feedback of its own (a ``ddlcomm.optim`` optimizer's update
-directions, as the hooks' ``optimizer=``), so every replica takes the same step with any
-optimizer. A clip or a GradScaler before ``step()`` sees this rank's own gradient. Where a
-rank does not run ``inner_optimizer.step()`` (a GradScaler that found inf skips it), no rank
-takes that step: every rank first agrees, in one small all-reduce, on which ranks skip, and
-the others drop the step's gradients (logged once; ``skipped_warmup_steps`` counts them).
-Outer steps follow from step N on.
-
-Two levels: several ranks may train one replica together (DDP over a host's shared memory,
-exactly), and only the outer step crosses hosts. ``replica_groups(ranks_per_replica)`` makes
-the groups; with ``replica_group=`` each of a replica's ``L`` ranks syncs its own contiguous
-1/L of the pseudo-gradient over ``process_group``, the group of the ranks that hold the same
-index in the other replicas, so that all of a host's ranks (and NICs) share the outer
-traffic; the parts are then gathered inside the replica, and every rank takes the same outer
-step. Whole-model outer steps only (``fragments=1``, ``overlap_steps=0``).
+* ``fragments=F``, ``overlap_steps=d``: Streaming DiLoCo (arXiv 2501.18512): F contiguous parts
+  take their outer steps in turn, and each average travels while the next d inner steps run;
+  the replica keeps what those steps added (``local = global + (local - local_at_send)``).
+* ``warmup_steps=N`` (post-local SGD, arXiv 1808.07217): the first N inner steps average the
+  gradients as DDP would (a step pre-hook on the inner optimizer), exactly or through
+  ``warmup_compressor``; a step that one rank skips (GradScaler) is skipped by every rank.
+* ``replica_group=`` (``replica_groups(ranks_per_replica)``): several ranks train one replica
+  with DDP, and each syncs its 1/L of the pseudo-gradient with its peers in the other
+  replicas, so that every rank of a host shares the outer traffic.
 """
 
 from __future__ import annotations
