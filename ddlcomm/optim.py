@@ -155,7 +155,7 @@ class DirectionOptimizer:
                 loss = closure()
         pending, self._pending = self._pending, {}
         if not pending:
-            super().step()
+            self._torch_step()
             return loss
         self._check_unchanged(pending)
         # The base class skips parameters without a gradient: hide the averaged directions
@@ -164,7 +164,7 @@ class DirectionOptimizer:
         for p in hidden:
             p.grad = None
         try:
-            super().step()
+            self._torch_step()
         finally:
             for p, g in hidden.items():
                 p.grad = g
@@ -172,6 +172,15 @@ class DirectionOptimizer:
             if param.grad is not None:
                 self._apply(param, param.grad, self._group(param))
         return loss
+
+    def _torch_step(self) -> None:
+        """The torch class's ``step()`` without the wrapper torch gives each optimizer class's
+        ``step`` (its step hooks and profiler span): this class's own ``step`` is wrapped too,
+        and the hooks already ran once for this step."""
+        step = super().step.__func__
+        if getattr(step, "hooked", False):
+            step = step.__wrapped__
+        step(self)
 
     def _direction(self, param: torch.Tensor, grad: torch.Tensor, group: dict[str, Any], ranks: int,
                    sparse: bool) -> None:

@@ -244,3 +244,26 @@ def test_adams_normalised_step_scales_the_variance_and_is_bounded() -> None:
     # At step 1 the bias corrections divide m by 1 - beta1 and v by 1 - beta2.
     first = normalised_step(m * 0.1, v * 0.01, 1, 0.9, 0.99, 0.0, ranks=1)
     torch.testing.assert_close(first[:3], torch.tensor([0.3 / 0.5, -1.0, 1.0]))
+
+
+@pytest.mark.parametrize("name", ["SGD", "Adam", "AdamW"])
+def test_step_hooks_run_once_per_step(name: str) -> None:
+    """torch wraps each optimizer class's step() to run the step hooks; ddlcomm.optim's step()
+    calls torch's own, which is wrapped too once any torch optimizer of that class exists (a
+    DiLoCo's outer SGD, say): the hooks must still run once a step, with and without an
+    averaged direction to apply."""
+    params = _params()
+    getattr(torch.optim, name)(params, lr=0.1)  # wraps torch's class's step()
+    opt = getattr(optim, name)(params, lr=0.1)
+    calls = {"pre": 0, "post": 0}
+    opt.register_step_pre_hook(lambda *_: calls.__setitem__("pre", calls["pre"] + 1))
+    opt.register_step_post_hook(lambda *_: calls.__setitem__("post", calls["post"] + 1))
+    for step in range(2):
+        grads = _grads(step)
+        if step:  # the second step applies averaged directions, as after a compressed backward
+            opt.local_directions(params, grads, ranks=1)
+            opt.averaged(params, grads)
+        for param, grad in zip(params, grads):
+            param.grad = grad
+        opt.step()
+        assert calls == {"pre": step + 1, "post": step + 1}, (step, calls)
