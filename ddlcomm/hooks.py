@@ -52,7 +52,7 @@ from .compressors import BF16, FP16, Compressor, OneBit, RandomK, Ternary, TopK,
 from .compressed import native_backend, start_compressed_all_reduce, two_levels, wire_bytes
 from .ddp_memory import FeedbackMemory, Signature
 from .hook_checkpoint import HookCheckpoint
-from .optim import DirectionOptimizer, averages_directions
+from .optim import DirectionOptimizer, averages_directions, convert
 from .options import CompressionOptions, CompressionStats
 from .wire import call_stream, ring_all_reduce_bytes
 
@@ -82,11 +82,13 @@ class CompressionState(CompressionOptions, HookCheckpoint):
             rebuilds its buckets after the first iteration).
         min_compression_bytes: buckets smaller than this go uncompressed (logged once).
         error_feedback: keep residuals (recommended; without them 1-bit SGD diverges).
-        optimizer: a ``ddlcomm.optim`` optimizer (SGD, Adam, AdamW) of the model: a lossy
+        optimizer: the model's optimizer, a ``ddlcomm.optim`` one (SGD, Adam, AdamW) or torch's
+            SGD, Adam or AdamW, which becomes one in place (``ddlcomm.optim.convert``): a lossy
             compressor then averages each rank's update direction instead of its gradient,
             which keeps the accuracy of momentum SGD and Adam (see the module docs).
             Recommended for every lossy compressor; FP16 and BF16 average the gradient with
-            or without it.
+            or without it. Where the optimizer is built after the hook is registered (a
+            framework's), pass it later with ``attach``.
         model: the model (or its DDP wrapper). Its parameter names key the error-feedback
             memory in ``state_dict()``; without it, positions in ``optimizer``'s parameter
             groups do. ``state_dict()`` needs one of the two.
@@ -136,7 +138,7 @@ class CompressionState(CompressionOptions, HookCheckpoint):
         start_compress_iter: int = 10,
         min_compression_bytes: int = 64 * 1024,
         error_feedback: bool = True,
-        optimizer: Optional[DirectionOptimizer] = None,
+        optimizer: Optional[torch.optim.Optimizer] = None,
         model: Optional[torch.nn.Module] = None,
         momentum: float = 0.0,
         clip_norm: Optional[float] = None,
@@ -157,12 +159,6 @@ class CompressionState(CompressionOptions, HookCheckpoint):
             raise ValueError("clip_norm= is DGC's local clipping, for momentum=; it is not clip_grad_norm_. To "
                              "clip as torch does, call torch.nn.utils.clip_grad_norm_ between backward() and "
                              "step(): it works with FP16()/BF16() and with hooks that have no optimizer=")
-        if optimizer is not None and not isinstance(optimizer, DirectionOptimizer):
-            raise TypeError(f"optimizer must come from ddlcomm.optim (SGD, Adam, AdamW: drop-in subclasses of "
-                            f"torch's), got {type(optimizer).__module__}.{type(optimizer).__name__}")
-        if optimizer is not None and momentum:
-            raise ValueError("momentum= is DGC's local momentum for an optimizer without one; with optimizer= "
-                             "the optimizer's own momentum is what the hook compresses")
         if max_grad_norm is not None and not (0 < max_grad_norm < math.inf):
             raise ValueError(f"max_grad_norm must be positive and finite, got {max_grad_norm}")
         if max_grad_norm is not None and (optimizer is None or isinstance(compressor, (FP16, BF16))):
@@ -177,7 +173,9 @@ class CompressionState(CompressionOptions, HookCheckpoint):
         if model is not None and not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         self.process_group = process_group
-        self.optimizer = optimizer
+        self.optimizer: Optional[DirectionOptimizer] = None
+        if optimizer is not None:
+            self.attach(optimizer)
         self.model = model
         self.clip_norm = clip_norm
         self.max_grad_norm = max_grad_norm
@@ -193,6 +191,27 @@ class CompressionState(CompressionOptions, HookCheckpoint):
         self._inflight: list[torch.futures.Future] = []  # this iteration's communication
         self._started: Optional[float] = None  # when the last iteration's first bucket came (adaptive)
         self._detached: tuple[str, ...] = ()  # attributes that were set when pickled
+
+    def attach(self, optimizer: torch.optim.Optimizer) -> DirectionOptimizer:
+        """Sets the optimizer whose update directions the hook averages (``optimizer=``), for
+        one built after the hook was registered, as frameworks do; before compression starts.
+        torch's SGD, Adam and AdamW become the ``ddlcomm.optim`` optimizer of the same name in
+        place (logged once). Returns the optimizer."""
+        if optimizer is self.optimizer:
+            return optimizer
+        if self.momentum:
+            raise ValueError("momentum= is DGC's local momentum for an optimizer without one; with optimizer= "
+                             "the optimizer's own momentum is what the hook compresses")
+        if self.optimizer is not None or self.stats.compressed_buckets:
+            raise ValueError("ddlcomm hook: attach the optimizer once, before compression starts (the error-feedback "
+                             "memory of gradients and of update directions cannot be mixed)")
+        if not isinstance(optimizer, DirectionOptimizer):
+            name = f"{type(optimizer).__module__}.{type(optimizer).__name__}"
+            optimizer = convert(optimizer)
+            logger.info("ddlcomm hook: %s is now ddlcomm.optim.%s (the same object): its step() applies the "
+                        "averaged update directions", name, type(optimizer).__name__)
+        self.optimizer = optimizer
+        return optimizer
 
     @property
     def averages_directions(self) -> bool:

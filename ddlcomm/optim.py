@@ -7,7 +7,8 @@ At the learning rates people use, 1-bit compressed gradients then train badly or
 (docs/choosing-a-compressor.md has the measurements).
 
 These optimizers are drop-in subclasses of ``torch.optim.SGD``, ``Adam`` and ``AdamW`` (same
-arguments, same ``state_dict``), with one addition: a compressed hook given the optimizer
+arguments, same ``state_dict``; ``convert`` makes one of torch's, built by a framework, the
+subclass in place), with one addition: a compressed hook given the optimizer
 (``CompressionState(..., optimizer=opt)``) asks each rank for the direction its optimizer
 would step in, given its own gradient, and averages *that* through the compressor with
 error feedback. ``step()`` then applies the averaged direction on every rank. What is
@@ -55,7 +56,7 @@ import torch
 from .compressors import BF16, FP16, Compressor, all_finite
 from .moments import normalised_step, update_first, update_second
 
-__all__ = ["SGD", "Adam", "AdamW", "DirectionOptimizer", "averages_directions"]
+__all__ = ["SGD", "Adam", "AdamW", "DirectionOptimizer", "averages_directions", "convert"]
 
 
 def averages_directions(optimizer: Optional[torch.optim.Optimizer], compressor: Optional[Compressor]) -> bool:
@@ -313,6 +314,48 @@ class AdamW(_AdamDirections, torch.optim.AdamW):
         super().__init__(*args, **kwargs)
         self._direction_init()
 
+
+def convert(optimizer: torch.optim.Optimizer) -> DirectionOptimizer:
+    """``optimizer`` as the ``ddlcomm.optim`` optimizer a compressed hook averages the update
+    directions of, for an optimizer built by someone else (a trainer, a framework).
+
+    A ``torch.optim.SGD``, ``Adam`` or ``AdamW`` (exactly those classes) becomes the subclass of
+    the same name here, in place: the object, its parameter groups, state and hyper-parameters
+    stay what they are, so a learning-rate scheduler, a framework's wrapper or anything else
+    that holds it keeps working; only its ``step()`` now applies the averaged directions. A
+    ``DirectionOptimizer`` is returned as it is; anything else raises ``TypeError``.
+    """
+    if isinstance(optimizer, DirectionOptimizer):
+        return optimizer
+    ours = _CONVERTIBLE.get(type(optimizer))
+    if ours is None:
+        raise TypeError(f"a compressed hook averages the update directions of ddlcomm.optim's SGD, Adam and AdamW "
+                        f"(torch's own are converted in place); got {type(optimizer).__module__}."
+                        f"{type(optimizer).__name__}")
+    before = type(optimizer).step
+    optimizer.__class__ = ours
+    optimizer._direction_init()
+    # As torch's __setstate__ does for an optimizer built without __init__: wrap the class's
+    # step() for the step hooks, once per class.
+    optimizer._patch_step_function()
+    # An LR scheduler made before this wrapped the instance's step() around the class's step
+    # function it found then (torch's lr_scheduler, to check the call order): point that
+    # wrapper at this class's step, or say why the optimizer cannot be converted.
+    wrapper = optimizer.__dict__.get("step")
+    if wrapper is not None:
+        cells = [c for c in getattr(wrapper, "__closure__", None) or () if c.cell_contents is before]
+        if not cells:
+            optimizer.__class__ = _TORCH[ours]
+            raise TypeError(f"ddlcomm.optim.convert: this {_TORCH[ours].__name__}'s step() was replaced by "
+                            f"{wrapper!r}, which cannot be pointed at ddlcomm.optim.{ours.__name__}.step: build "
+                            f"ddlcomm.optim.{ours.__name__} instead, or convert before wrapping step()")
+        for cell in cells:
+            cell.cell_contents = ours.step
+    return optimizer
+
+
+_CONVERTIBLE: dict[type, type] = {torch.optim.SGD: SGD, torch.optim.Adam: Adam, torch.optim.AdamW: AdamW}
+_TORCH = {ours: theirs for theirs, ours in _CONVERTIBLE.items()}
 
 # help() and IDEs show torch's arguments rather than (*args, **kwargs).
 for _ours, _torch in ((SGD, torch.optim.SGD), (Adam, torch.optim.Adam), (AdamW, torch.optim.AdamW)):

@@ -20,8 +20,8 @@ WORKER = Path(__file__).parent / "workers" / "lightning_fit.py"
 
 
 def test_lightning_fits_through_the_onebit_hook_with_step_closure() -> None:
-    """The hook registered in ``on_fit_start`` with the ``ddlcomm.optim.SGD`` that
-    ``configure_optimizers`` returned: every step after the 4-step warm-up is compressed, the
+    """The hook registered in ``on_fit_start`` with the optimizer ``configure_optimizers``
+    returned (``ddlcomm.optim.SGD``, or torch's SGD converted in place): every step after the 4-step warm-up is compressed, the
     replicas stay bitwise equal, and the accuracy is within 0.5 points of the same fit without
     the hook (docs/choosing-a-compressor.md's margin). Before step() ran the closure first,
     the first compressed step raised ".grad of N parameter(s) changed between backward() and
@@ -40,3 +40,8 @@ def test_lightning_fits_through_the_onebit_hook_with_step_closure() -> None:
     assert onebit["compressed_buckets"] == onebit["steps"] - 4, result  # one bucket a step, after the warm-up
     assert onebit["ratio"] > 5, result
     assert onebit["accuracy"] >= plain["accuracy"] - 0.005, result
+    # torch's SGD (and its scheduler) as configure_optimizers built it, converted in place by
+    # the hook's state: the same training, bit for bit.
+    converted = result["onebit_torch_sgd"]
+    assert converted["optimizer"] == "ddlcomm.optim", result
+    assert converted["checksum"] == onebit["checksum"] and converted["accuracy"] == onebit["accuracy"], result

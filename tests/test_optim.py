@@ -11,7 +11,7 @@ import pickle
 import pytest
 import torch
 
-from ddlcomm import hooks, optim
+from ddlcomm import compressors, hooks, optim
 from harness import assert_all_ok, launch
 
 CASES = [
@@ -141,10 +141,16 @@ def test_step_with_a_closure_applies_the_averaged_directions() -> None:
     assert_all_ok(launch("closure", "closure_steps", 2, timeout=180))
 
 
-def test_hook_state_takes_only_ddlcomm_optimizers() -> None:
+def test_hook_state_takes_ddlcomm_and_torch_optimizers_only() -> None:
     params = _params()
-    with pytest.raises(TypeError, match="ddlcomm.optim"):
-        hooks.CompressionState(optimizer=torch.optim.SGD(params, lr=0.1))
+    with pytest.raises(TypeError, match="ddlcomm.optim's SGD, Adam and AdamW"):
+        hooks.CompressionState(optimizer=torch.optim.RMSprop(params, lr=0.1))
+
+    class Custom(torch.optim.SGD):  # a subclass may step otherwise: not converted
+        pass
+
+    with pytest.raises(TypeError, match="Custom"):
+        hooks.CompressionState(optimizer=Custom(params, lr=0.1))
     with pytest.raises(ValueError, match="momentum"):
         hooks.CompressionState(optimizer=optim.SGD(params, lr=0.1), momentum=0.9)
     with pytest.raises(ValueError, match="differentiable"):
@@ -267,3 +273,45 @@ def test_step_hooks_run_once_per_step(name: str) -> None:
             param.grad = grad
         opt.step()
         assert calls == {"pre": step + 1, "post": step + 1}, (step, calls)
+
+
+@pytest.mark.parametrize("name", ["SGD", "Adam", "AdamW"])
+def test_torch_optimizer_is_converted_in_place(name: str) -> None:
+    """A framework builds torch's optimizer (and a scheduler on it) before or after the hook:
+    CompressionState(optimizer=) or state.attach() makes it the ddlcomm.optim class in place,
+    so whoever holds it keeps the same object, and it steps as the ddlcomm class built directly
+    does: with and without averaged directions, bit for bit."""
+    options = {"lr": 0.05, "weight_decay": 0.01} | ({"momentum": 0.9} if name == "SGD" else {})
+    built, direct = _params(), _params()
+    theirs = getattr(torch.optim, name)(built, **options)
+    schedule = torch.optim.lr_scheduler.LambdaLR(theirs, lambda step: 0.9**step)
+    state = hooks.CompressionState(compressor=compressors.Ternary())
+    assert state.attach(theirs) is theirs and state.optimizer is theirs
+    assert type(theirs) is getattr(optim, name) and isinstance(theirs, getattr(torch.optim, name))
+    ours = getattr(optim, name)(direct, **options)
+    ours_schedule = torch.optim.lr_scheduler.LambdaLR(ours, lambda step: 0.9**step)
+    for step in range(3):
+        for opt, params in ((theirs, built), (ours, direct)):
+            grads = _grads(step)
+            if step:  # as after a compressed backward on one rank
+                opt.local_directions(params, grads, ranks=1)
+                opt.averaged(params, grads)
+            for param, grad in zip(params, grads):
+                param.grad = grad
+            opt.step()
+        schedule.step()
+        ours_schedule.step()
+        for a, b in zip(built, direct):
+            assert torch.equal(a, b), f"step {step}"
+    with pytest.raises(ValueError, match="attach the optimizer once"):
+        state.attach(getattr(torch.optim, name)(_params(), lr=0.1))
+
+
+def test_convert_refuses_a_step_it_cannot_redirect() -> None:
+    """An instance whose step() someone replaced by a function that does not wrap the class's
+    is left a torch optimizer, with a TypeError saying what to do."""
+    opt = torch.optim.SGD(_params(), lr=0.1)
+    opt.step = lambda closure=None: None  # type: ignore[method-assign]
+    with pytest.raises(TypeError, match="build ddlcomm.optim.SGD instead"):
+        optim.convert(opt)
+    assert type(opt) is torch.optim.SGD

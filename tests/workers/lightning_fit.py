@@ -3,9 +3,10 @@ tests/test_lightning.py.
 
 The documented use inside Lightning: ``configure_optimizers`` returns a ``ddlcomm.optim``
 optimizer, and ``on_fit_start`` registers the hook on the DDP model Lightning built, with that
-optimizer. Lightning then calls ``optimizer.step(closure)``: forward and backward (and with them
-the hook) run inside ``step()``. The same model is fitted without and with the 1-bit hook;
-rank 0 prints one JSON line with what the test checks.
+optimizer; or the module returns torch's own SGD (with a scheduler) and the hook converts it in
+place. Lightning then calls ``optimizer.step(closure)``: forward and backward (and with them the
+hook) run inside ``step()``. The same model is fitted without the hook and with the 1-bit hook
+both ways; rank 0 prints one JSON line with what the test checks.
 """
 
 from __future__ import annotations
@@ -35,8 +36,9 @@ def data() -> torch.utils.data.TensorDataset:
 
 
 class Net(L.LightningModule):
-    def __init__(self, compress: bool) -> None:
+    def __init__(self, compress: bool, torch_optimizer: bool = False) -> None:
         super().__init__()
+        self.torch_optimizer = torch_optimizer
         torch.manual_seed(1)
         self.net = torch.nn.Sequential(torch.nn.Linear(FEATURES, 256), torch.nn.ReLU(), torch.nn.Linear(256, CLASSES))
         self.compress = compress
@@ -47,7 +49,9 @@ class Net(L.LightningModule):
         return torch.nn.functional.cross_entropy(self.net(x), y)
 
     def configure_optimizers(self):
-        return optim.SGD(self.parameters(), lr=0.05, momentum=0.9)  # a drop-in torch.optim.SGD
+        make = torch.optim.SGD if self.torch_optimizer else optim.SGD  # ddlcomm's: a drop-in torch.optim.SGD
+        opt = make(self.parameters(), lr=0.05, momentum=0.9)
+        return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=40, gamma=0.5)}
 
     def on_fit_start(self) -> None:
         if self.compress:
@@ -56,8 +60,8 @@ class Net(L.LightningModule):
             self.trainer.strategy.model.register_comm_hook(self.state, hooks.onebit_hook)
 
 
-def fit(compress: bool) -> dict:
-    model = Net(compress)
+def fit(compress: bool, torch_optimizer: bool = False) -> dict:
+    model = Net(compress, torch_optimizer)
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=DDPStrategy(process_group_backend="ddlcomm"),
                         max_epochs=3, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False)
@@ -71,14 +75,15 @@ def fit(compress: bool) -> dict:
     with torch.no_grad():
         accuracy = (model.net(x).argmax(1) == y).float().mean().item()
     stats = model.state.stats if model.state else None
-    return {"steps": trainer.global_step, "accuracy": accuracy,
+    return {"steps": trainer.global_step, "accuracy": accuracy, "optimizer": type(trainer.optimizers[0]).__module__,
+            "checksum": float(flat.double().sum()),
             "replicas_equal": all(torch.equal(e, flat) for e in everyone),
             "compressed_buckets": stats.compressed_buckets if stats else 0, "ratio": stats.ratio if stats else 1.0}
 
 
 def main() -> None:
     torch.set_num_threads(1)
-    result = {"plain": fit(False), "onebit": fit(True)}
+    result = {"plain": fit(False), "onebit": fit(True), "onebit_torch_sgd": fit(True, torch_optimizer=True)}
     if dist.get_rank() == 0:
         print("RESULT " + json.dumps(result), flush=True)
     sys.stdout.flush()
