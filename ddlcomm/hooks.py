@@ -210,6 +210,13 @@ class CompressionState(CompressionOptions, HookCheckpoint):
             optimizer = convert(optimizer)
             logger.info("ddlcomm hook: %s is now ddlcomm.optim.%s (the same object): its step() applies the "
                         "averaged update directions", name, type(optimizer).__name__)
+        adam = isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW))
+        if adam and isinstance(self.compressor, (OneBit, TopK)):
+            # The recipes of docs/choosing-a-compressor.md: with Adam these two lost accuracy
+            # where Ternary() kept it.
+            logger.warning("ddlcomm hook: %r with %s lost accuracy on recipes where Ternary() kept it "
+                           "(docs/choosing-a-compressor.md, the recipes table); consider Ternary()",
+                           self.compressor, type(optimizer).__name__)
         self.optimizer = optimizer
         return optimizer
 

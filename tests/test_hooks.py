@@ -150,3 +150,20 @@ def test_min_compression_bytes_is_the_smallest_bucket_compressed(one_rank: None,
     hooks.onebit_hook(state, _Bucket(torch.randn(floats - short))).wait()
     counts = (state.stats.compressed_buckets, state.stats.uncompressed_buckets)
     assert counts == ((1, 0) if short == 0 else (0, 1)), counts
+
+
+@pytest.mark.parametrize("compressor, optimizer, warned", [
+    (compressors.OneBit(), "AdamW", True), (compressors.TopK(ratio=0.01), "Adam", True),
+    (compressors.Ternary(), "AdamW", False), (compressors.OneBit(), "SGD", False),
+])
+def test_compressors_that_lose_accuracy_with_adam_say_so(caplog: pytest.LogCaptureFixture,
+                                                        compressor: compressors.Compressor, optimizer: str,
+                                                        warned: bool) -> None:
+    """1-bit and top-k with Adam or AdamW lost accuracy on recipes where ternary kept it
+    (docs/choosing-a-compressor.md): the state says so once, when it gets the optimizer."""
+    from ddlcomm import optim
+
+    opt = getattr(optim, optimizer)(torch.nn.Linear(4, 4).parameters(), lr=0.1)
+    with caplog.at_level(logging.WARNING, logger="ddlcomm.hooks"):
+        hooks.CompressionState(compressor=compressor, optimizer=opt)
+    assert ("consider Ternary()" in caplog.text) is warned, caplog.text
