@@ -32,7 +32,7 @@ import torch
 
 from ddlcomm.slownet.units import parse_rate, parse_time
 
-from bench.plots import pyplot
+from bench.plots import pyplot, say_written
 
 PARAMETERS = ("alpha_net", "eta", "alpha_shm", "beta_shm")
 # DDLCOMM_HALVING_DOUBLING_BYTES's default: the largest shard a hierarchical all-reduce sends
@@ -473,10 +473,9 @@ def main() -> None:
         extra = f"\n## Compressed all-reduces\n\n{compressed_table(compressed_rows)}\n" if compressed_rows else ""
         (out / "errors.md").write_text(f"# Cost model: prediction error per configuration\n\n`{command}` "
                                        f"(docs/cost-model.md).\n\n{error_table(rows)}\n{extra}")
-        if plot(rows, projected, out / "model.png", compressed_rows):
-            print(f"\nwrote {out / 'model.json'}, {out / 'errors.md'} and {out / 'model.png'}")
-        else:
-            print(f"\nwrote {out / 'model.json'} and {out / 'errors.md'}")
+        print()
+        say_written([out / "model.json", out / "errors.md"], out / "model.png",
+                    plot(rows, projected, out / "model.png", compressed_rows))
 
 
 if __name__ == "__main__":

@@ -25,7 +25,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 import ddlcomm  # noqa: F401  (registers the backend)
 from ddlcomm import compressors, optim
-from ddlcomm.diloco import DiLoCo, replica_groups
+from ddlcomm.diloco import DiLoCo
+from ddlcomm.replicas import replica_groups
 from ddlcomm.wire import ring_all_reduce_bytes
 
 from bench import init_ranks

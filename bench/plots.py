@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
-__all__ = ["pyplot"]
+__all__ = ["pyplot", "say_written"]
 
 
 def pyplot(path: Path | str) -> Optional[Any]:
@@ -28,3 +28,9 @@ def pyplot(path: Path | str) -> Optional[Any]:
               f"pip install matplotlib (or pip install 'ddlcomm[plots]') makes it", file=sys.stderr, flush=True)
         return None
     return plt
+
+
+def say_written(files: list[Path], figure: Path, plotted: bool) -> None:
+    """One line naming what a benchmark wrote: ``files``, and ``figure`` where it was plotted."""
+    names = [str(f) for f in files] + ([str(figure)] if plotted else [])
+    print("wrote " + (", ".join(names[:-1]) + " and " if len(names) > 1 else "") + names[-1], flush=True)

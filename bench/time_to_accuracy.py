@@ -32,7 +32,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 import ddlcomm  # noqa: F401  (registers the backend)
 from ddlcomm import compressors, hooks, optim
-from ddlcomm.diloco import DiLoCo, replica_groups
+from ddlcomm.diloco import DiLoCo
+from ddlcomm.replicas import replica_groups
 
 from bench import init_ranks
 from bench.tasks import lr_lambda, make_task

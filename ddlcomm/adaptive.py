@@ -50,6 +50,7 @@ import dataclasses
 import logging
 import math
 import statistics
+import time
 from typing import Any, Optional
 
 import torch
@@ -102,6 +103,9 @@ class Tuner:
     PERIOD = 1000  # iterations between measurements
     MARGIN = 0.10  # the least lossy option this close to the fastest wins
     PER_BUCKET = -1  # choice: each bucket by ``buckets``
+
+    # When the last iteration's first bucket came (a class default: a Tuner pickled without it).
+    _started: Optional[float] = None
 
     def __init__(self, compressor: Compressor, start: int) -> None:
         self.options: list[Option] = [Option(None)]
@@ -192,6 +196,17 @@ class Tuner:
     def _configured(self) -> int:
         """The configured compressor in the group's own plan: the last option of that plan."""
         return max(i for i, o in enumerate(self.options) if not o.flat)
+
+    def iteration_began(self, iteration: int, group: Optional[dist.ProcessGroup], device: torch.device) -> None:
+        """At ``iteration``'s first bucket: the iteration before it took from its own first
+        bucket to now (a whole step: forward, backward, communication, optimizer)."""
+        now = time.perf_counter()
+        if self._started is not None and self.measuring(iteration - 1):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+                now = time.perf_counter()
+            self.record(iteration - 1, now - self._started, group, device)
+        self._started = now
 
     def transferred(self, iteration: int, bucket: int, nbytes: int, issued: float, done: float) -> None:
         """A timed iteration's bucket: issued at ``issued``, its average ready at ``done``

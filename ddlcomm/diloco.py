@@ -28,14 +28,13 @@ left alone. The constructor's options, each described in docs/diloco.md:
 * ``warmup_steps=N`` (post-local SGD, arXiv 1808.07217): the first N inner steps average the
   gradients as DDP would (a step pre-hook on the inner optimizer), exactly or through
   ``warmup_compressor``; a step that one rank skips (GradScaler) is skipped by every rank.
-* ``replica_group=`` (``replica_groups(ranks_per_replica)``): several ranks train one replica
+* ``replica_group=`` (``ddlcomm.replicas.replica_groups``): several ranks train one replica
   with DDP, and each syncs its 1/L of the pseudo-gradient with its peers in the other
   replicas, so that every rank of a host shares the outer traffic.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 from typing import Any, Optional
 
@@ -45,11 +44,13 @@ import torch.distributed as dist
 from .compressed import compressed_all_reduce
 from .compressors import BF16, FP16, Compressor, all_finite
 from .fragments import Fragment, InFlight, split
+from .model_buffers import ModelBuffers
 from .optim import averages_directions
 from .options import CompressionStats
+from .replicas import check_parts
 from .wire import ring_all_reduce_bytes
 
-__all__ = ["DiLoCo", "replica_groups"]
+__all__ = ["DiLoCo"]
 
 _STATE_VERSION = 3  # 2: fragments, overlap_steps and the syncs in flight; 3: their buffers
 
@@ -132,13 +133,11 @@ class DiLoCo:
         # pseudo-gradient it syncs
         self._part = ((dist.get_rank(replica_group), dist.get_world_size(replica_group)) if replica_group is not None
                       else (0, 1))
-        # The buffers a checkpoint holds: a non-persistent one (an attention mask) is derived.
-        saved = {id(t) for t in model.state_dict(keep_vars=True).values()}
-        self._buffers = [b for b in model.buffers() if b.is_floating_point() and id(b) in saved]
-        self._buffer_dtype = functools.reduce(torch.promote_types, (b.dtype for b in self._buffers), torch.float32)
+        self._buffers = ModelBuffers(model, replica_group)
         with torch.no_grad():
-            self._check_parts()
-            for t in self._params + self._buffers:
+            if replica_group is not None:
+                check_parts(self._part, process_group)
+            for t in self._params + self._buffers.tensors:
                 dist.broadcast(t, src=dist.get_global_rank(self._group(), 0), group=process_group)
                 if replica_group is not None:
                     dist.broadcast(t, src=dist.get_global_rank(replica_group, 0), group=replica_group)
@@ -198,18 +197,6 @@ class DiLoCo:
 
     def _group(self) -> dist.ProcessGroup:
         return self.process_group or dist.group.WORLD
-
-    def _check_parts(self) -> None:
-        """Every rank of ``process_group`` must sync the same part (of replicas as large)."""
-        if self.replica_group is None:
-            return
-        mine = torch.tensor(self._part, dtype=torch.int64)
-        everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(self._group()))]
-        dist.all_gather(everyone, mine, group=self.process_group)
-        if any(not torch.equal(other, mine) for other in everyone):
-            parts = [tuple(int(v) for v in other) for other in everyone]
-            raise ValueError(f"DiLoCo: process_group must join the ranks of one index in every replica; its ranks "
-                             f"hold (index, replica size) {parts} (rank {dist.get_rank()}: {self._part})")
 
     def step(self) -> bool:
         """Counts an inner step (call it after ``inner_optimizer.step()``): applies the averages
@@ -295,9 +282,9 @@ class DiLoCo:
         self._skipped_at = step
         self.skipped_warmup_steps += 1
         if self._buffers:
-            average = torch.cat([b.reshape(-1).to(self._buffer_dtype) for b in self._buffers])
+            average = self._buffers.flat()
             dist.all_reduce(average, group=self._group())
-            self._set_buffers(average.div_(dist.get_world_size(self._group())))
+            self._buffers.set(average.div_(dist.get_world_size(self._group())))
         if self.skipped_warmup_steps == 1:
             logging.getLogger(__name__).warning(
                 "DiLoCo: warm-up step %d taken by no rank: rank(s) %s did not run inner_optimizer.step() (a GradScaler "
@@ -342,9 +329,8 @@ class DiLoCo:
         self.stats.bytes_sent += fragment.warmup_bytes if gradient else fragment.sent_bytes
         flight = InFlight(fragment, self.inner_steps + overlap, delta, snapshot, future, gradient)
         if fragment.index == 0 and self._buffers:
-            # Exact, in one all-reduce that travels with the fragment (and overlaps as it does):
-            # one per buffer, waited for at once, cost a round trip each on a slow network.
-            flight.buffers = torch.cat([b.reshape(-1).to(self._buffer_dtype) for b in self._buffers])
+            # Exact, in one all-reduce that travels with the fragment (and overlaps as it does).
+            flight.buffers = self._buffers.flat()
             flight.buffers_snapshot = flight.buffers.clone() if overlap else None
             flight.buffers_work = dist.all_reduce(flight.buffers, group=group, async_op=True)
         self._in_flight.append(flight)
@@ -417,20 +403,7 @@ class DiLoCo:
         """BatchNorm's statistics, the first fragment's flight's average (plus, sent earlier,
         what this replica's steps changed since)."""
         if flight.buffers is not None:
-            self._set_buffers(flight.buffers, flight.buffers_snapshot)
-
-    def _set_buffers(self, average: torch.Tensor, snapshot: Optional[torch.Tensor] = None) -> None:
-        """The buffers from their flat ``average`` (plus what changed since ``snapshot``)."""
-        if snapshot is not None:
-            now = torch.cat([b.reshape(-1).to(self._buffer_dtype) for b in self._buffers])
-            # Unchanged entries add nothing, infinite ones too (an attention mask's -inf).
-            average = average + torch.where(now == snapshot, 0.0, now - snapshot)
-        offset = 0
-        for b in self._buffers:
-            b.copy_(average[offset : offset + b.numel()].view_as(b))
-            offset += b.numel()
-            if self.replica_group is not None:  # the replica's ranks averaged with others
-                dist.broadcast(b, src=dist.get_global_rank(self.replica_group, 0), group=self.replica_group)
+            self._buffers.set(flight.buffers, flight.buffers_snapshot)
 
     def state_dict(self) -> dict[str, Any]:
         """What this rank needs to resume exactly: the global weights, the outer optimizer, the
@@ -506,18 +479,3 @@ class DiLoCo:
 
 def _copy(tensor: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     return None if tensor is None else tensor.clone()
-
-
-def replica_groups(ranks_per_replica: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
-    """(this rank's replica group, its outer group) for ``DiLoCo(replica_group=...,
-    process_group=...)``: replicas of ``ranks_per_replica`` consecutive ranks (torchrun numbers
-    a host's ranks consecutively), and the ranks of one index across the replicas. Every rank
-    must call it (it makes every group)."""
-    world = dist.get_world_size()
-    if ranks_per_replica < 1 or world % ranks_per_replica:
-        raise ValueError(f"ranks_per_replica must divide the world size {world}, got {ranks_per_replica}")
-    replicas = [list(range(r, r + ranks_per_replica)) for r in range(0, world, ranks_per_replica)]
-    indices = [list(range(i, world, ranks_per_replica)) for i in range(ranks_per_replica)]
-    replica, _ = dist.new_subgroups_by_enumeration(replicas)
-    outer, _ = dist.new_subgroups_by_enumeration(indices)
-    return replica, outer

@@ -52,7 +52,7 @@ from .compressors import BF16, FP16, Compressor, OneBit, RandomK, Ternary, TopK,
 from .compressed import native_backend, start_compressed_all_reduce, two_levels, wire_bytes
 from .ddp_memory import FeedbackMemory, Signature
 from .hook_checkpoint import HookCheckpoint
-from .optim import DirectionOptimizer, averages_directions, convert
+from .optim import DirectionOptimizer, averages_directions, for_compressor
 from .options import CompressionOptions, CompressionStats
 from .wire import call_stream, ring_all_reduce_bytes
 
@@ -189,7 +189,6 @@ class CompressionState(CompressionOptions, HookCheckpoint):
         self._held: list = []  # this iteration's buckets so far (see _whole_iteration)
         self._replay_left = 0  # iterations after a load that are reduced in the saved layout
         self._inflight: list[torch.futures.Future] = []  # this iteration's communication
-        self._started: Optional[float] = None  # when the last iteration's first bucket came (adaptive)
         self._detached: tuple[str, ...] = ()  # attributes that were set when pickled
 
     def attach(self, optimizer: torch.optim.Optimizer) -> DirectionOptimizer:
@@ -205,20 +204,8 @@ class CompressionState(CompressionOptions, HookCheckpoint):
         if self.optimizer is not None or self.stats.compressed_buckets:
             raise ValueError("ddlcomm hook: attach the optimizer once, before compression starts (the error-feedback "
                              "memory of gradients and of update directions cannot be mixed)")
-        if not isinstance(optimizer, DirectionOptimizer):
-            name = f"{type(optimizer).__module__}.{type(optimizer).__name__}"
-            optimizer = convert(optimizer)
-            logger.info("ddlcomm hook: %s is now ddlcomm.optim.%s (the same object): its step() applies the "
-                        "averaged update directions", name, type(optimizer).__name__)
-        adam = isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW))
-        if adam and isinstance(self.compressor, (OneBit, TopK)):
-            # The recipes of docs/choosing-a-compressor.md: with Adam these two lost accuracy
-            # where Ternary() kept it.
-            logger.warning("ddlcomm hook: %r with %s lost accuracy on recipes where Ternary() kept it "
-                           "(docs/choosing-a-compressor.md, the recipes table); consider Ternary()",
-                           self.compressor, type(optimizer).__name__)
-        self.optimizer = optimizer
-        return optimizer
+        self.optimizer = for_compressor(optimizer, self.compressor)
+        return self.optimizer
 
     @property
     def averages_directions(self) -> bool:
@@ -267,22 +254,10 @@ def compressed_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.f
                     " averaging update directions" if state.averages_directions else "", state.start_compress_iter,
                     state.start_compress_iter)
     if bucket.index() == 0 and state.tuner is not None:
-        _time_iteration(state, bucket.buffer().device)
+        state.tuner.iteration_began(state.iter, state.process_group, bucket.buffer().device)
     if state._replay_left or state.max_grad_norm is not None:
         return _whole_iteration(state, bucket)
     return _reduce(state, bucket.buffer(), bucket.parameters(), bucket.index(), bucket.is_last())
-
-
-def _time_iteration(state: CompressionState, device: torch.device) -> None:
-    """At an iteration's first bucket: the iteration before it took from its own first bucket
-    to now (a whole step: forward, backward, communication, optimizer)."""
-    now = time.perf_counter()
-    if state._started is not None and state.tuner.measuring(state.iter - 1):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-            now = time.perf_counter()
-        state.tuner.record(state.iter - 1, now - state._started, state.process_group, device)
-    state._started = now
 
 
 def _whole_iteration(state: CompressionState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

@@ -49,14 +49,17 @@ if anything changed it; the hook's ``max_grad_norm=`` clips as ``clip_grad_norm_
 from __future__ import annotations
 
 import inspect
+import logging
 from typing import Any, Optional
 
 import torch
 
-from .compressors import BF16, FP16, Compressor, all_finite
+from .compressors import BF16, FP16, Compressor, OneBit, TopK, all_finite
 from .moments import normalised_step, update_first, update_second
 
-__all__ = ["SGD", "Adam", "AdamW", "DirectionOptimizer", "averages_directions", "convert"]
+__all__ = ["SGD", "Adam", "AdamW", "DirectionOptimizer", "averages_directions", "convert", "for_compressor"]
+
+_hook_logger = logging.getLogger("ddlcomm.hooks")  # what for_compressor says is about the hook
 
 
 def averages_directions(optimizer: Optional[torch.optim.Optimizer], compressor: Optional[Compressor]) -> bool:
@@ -351,6 +354,22 @@ def convert(optimizer: torch.optim.Optimizer) -> DirectionOptimizer:
                             f"ddlcomm.optim.{ours.__name__} instead, or convert before wrapping step()")
         for cell in cells:
             cell.cell_contents = ours.step
+    return optimizer
+
+
+def for_compressor(optimizer: torch.optim.Optimizer, compressor: Compressor) -> DirectionOptimizer:
+    """``convert(optimizer)`` for a hook through ``compressor``, saying so once: the conversion
+    (at INFO level), and where the pair lost accuracy on the recipes of
+    docs/choosing-a-compressor.md (1-bit or top-k with Adam, where ternary kept it)."""
+    if not isinstance(optimizer, DirectionOptimizer):
+        name = f"{type(optimizer).__module__}.{type(optimizer).__name__}"
+        optimizer = convert(optimizer)
+        _hook_logger.info("ddlcomm hook: %s is now ddlcomm.optim.%s (the same object): its step() applies the "
+                          "averaged update directions", name, type(optimizer).__name__)
+    if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)) and isinstance(compressor, (OneBit, TopK)):
+        _hook_logger.warning("ddlcomm hook: %r with %s lost accuracy on recipes where Ternary() kept it "
+                             "(docs/choosing-a-compressor.md, the recipes table); consider Ternary()",
+                             compressor, type(optimizer).__name__)
     return optimizer
 
 

@@ -51,4 +51,4 @@ def test_bad_arguments_and_non_finite_pseudo_gradients_are_refused() -> None:
 
 @pytest.mark.parametrize("backend", ["ddlcomm", "gloo"])
 def test_two_levels_replicas_of_two_ranks_each_sync_half(backend: str) -> None:
-    assert_all_ok(launch("diloco", "two_levels", 4, timeout=180, args=(backend,)))
+    assert_all_ok(launch("diloco_levels", "two_levels", 4, timeout=180, args=(backend,)))

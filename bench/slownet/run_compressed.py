@@ -17,7 +17,7 @@ from pathlib import Path
 
 from ddlcomm.slownet import SlowNet
 
-from bench.plots import pyplot
+from bench.plots import pyplot, say_written
 from bench.slownet.driver import bench_parser, collect_results, require_slownet, save_figure, worker_args
 
 
@@ -106,10 +106,8 @@ def main() -> None:
     for kind in dict.fromkeys(r["kind"] for r in results):
         print()
         print(table(results, kind))
-    if plot(results, out / "slownet.png"):
-        print(f"\nwrote {out / 'slownet.json'} and {out / 'slownet.png'}")
-    else:
-        print(f"\nwrote {out / 'slownet.json'}")
+    print()
+    say_written([out / "slownet.json"], out / "slownet.png", plot(results, out / "slownet.png"))
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from ddlcomm.slownet import SlowNet
 
-from bench.plots import pyplot
+from bench.plots import pyplot, say_written
 from bench.slownet.driver import bench_parser, collect_results, require_slownet, save_figure
 
 # (task, optimizer, worker options): the CNN's first linear layer is wide (8.4M parameters,
@@ -187,10 +187,8 @@ def write_report(results: list[dict], out: Path) -> None:
     text = report(results)
     (out / "time_to_accuracy.md").write_text(text + "\n")
     print("\n" + text, flush=True)
-    if plot(results, out / "time_to_accuracy.png"):
-        print(f"wrote {out / 'time_to_accuracy.md'} and .png")
-    else:
-        print(f"wrote {out / 'time_to_accuracy.md'}")
+    say_written([out / "time_to_accuracy.md"], out / "time_to_accuracy.png",
+                plot(results, out / "time_to_accuracy.png"))
 
 
 if __name__ == "__main__":

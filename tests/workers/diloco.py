@@ -1,6 +1,6 @@
 """ddlcomm.diloco on every rank (tests/test_diloco.py): the outer step against a direct
 implementation, error-feedback conservation across outer steps, bitwise-equal replicas, exact
-resume, and the errors."""
+resume, and the errors; two levels: diloco_levels.py."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from common import init, run
 from ddlcomm import compressors, optim
-from ddlcomm.diloco import DiLoCo, replica_groups
+from ddlcomm.diloco import DiLoCo
 from torch.nn.parallel import DistributedDataParallel
 
 COMPRESSORS = {
@@ -22,32 +22,32 @@ COMPRESSORS = {
 }
 
 
-def _model() -> torch.nn.Module:
+def make_model() -> torch.nn.Module:
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.BatchNorm1d(64), torch.nn.ReLU(),
                                torch.nn.Linear(64, 4))
 
 
-def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 * step + rank)
     x = torch.randn(32, 16, generator=g)
     return x, (x[:, :4].sum(1) > 0).long() + (x[:, 4] > 0).long()
 
 
-def _inner_step(model: torch.nn.Module, opt: torch.optim.Optimizer, rank: int, step: int) -> None:
-    x, y = _batch(rank, step)
+def inner_step(model: torch.nn.Module, opt: torch.optim.Optimizer, rank: int, step: int) -> None:
+    x, y = batch(rank, step)
     torch.nn.functional.cross_entropy(model(x), y).backward()
     opt.step()
     opt.zero_grad()
 
 
-def _flat(model: torch.nn.Module) -> torch.Tensor:
+def flat_state(model: torch.nn.Module) -> torch.Tensor:
     """The parameters and the buffers a checkpoint holds, flat."""
     return torch.cat([t.detach().reshape(-1).float() for t in model.state_dict().values() if t.is_floating_point()])
 
 
-def _assert_replicas_equal(model: torch.nn.Module, what: str) -> None:
-    mine = _flat(model)
+def assert_replicas_equal(model: torch.nn.Module, what: str) -> None:
+    mine = flat_state(model)
     everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(everyone, mine)
     for r, other in enumerate(everyone):
@@ -60,7 +60,7 @@ def matches_reference(backend: str) -> None:
     replica set to them, BatchNorm's statistics averaged; a non-persistent buffer (a mask,
     different on each rank) left alone."""
     rank, n = init(backend)
-    model, reference = _model(), _model()
+    model, reference = make_model(), make_model()
     for m in (model, reference):
         m.register_buffer("mask", torch.tensor([float("-inf"), float(rank)]), persistent=False)
     inner = torch.optim.AdamW(model.parameters(), lr=3e-3)
@@ -69,8 +69,8 @@ def matches_reference(backend: str) -> None:
     globals_ = [p.detach().clone() for p in reference.parameters()]
     outer = torch.optim.SGD(globals_, lr=0.7, momentum=0.9, nesterov=True)
     for step in range(20):
-        _inner_step(model, inner, rank, step)
-        _inner_step(reference, ref_inner, rank, step)
+        inner_step(model, inner, rank, step)
+        inner_step(reference, ref_inner, rank, step)
         synced = diloco.step()
         assert synced == ((step + 1) % 5 == 0)
         if synced:
@@ -86,10 +86,10 @@ def matches_reference(backend: str) -> None:
                     if b.is_floating_point() and name != "mask":
                         dist.all_reduce(b)
                         b /= n
-            torch.testing.assert_close(_flat(model), _flat(reference), rtol=0, atol=0,
+            torch.testing.assert_close(flat_state(model), flat_state(reference), rtol=0, atol=0,
                                        msg=lambda m: f"outer step {diloco.outer_steps}: {m}")
             assert model.mask.tolist() == [float("-inf"), float(rank)], model.mask
-            _assert_replicas_equal(model, f"outer step {diloco.outer_steps}")
+            assert_replicas_equal(model, f"outer step {diloco.outer_steps}")
     assert diloco.outer_steps == 4 and diloco.inner_steps == 20
     # float32 every 5 steps: a fifth of what DDP sends in float32 at every step
     assert abs(diloco.stats.ratio - 5.0) < 1e-9, diloco.stats
@@ -102,7 +102,7 @@ def streaming_matches_reference(backend: str) -> None:
     replica keeps what its inner step added meanwhile; BatchNorm's statistics are averaged when
     fragment 0 is sent and kept as they changed since. Global weights bitwise equal everywhere."""
     rank, n = init(backend)
-    model, reference = _model(), _model()
+    model, reference = make_model(), make_model()
     inner = torch.optim.AdamW(model.parameters(), lr=3e-3)
     ref_inner = torch.optim.AdamW(reference.parameters(), lr=3e-3)
     diloco = DiLoCo(model, inner, sync_every=4, fragments=2, overlap_steps=1, outer_lr=0.7, outer_momentum=0.9)
@@ -117,8 +117,8 @@ def streaming_matches_reference(backend: str) -> None:
     buffers = [b for b in reference.buffers() if b.is_floating_point()]
     for step in range(17):
         t = step + 1
-        _inner_step(model, inner, rank, step)
-        _inner_step(reference, ref_inner, rank, step)
+        inner_step(model, inner, rank, step)
+        inner_step(reference, ref_inner, rank, step)
         applied = diloco.step()
         with torch.no_grad():
             due = [f for f in in_flight if f[1] <= t]
@@ -149,7 +149,7 @@ def streaming_matches_reference(backend: str) -> None:
                     in_flight.append((k, t + 1, averages, [params[i].clone() for i in fragments[k]],
                                       (buffer_average, sent_buffers)))
         assert applied == bool(due), (t, applied, due)
-        torch.testing.assert_close(_flat(model), _flat(reference), rtol=0, atol=0, msg=lambda m: f"step {t}: {m}")
+        torch.testing.assert_close(flat_state(model), flat_state(reference), rtol=0, atol=0, msg=lambda m: f"step {t}: {m}")
         _assert_globals_equal(diloco, f"step {t}")
     # Fragment 0 applied at steps 3, 7, 11, 15; fragment 1 at 5, 9, 13, 17.
     assert diloco.outer_steps == 8, diloco.outer_steps
@@ -185,13 +185,13 @@ def _warmup_matches_ddp(name: str, optimizer: str, rank: int, gloo: dist.Process
                     outer_lr=0.7, outer_momentum=0.9)
     for step in range(10):
         t = step + 1
-        _inner_step(model, inner, rank, step)
-        _inner_step(ddp, ddp_inner, rank, step)
+        inner_step(model, inner, rank, step)
+        inner_step(ddp, ddp_inner, rank, step)
         assert diloco.step() == (t <= 6 or t % 4 == 0), t
         if t <= 6:
-            torch.testing.assert_close(_flat(model), _flat(reference), rtol=1e-5, atol=1e-6,
+            torch.testing.assert_close(flat_state(model), flat_state(reference), rtol=1e-5, atol=1e-6,
                                        msg=lambda m: f"{name}, warm-up step {t}: {m}")
-            _assert_replicas_equal(model, f"{name}, warm-up step {t}")
+            assert_replicas_equal(model, f"{name}, warm-up step {t}")
             assert not diloco.outer_optimizer.state, f"{name}: warm-up step {t} moved the outer optimizer"
             state = diloco.state_dict()
             for key in ("worker_residual", "server_residual"):
@@ -221,7 +221,7 @@ def conservation(backend: str, names: str) -> None:
 
 
 def _conservation(name: str, rank: int, n: int, gloo: dist.ProcessGroup) -> None:
-    model = _model()
+    model = make_model()
     inner = torch.optim.SGD(model.parameters(), lr=0.05)
     diloco = DiLoCo(model, inner, sync_every=3, compressor=COMPRESSORS[name](), outer_lr=1.0, outer_momentum=0.0)
     params = lambda: torch.cat([p.detach().reshape(-1).double() for p in model.parameters()])  # noqa: E731
@@ -230,7 +230,7 @@ def _conservation(name: str, rank: int, n: int, gloo: dist.ProcessGroup) -> None
     applied = torch.zeros_like(global_)
     true = torch.zeros_like(global_)
     for step in range(12):
-        _inner_step(model, inner, rank, step)
+        inner_step(model, inner, rank, step)
         if (step + 1) % 3 == 0:
             d = global_ - params()
             dist.all_reduce(d, group=gloo)
@@ -274,7 +274,7 @@ def warmup_conservation(backend: str, names: str) -> None:
     gloo = dist.new_group(backend="gloo")
     for name in names.split(","):
         name, directions = name.removesuffix("+directions"), name.endswith("+directions")
-        model = _model()
+        model = make_model()
         # No weight decay: p.grad stays A_t.
         inner = (optim.SGD if directions else torch.optim.SGD)(model.parameters(), lr=0.05, momentum=0.9)
         # 9 warm-up steps, 8 taken: the warm-up's residuals are freed when it ends.
@@ -284,7 +284,7 @@ def warmup_conservation(backend: str, names: str) -> None:
         start = diloco.state_dict()
         applied, true = 0, 0
         for step in range(8):
-            x, y = _batch(rank, step)
+            x, y = batch(rank, step)
             torch.nn.functional.cross_entropy(model(x), y).backward()
             mine = flat([p.grad for p in model.parameters()])
             if directions:
@@ -296,7 +296,7 @@ def warmup_conservation(backend: str, names: str) -> None:
             applied = applied + flat([p.grad for p in model.parameters()])
             inner.zero_grad()
             assert diloco.step()
-            _assert_replicas_equal(model, f"{name}, warm-up step {step + 1}")
+            assert_replicas_equal(model, f"{name}, warm-up step {step + 1}")
             momentum = flat([inner.state[p]["momentum_buffer"] for p in model.parameters()])
             everyone = [torch.empty_like(momentum) for _ in range(n)]
             dist.all_gather(everyone, momentum, group=gloo)
@@ -330,25 +330,25 @@ def _resume(name: str, rank: int) -> None:
         options.update(warmup_steps=12, warmup_compressor=COMPRESSORS["ternary"]())
 
     def build() -> tuple[torch.nn.Module, torch.optim.Optimizer, DiLoCo]:
-        model = _model()
+        model = make_model()
         inner = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
         return model, inner, DiLoCo(model, inner, sync_every=4, compressor=COMPRESSORS[name](), **options)
 
     model, inner, diloco = build()
     saved = ended = None
     for step in range(16):
-        _inner_step(model, inner, rank, step)
+        inner_step(model, inner, rank, step)
         if diloco.step():
             _assert_globals_equal(diloco, f"{name}, outer step {diloco.outer_steps}")
             if not streaming:
-                _assert_replicas_equal(model, f"{name}, outer step {diloco.outer_steps}")
+                assert_replicas_equal(model, f"{name}, outer step {diloco.outer_steps}")
         if cwarmup and diloco.inner_steps == diloco.warmup_steps:  # the warm-up's last step
             ended = diloco.state_dict()
         if step == 9:  # between outer steps: the replica differs from the global weights
             buffer = io.BytesIO()
             torch.save({"model": model.state_dict(), "inner": inner.state_dict(), "diloco": diloco.state_dict()}, buffer)
             saved = buffer.getvalue()
-    uninterrupted = _flat(model)
+    uninterrupted = flat_state(model)
     if cwarmup:  # the warm-up's memory is freed when it ends, and a state saved then or after it loads
         for when, after in (("at its last step", ended), ("after it", diloco.state_dict())):
             assert after["warmup_worker_residual"] is None and after["warmup_server_residual"] is None, when
@@ -361,9 +361,9 @@ def _resume(name: str, rank: int) -> None:
     inner.load_state_dict(state["inner"])
     diloco.load_state_dict(state["diloco"])
     for step in range(10, 16):
-        _inner_step(model, inner, rank, step)
+        inner_step(model, inner, rank, step)
         diloco.step()
-    assert torch.equal(_flat(model), uninterrupted), f"{name}: the resumed run differs from the uninterrupted one"
+    assert torch.equal(flat_state(model), uninterrupted), f"{name}: the resumed run differs from the uninterrupted one"
     assert diloco.outer_steps == (7 if streaming else 3 if warmup else 1 if cwarmup else 4), diloco.outer_steps
 
 
@@ -371,7 +371,7 @@ def errors() -> None:
     """Bad arguments and states are refused with the reason; a non-finite pseudo-gradient on
     one rank raises on every rank and leaves the global weights alone."""
     rank, n = init()
-    model = _model()
+    model = make_model()
     inner = torch.optim.SGD(model.parameters(), lr=0.1)
     for bad, kind, text in ((dict(sync_every=0), ValueError, "sync_every"),
                             (dict(compressor="onebit"), TypeError, "compressor"),
@@ -399,7 +399,7 @@ def errors() -> None:
         assert "sync_every" in str(e), e
     else:
         raise AssertionError("a state of another schedule was loaded")
-    before = _flat(model)
+    before = flat_state(model)
     if rank == n - 1:
         with torch.no_grad():
             next(model.parameters())[0, 0] = float("nan")
@@ -410,7 +410,7 @@ def errors() -> None:
     else:
         raise AssertionError("a non-finite pseudo-gradient was applied")
     if rank != n - 1:
-        assert torch.equal(_flat(model), before), "the replica moved after a refused outer step"
+        assert torch.equal(flat_state(model), before), "the replica moved after a refused outer step"
 
 
 def warmup_skip(backend: str) -> None:
@@ -418,12 +418,12 @@ def warmup_skip(backend: str) -> None:
     it (the others' AdamW drops its gradients), so the replicas and the global weights stay
     bitwise equal through the warm-up and the other steps train on the average."""
     rank, n = init(backend)
-    model = _model()
+    model = make_model()
     inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
     diloco = DiLoCo(model, inner, sync_every=4, warmup_steps=3)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 4)
     for step in range(1, 4):
-        x, y = _batch(rank, step)
+        x, y = batch(rank, step)
         inner.zero_grad()
         loss = torch.nn.functional.cross_entropy(model(x), y)
         if step == 2 and rank == n - 1:
@@ -435,91 +435,13 @@ def warmup_skip(backend: str) -> None:
         scaler.update()
         assert diloco.step() == (step != 2), step
         assert torch.equal(weights(), before) == (step == 2), f"step {step}: taken {step != 2} here"
-        _assert_replicas_equal(model, f"warm-up step {step}")
+        assert_replicas_equal(model, f"warm-up step {step}")
         _assert_globals_equal(diloco, f"warm-up step {step}")
     assert diloco.skipped_warmup_steps == 1
     steps = torch.tensor([float(inner.state[p]["step"]) for p in model.parameters()])
     assert torch.all(steps == 2), steps  # AdamW stepped twice on every rank
 
 
-def two_levels(backend: str) -> None:
-    """4 ranks as 2 replicas of 2 (DDP inside each, as inside a host): float32 outer steps
-    equal the mean over the replicas of the pseudo-gradient (outer SGD without momentum,
-    written out here), each rank syncing half of it; then ternary. Every rank ends each outer
-    step on the same parameters, sends half the bytes of a replica of one rank (float32), and a group
-    that mixes indices is refused."""
-    rank, n = init(backend)
-    replica, outer = replica_groups(2)
-    for name in ("none", "ternary"):
-        # Float32: BatchNorm's running statistics stay out of the comparison (eval). Ternary:
-        # they differ inside a replica (each rank's own batch statistics, not broadcast) and
-        # must still come out of an outer step equal everywhere.
-        model = _model().eval() if name == "none" else _model()
-        ddp = DistributedDataParallel(model, process_group=replica, forward_sync_buffers=name == "none")
-        inner = torch.optim.SGD(model.parameters(), lr=0.05)
-        diloco = DiLoCo(model, inner, sync_every=3, compressor=COMPRESSORS[name](), outer_lr=0.7,
-                        outer_momentum=0.0, process_group=outer, replica_group=replica)
-        for step in range(9):
-            _inner_step(ddp, inner, rank // 2 if name == "none" else rank, step)  # float32: a batch per replica
-            params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-            globals_ = torch.cat([g.reshape(-1) for g in diloco._globals]) if step % 3 == 2 else None
-            locals_ = [torch.empty_like(params) for _ in range(n)]
-            dist.all_gather(locals_, params)
-            assert torch.equal(locals_[rank ^ 1], params), f"{name} step {step}: the replica's ranks differ"
-            if diloco.step():
-                _assert_replicas_equal(model, f"{name}, outer step at {step}")
-                if name == "none":
-                    mean = ((globals_ - locals_[0]) + (globals_ - locals_[2])) / 2
-                    expected = globals_ - 0.7 * mean
-                    got = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-                    assert torch.allclose(got, expected, rtol=0, atol=1e-6), (step, (got - expected).abs().max())
-        numel = sum(p.numel() for p in model.parameters())
-        whole = ring_bytes(numel, name)  # a replica of one rank sends the whole model
-        if name == "none":
-            assert diloco.stats.bytes_sent * 2 == whole, (name, diloco.stats.bytes_sent, whole)
-        else:  # half the elements; the payloads' headers and scales do not halve on so small a model
-            assert diloco.stats.bytes_sent < 0.75 * whole, (name, diloco.stats.bytes_sent, whole)
-    # A float32 warm-up: each rank averages its half of the replica's gradient across the
-    # replicas, so the 4 ranks train as DDP over all of them (BatchNorm in eval: its
-    # statistics stay out of it).
-    gloo = dist.new_group(backend="gloo")
-    model, reference = _model().eval(), _model().eval()
-    inner = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    ref_inner = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9)
-    diloco = DiLoCo(model, inner, sync_every=3, warmup_steps=3, process_group=outer, replica_group=replica)
-    ddp, world_ddp = (DistributedDataParallel(model, process_group=replica),
-                      DistributedDataParallel(reference, process_group=gloo))
-    for step in range(3):
-        _inner_step(ddp, inner, rank, step)
-        _inner_step(world_ddp, ref_inner, rank, step)
-        assert diloco.step()
-        torch.testing.assert_close(_flat(model), _flat(reference), rtol=1e-5, atol=1e-6,
-                                   msg=lambda m: f"two levels, warm-up step {step + 1}: {m}")
-        _assert_replicas_equal(model, f"two levels, warm-up step {step + 1}")
-    try:
-        DiLoCo(_model(), torch.optim.SGD(_model().parameters(), lr=0.1), fragments=2, process_group=outer,
-               replica_group=replica)
-    except ValueError as e:
-        assert "whole-model outer steps" in str(e), e
-    else:
-        raise AssertionError("fragments with replica_group were accepted")
-    try:
-        DiLoCo(_model(), torch.optim.SGD(_model().parameters(), lr=0.1), process_group=replica, replica_group=replica)
-    except ValueError as e:
-        assert "one index in every replica" in str(e), e
-    else:
-        raise AssertionError("a process_group of one replica's ranks was accepted")
-
-
-def ring_bytes(numel: int, name: str) -> int:
-    """What one rank of a 2-rank outer group sends for the whole model in 3 outer steps."""
-    from ddlcomm.compressed import wire_bytes
-    from ddlcomm.wire import ring_all_reduce_bytes
-
-    per_step = ring_all_reduce_bytes(numel * 4, 2) if name == "none" else wire_bytes(COMPRESSORS[name](), numel, 2, 0)
-    return 3 * per_step
-
-
 if __name__ == "__main__":
     run({"warmup_skip": warmup_skip, "matches_reference": matches_reference, "warmup_matches_ddp": warmup_matches_ddp, "streaming_matches_reference": streaming_matches_reference,
-         "conservation": conservation, "warmup_conservation": warmup_conservation, "resume": resume, "errors": errors, "two_levels": two_levels})
+         "conservation": conservation, "warmup_conservation": warmup_conservation, "resume": resume, "errors": errors})
