@@ -5,7 +5,7 @@ itself (the ``torch.backends`` entry point in ``ddlcomm_autoload``), so this is 
 
     import ddlcomm  # noqa: F401
     import torch.distributed as dist
-    dist.init_process_group("ddlcomm")          # or "cpu:ddlcomm"
+    dist.init_process_group("ddlcomm")          # CPU and CUDA tensors; or "cpu:gloo,cuda:nccl"-style maps
 
 A group's transport is ``DDLCOMM_TRANSPORT`` (auto by default), or its own ``pg_options``::
 
@@ -24,7 +24,6 @@ import atexit
 import importlib.metadata
 import importlib.util
 import os
-import sys
 import time
 from datetime import timedelta
 from typing import Any
@@ -78,18 +77,7 @@ def _create_backend(dist_backend_opts: Any, backend_options: Any = None) -> Proc
         str(opts.group_id),
         backend_options,
     )
-    _set_default_backend_type(sys._getframe(1).f_locals.get("pg"))
     return backend
-
-
-def _set_default_backend_type(pg: Any) -> None:
-    # For a "device:backend" string ("cpu:ddlcomm") torch (2.13 at least) never sets the group's
-    # default backend type: _new_process_group_helper compares the first key of
-    # Backend._plugins, upper case ("DDLCOMM"), with the lower-case backend names. The group then
-    # calls itself "undefined", and destroy_process_group warns "No backend of type 0 found".
-    # `pg` is the group being created, a local of the caller; anything else is left alone.
-    if isinstance(pg, dist.ProcessGroup) and pg.name() == "undefined":
-        pg._set_default_backend(dist.ProcessGroup.BackendType.CUSTOM)
 
 
 def transports() -> list[str]:

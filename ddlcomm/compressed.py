@@ -1,35 +1,37 @@
 """Compressed all-reduce with error feedback, on any process group.
 
-On a ddlcomm group the native implementation runs (``ProcessGroupDdlcomm.compressed_allreduce``).
-On gloo or nccl groups the same algorithm runs over standard collectives
-(``all_to_all_single`` and ``all_gather_single`` of the packed payloads), with the
-same kernels, the same randomness streams and the same summation order. So both give
-bitwise the same result. Over several hosts of as many ranks both take two levels (the
-fallback under ``auto`` over nccl, and a ddlcomm group's CUDA tensors: ``host_levels``): exact
-inside each host, compressed across; there the fallback's exact sums inside a host are the
-backend's, which round like the native ring's with two ranks a host.
+One implementation, in C++ (``csrc/collectives/compressed_allreduce.cc``), serves every group's
+CPU tensors: a ddlcomm group runs it on its own transport, a group of another backend with CPU
+collectives (gloo, a third party's) on that backend's send and recv (``engine_of``). A call
+returns at once with a future; every rank ends with the same bits on either kind of group.
+Over several hosts of as many ranks it takes two levels (where ``two_levels`` says): exact inside
+each host, compressed across.
 
 Quantizers and casts (1-bit, ternary, fp16, bf16) use scatter-reduce-gather with two
-levels of error feedback, in pieces of 16 Mi elements (so that the native
-implementation encodes one piece while the one before it is on the wire). In each
-piece every rank encodes its part in n chunks with its worker residual; rank i decodes
-and sums chunk i from every rank in rank order, re-encodes the sum with its server
-residual; an all-gather of those payloads gives every rank the same bytes. Sparse formats
-(top-k, random-k) all-gather the (index, value) payloads and sum them in rank order.
+levels of error feedback, in pieces of 16 Mi elements (one piece is encoded while the one
+before it is on the wire). In each piece every rank encodes its part in n chunks with its
+worker residual; rank i decodes and sums chunk i from every rank in rank order, re-encodes the
+sum with its server residual; an all-gather of those payloads gives every rank the same bytes.
+Sparse formats (top-k, random-k) all-gather the (index, value) payloads and sum them in rank
+order.
 
-CUDA tensors are encoded and decoded on their GPU, on the current stream. Over NCCL the
-payloads stay in device memory. Over gloo and ddlcomm (whose collectives run on the CPU)
-only the payloads cross PCIe, through pinned host memory: each copy is waited for by a CUDA
-event, never a device synchronization, and what arrives is validated on the host before it
-goes back to the GPU. The result is bitwise the same as on the CPU for the deterministic
-formats (the CUDA kernels are bit-exact twins of the CPU ones).
+CUDA tensors still take the same algorithm over torch's collectives, in Python (``_fallback``):
+encoded and decoded on their GPU, on the current stream. Over NCCL the payloads stay in device
+memory. Over gloo and ddlcomm (whose collectives run on the CPU) only the payloads cross PCIe,
+through pinned host memory: each copy is waited for by a CUDA event, never a device
+synchronization, and what arrives is validated on the host before it goes back to the GPU. The
+result is bitwise the same as on the CPU for the deterministic formats (the CUDA kernels are
+bit-exact twins of the CPU ones).
 """
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
+import datetime
 import functools
 import logging
+import os
 from typing import Optional
 
 import torch
@@ -41,8 +43,8 @@ from .host_levels import HostLevels, host_levels
 from .wire import Agreement, Wire, accumulate, aligned, all_gather_single, decode
 
 __all__ = [
-    "compressed_all_reduce", "start_compressed_all_reduce", "host_levels_of", "server_chunks", "server_residual_numel",
-    "native_backend", "reduce_scatter_wire_bytes", "two_levels", "wire_bytes",
+    "compressed_all_reduce", "engine_of", "start_compressed_all_reduce", "host_levels_of", "server_chunks",
+    "server_residual_numel", "native_backend", "reduce_scatter_wire_bytes", "two_levels", "wire_bytes",
 ]
 
 logger = logging.getLogger(__name__)
@@ -69,14 +71,64 @@ def native_backend(group: Optional[dist.ProcessGroup]) -> Optional[_C.ProcessGro
 
 @functools.lru_cache(maxsize=None)
 def _log_python_path(group_name: str) -> None:
-    """Said once per group: a ddlcomm group whose backend cannot be reached takes the slower
-    path over standard collectives."""
+    """Said once per group: a ddlcomm group whose backend cannot be reached runs its compressed
+    collectives over its own send and recv, as a group of another backend."""
     logger.warning("ddlcomm: process group %s is a ddlcomm group but its backend is not reachable (wrapped by "
-                   "another layer?); compressed all-reduces run over standard collectives, more slowly", group_name)
+                   "another layer?); compressed collectives run over its send and recv, more slowly",
+                   group_name)
+
+
+_engines: dict[str, tuple[dist.ProcessGroup, _C.ProcessGroupDdlcomm]] = {}  # by group name
+
+
+def engine_of(group: Optional[dist.ProcessGroup] = None) -> Optional[_C.ProcessGroupDdlcomm]:
+    """What runs the compressed collectives of ``group``'s CPU tensors (default: the world).
+
+    A ddlcomm group's own backend; on a group of another backend with CPU collectives (gloo, a
+    third party's), a ddlcomm backend whose messages travel as that backend's send and recv
+    (``ProcessGroupDdlcomm.over``), made at the group's first compressed call: that call is
+    collective (every rank gives its host, in one all-gather). Its tags have bit 30 set: the
+    user's own send and recv on the group keep tags below 2**30. It takes two levels over the
+    group's hosts only under ``DDLCOMM_ALLREDUCE_ALGO=hierarchical``: over gloo the exact sums
+    inside a host (TCP on loopback) cost more than they save. None where the group has no CPU
+    backend (nccl only)."""
+    group = group or dist.group.WORLD
+    native = native_backend(group)
+    if native is not None:
+        return native
+    cached = _engines.get(group.group_name)
+    if cached is not None and cached[0] is group:
+        return cached[1]
+    try:
+        carrier = group._get_backend(torch.device("cpu"))
+    except RuntimeError:
+        return None
+    _forget_destroyed_groups()
+    identities: list[Optional[str]] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(identities, _C.ProcessGroupDdlcomm.host_identity(), group=group)
+    timeout = getattr(getattr(carrier, "options", None), "_timeout", None) or datetime.timedelta(minutes=30)
+    forced = os.environ.get("DDLCOMM_ALLREDUCE_ALGO", "auto")
+    engine = _C.ProcessGroupDdlcomm.over(carrier, identities, timeout, group.group_name,
+                                         "hierarchical" if forced == "hierarchical" else "ring")
+    _engines[group.group_name] = (group, engine)
+    return engine
+
+
+def _forget_destroyed_groups() -> None:
+    """Drops the engines of destroyed groups: each holds its carrier's connections."""
+    for name, (group, _) in list(_engines.items()):
+        try:
+            dist.get_process_group_ranks(group)
+        except (KeyError, ValueError, RuntimeError):
+            del _engines[name]
+
+
+# Joined while the interpreter is whole, not in its teardown.
+atexit.register(_engines.clear)
 
 
 # The layout and the traffic come from the C++ plan the native algorithm runs (compressed_allreduce.h):
-# the fallback cannot split differently, nor the statistics count differently.
+# the Python path cannot split differently, nor the statistics count differently.
 _pieces = _C.ProcessGroupDdlcomm.compressed_allreduce_pieces  # (numel, n): [(begin, end, chunk bounds)]
 
 
@@ -88,9 +140,9 @@ def server_chunks(numel: int, rank: int, world_size: int, group: Optional[dist.P
     (docs/collectives.md; on a group of another backend, finding its hosts is collective the
     first time); without it, or with `flat` (a call that asked for one level), the flat plan."""
     if compressor is not None and not flat:
-        backend = native_backend(group)
-        if backend is not None:
-            return [tuple(c) for c in backend.compressed_server_chunks(compressor.config, numel)]
+        engine = engine_of(group) if world_size > 1 else None
+        if engine is not None:
+            return [tuple(c) for c in engine.compressed_server_chunks(compressor.config, numel)]
         levels = host_levels_of(group or dist.group.WORLD) if world_size > 1 else None
         if levels is not None and compressor.format not in _SPARSE:
             return [tuple(c) for c in levels.plan(numel)["server_chunks"]]
@@ -111,10 +163,12 @@ def two_levels(group: Optional[dist.ProcessGroup] = None) -> bool:
     comes after the collectives queued before it (ask once, not per call); on a group of another
     backend, collective the first time (``host_levels_of``)."""
     group = group or dist.group.WORLD
-    backend = native_backend(group)
-    if backend is not None:
-        return backend.compressed_two_levels()
-    return dist.get_world_size(group) > 1 and host_levels_of(group) is not None
+    if dist.get_world_size(group) == 1:
+        return False
+    engine = engine_of(group)
+    if engine is not None:
+        return engine.compressed_two_levels()
+    return host_levels_of(group) is not None
 
 
 def server_residual_numel(numel: int, rank: int, world_size: int) -> int:
@@ -162,10 +216,12 @@ def compressed_all_reduce(
         average: divide the sum by the group size.
         stream: randomness stream of this call (e.g. the training step), so ternary and
             random-k draw fresh, reproducible randomness each call.
-        verify: on groups of other backends, first check that every rank reduces as many
-            elements of one dtype with one compressor (one small all-gather; ValueError on
-            every rank if not). Skip it only where the caller has checked that itself, as
-            the DDP hooks do once per bucket. ddlcomm groups always check, at no cost.
+        verify: on groups of other backends, first check that every rank reduces as many elements of one
+            dtype with one compressor (one small all-gather; ValueError on every rank if not).
+            Skip it only where the caller has checked that itself, as the DDP hooks do once
+            per bucket. Unchecked calls are still refused, on the first message (which carries
+            the call's signature) or the first payload (its compressor), but that failure ends
+            the group's compressed collectives; ddlcomm groups always check, at no cost.
         flat: one level (every rank compresses for the whole group) where the group takes two
             over its hosts (``two_levels``); every rank must pass the same. The server
             residual's places differ between the two plans (``server_chunks``).
@@ -204,9 +260,13 @@ def start_compressed_all_reduce(
         if poisoned.item():
             return _completed(work.get_future(), tensor.fill_(float("nan")))
 
-    backend = native_backend(group) if not tensor.is_cuda else None
-    if backend is not None:
-        work = backend.compressed_allreduce(
+    engine = engine_of(group) if not tensor.is_cuda else None
+    if engine is not None:
+        if verify and engine is not native_backend(group):
+            # A mismatch the engine finds in flight would leave it unusable: refused here, on every
+            # rank, the group stays usable.
+            Agreement(tensor, compressor, group or dist.group.WORLD, engine.size(), True, wire.device).wait()
+        work = engine.compressed_allreduce(
             tensor, compressor.config, worker_residual, server_residual, average, int(stream), flat
         )
         raw = work.get_future()
@@ -235,8 +295,8 @@ def _fallback(
     wire: Wire,
     one_level: bool,
 ) -> None:
-    """The native algorithm over standard collectives (gloo, nccl; CUDA tensors on any group):
-    same bytes, same sums."""
+    """The C++ algorithm over torch's collectives, for CUDA tensors (on any group): the same
+    bytes and sums."""
     group = group or dist.group.WORLD
     n, r = dist.get_world_size(group), dist.get_rank(group)
     flat = tensor.view(-1)

@@ -39,10 +39,11 @@ rank's chunk comes from its own gradient, and the output is the chunk's Adam ste
 per element (averaged over the replicas under HSDP). A non-finite gradient on any rank leaves every rank's moments
 alone and makes every output non-finite. Not for use with ``torch.amp.GradScaler``: the
 scaler would divide the (scale-free) Adam step by its scale.
-On ddlcomm groups the reduce-scatter is one native collective (over hosts of several ranks:
-exact inside each host, only the host sums compressed across, docs/collectives.md); on gloo
-and nccl groups, and for CUDA tensors, the same algorithm runs over the group's all-to-all,
-with the native one's bits (in two levels by ``host_levels_of``'s rule).
+The reduce-scatter of CPU tensors is one C++ collective on any group with CPU collectives
+(``ddlcomm.compressed.engine_of``; over hosts of several ranks where the group takes two
+levels: exact inside each host, only the host sums compressed across, docs/collectives.md);
+CUDA tensors take the same algorithm over the group's all-to-all, with its bits (in two levels
+by ``host_levels_of``'s rule).
 ``quantize_all_gather`` (from ``ddlcomm.quantized_gather``) sends the parameter all-gathers in 8 bits.
 """
 
@@ -58,7 +59,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
 from . import _C
 from .compressors import Compressor, all_finite
-from .compressed import (compressed_all_reduce, host_levels_of, native_backend, reduce_scatter_wire_bytes,
+from .compressed import (compressed_all_reduce, engine_of, host_levels_of, reduce_scatter_wire_bytes,
                          server_residual_numel, wire_bytes)
 from .moments import normalised_step, update_first, update_second
 from .options import CompressionOptions, CompressionStats
@@ -246,15 +247,16 @@ class FSDPCompressionState(CompressionOptions):
             output.fill_(float("nan"))
             return
         wire = Wire(flat, group)
+        # Every rank compresses alike: checked at a module's first call, with a clear error.
         agreement = Agreement(flat, self.compressor, group, n, name not in self._verified, wire.device)
         self._verified.add(name)
         residual = self._memory(self.residuals, name, flat.numel(), flat.device) if self.error_feedback else None
         stream = call_stream(calls, index)
-        backend = native_backend(group) if not flat.is_cuda else None
-        if backend is not None:  # the same algorithm in C++, pipelined: encoding overlaps sending
+        engine = engine_of(group) if not flat.is_cuda else None
+        if engine is not None:  # in C++, pipelined: encoding overlaps sending
             agreement.wait()
-            backend.compressed_reduce_scatter(output.view(-1), flat, self.compressor.config, residual,
-                                              op == dist.ReduceOp.AVG, stream).wait()
+            engine.compressed_reduce_scatter(output.view(-1), flat, self.compressor.config, residual,
+                                             op == dist.ReduceOp.AVG, stream).wait()
         else:
             self._reduce_scatter_over(group, output, flat, residual, op, stream, wire, agreement)
         sent = reduce_scatter_wire_bytes(self.compressor, m, n)

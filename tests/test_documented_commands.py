@@ -82,6 +82,8 @@ CASES: dict[str, Case] = {
         ("--ops", "all_reduce", "--sizes", "4096", "--budget", "0.01"), torchrun=True, line="  all_reduce "),
     "bench.compress_kernels": Case(("--sizes", "1", "--reps", "1", "--only", "1-bit"), line="1-bit "),
     "bench.compressed": Case(_SMALL_DDP, torchrun=True, line='"kind": "ddp", "method": "ddlcomm 1-bit hook"'),
+    "bench.engine": Case(("--sizes-mb", "0.1", "--compressors", "1-bit", "--repeats", "1", "--out", "{out}/engine.md"),
+                         torchrun=True, files=("engine.md",), line="| 1-bit, 0.1 MB |"),
     "bench.convergence": Case(
         ("--tasks", "mlp", "--optimizers", "sgd", "--methods", "all-reduce,1-bit", "--seeds", "1", "--steps", "3",
          "--start-compress-iter", "2", "--out", "{out}"),
@@ -216,7 +218,8 @@ def test_every_documented_benchmark_has_a_case():
     assert not absent, f"the docs run modules that do not exist: {absent}"
 
 
-_PLAIN_PYTHON = re.compile(r"(?<![\w-])python3?\s+-m\s+" + _MODULE)
+# Not after "-- ": ``python -m ddlcomm.slownet ... -- python -m bench.X`` starts each rank itself.
+_PLAIN_PYTHON = re.compile(r"(?<!-- )(?<![\w-])python3?\s+-m\s+" + _MODULE)
 
 
 def test_benchmarks_whose_ranks_torchrun_starts_are_documented_with_torchrun():

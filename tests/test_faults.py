@@ -36,14 +36,16 @@ def test_compressed_mismatch_on_gloo_is_refused_on_every_rank() -> None:
     assert_all_ok(launch("faults", "compressed_mismatch_on_gloo", 2, timeout=60))
 
 
-def test_hook_raises_distbackenderror_when_a_peer_dies() -> None:
-    results = launch("faults", "hook_peer_killed", 4, timeout=90)
+@pytest.mark.parametrize("backend", ["ddlcomm", "gloo"])
+def test_hook_raises_distbackenderror_when_a_peer_dies(backend: str) -> None:
+    results = launch("faults", "hook_peer_killed", 4, timeout=90, args=(backend,))
     assert results[1].returncode == -signal.SIGKILL, results[1].output
     assert_all_ok([r for r in results if r.rank != 1])
 
 
-def test_fsdp_reduce_scatter_raises_distbackenderror_when_a_peer_dies() -> None:
-    results = launch("faults", "reduce_scatter_peer_killed", 4, timeout=90)
+@pytest.mark.parametrize("backend", ["ddlcomm", "gloo"])
+def test_fsdp_reduce_scatter_raises_distbackenderror_when_a_peer_dies(backend: str) -> None:
+    results = launch("faults", "reduce_scatter_peer_killed", 4, timeout=90, args=(backend,))
     assert results[1].returncode == -signal.SIGKILL, results[1].output
     assert_all_ok([r for r in results if r.rank != 1])
 

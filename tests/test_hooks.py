@@ -14,14 +14,19 @@ from ddlcomm import compressors, hooks
 from harness import assert_all_ok, launch
 
 
-def test_native_and_fallback_agree_bitwise() -> None:
-    # Over shared memory (the default here); test_soak runs compressed all-reduces over every transport.
-    # Two threads per rank, so that the largest vector's chunks are split across threads.
-    assert_all_ok(launch("compression", "native_matches_fallback", 4, timeout=180, env={"DDLCOMM_NUM_THREADS": "2"}))
+def test_every_path_agrees_bitwise() -> None:
+    # The ddlcomm group over shared memory (the default here), the gloo group over gloo's send and
+    # recv, and the Python path over gloo's collectives; test_soak runs compressed all-reduces over
+    # every transport. Two threads per rank, so that the largest vector's chunks are split across threads.
+    assert_all_ok(launch("compression", "paths_agree", 4, timeout=180, env={"DDLCOMM_NUM_THREADS": "2"}))
 
 
-def test_native_and_fallback_agree_bitwise_over_pieces() -> None:
-    assert_all_ok(launch("compression", "pieces_match_fallback", 4, timeout=240))
+def test_every_path_agrees_bitwise_over_pieces() -> None:
+    assert_all_ok(launch("compression", "pieces_agree", 4, timeout=240))
+
+
+def test_hook_on_ddp_own_gloo_group_with_unused_parameters() -> None:
+    assert_all_ok(launch("compression", "hook_on_ddp_own_gloo_group", 2, timeout=120))
 
 
 def test_state_versions(caplog: pytest.LogCaptureFixture) -> None:

@@ -16,6 +16,7 @@
 #include "collectives/compressed_reduce_scatter.h"
 #include "compress/parallel.h"
 #include "transport/connect.h"
+#include "torch/process_group_transport.h"
 #include "torch/tensor_args.h"
 
 namespace ddlcomm::torch_glue {
@@ -117,13 +118,8 @@ void DdlcommWork::complete(std::exception_ptr error) {
   finish(error);
 }
 
-ProcessGroupDdlcomm::ProcessGroupDdlcomm(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
-                                         std::chrono::milliseconds timeout, std::vector<int64_t> globalRanks,
-                                         std::string groupName, const c10::intrusive_ptr<Options>& options)
-    : Backend(rank, size),
-      options_(options ? c10::make_intrusive<Options>(*options) : c10::make_intrusive<Options>()),
-      store_(attemptStore(store)),
-      timeoutMs_(timeout.count()) {
+void ProcessGroupDdlcomm::describeGroup(int rank, int size, std::chrono::milliseconds timeout,
+                                        const std::vector<int64_t>& globalRanks, const std::string& groupName) {
   options_->timeout = timeout;
   options_->group_name = groupName;
   options_->global_ranks_in_group.assign(globalRanks.begin(), globalRanks.end());
@@ -133,6 +129,16 @@ ProcessGroupDdlcomm::ProcessGroupDdlcomm(const c10::intrusive_ptr<c10d::Store>& 
   }
   prefix_ += "] ";
   workPrefix_ = std::make_shared<const std::string>(prefix_);
+}
+
+ProcessGroupDdlcomm::ProcessGroupDdlcomm(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                                         std::chrono::milliseconds timeout, std::vector<int64_t> globalRanks,
+                                         std::string groupName, const c10::intrusive_ptr<Options>& options)
+    : Backend(rank, size),
+      options_(options ? c10::make_intrusive<Options>(*options) : c10::make_intrusive<Options>()),
+      store_(attemptStore(store)),
+      timeoutMs_(timeout.count()) {
+  describeGroup(rank, size, timeout, globalRanks, groupName);
   auto kv = std::make_shared<StoreAdapter>(store_);
   try {
     // Every setting is read before connecting: a bad value fails at once, not after the peers joined.
@@ -147,6 +153,31 @@ ProcessGroupDdlcomm::ProcessGroupDdlcomm(const c10::intrusive_ptr<c10d::Store>& 
   } catch (const Error& e) {
     if (reportedAs(e.kind(), true) == Reported::Value) TORCH_CHECK_VALUE(false, prefix_, e.what());
     C10_THROW_ERROR(DistBackendError, prefix_ + "could not connect the group: " + e.what());
+  }
+}
+
+ProcessGroupDdlcomm::ProcessGroupDdlcomm(const c10::intrusive_ptr<c10d::Backend>& carrier,
+                                         const std::vector<std::string>& hostIdentities,
+                                         std::chrono::milliseconds timeout, std::string groupName,
+                                         const c10::intrusive_ptr<Options>& options)
+    : Backend(carrier->getRank(), carrier->getSize()),
+      options_(options ? c10::make_intrusive<Options>(*options) : c10::make_intrusive<Options>()),
+      timeoutMs_(timeout.count()) {
+  describeGroup(rank_, size_, timeout, {}, groupName);
+  prefix_.insert(prefix_.size() - 2, c10::str(" over ", carrier->getBackendName()));
+  workPrefix_ = std::make_shared<const std::string>(prefix_);
+  TORCH_CHECK_VALUE(hostIdentities.size() == size_t(size_), prefix_, hostIdentities.size(),
+                    " host identities for a group of ", size_, " ranks");
+  try {
+    auto collectiveOptions = CollectiveOptions::fromEnvironment(timeout, options_->allreduceAlgorithm);
+    compress::configuredThreads();
+    // No store: a failure is the carrier's to report, and every rank sees it there.
+    auto comm = std::make_unique<Communicator>(std::make_unique<ProcessGroupTransport>(carrier),
+                                               Topology::ofHosts(hostIdentities, rank_), nullptr, collectiveOptions);
+    executor_ = std::make_unique<Executor>(std::move(comm));
+  } catch (const Error& e) {
+    if (reportedAs(e.kind(), true) == Reported::Value) TORCH_CHECK_VALUE(false, prefix_, e.what());
+    C10_THROW_ERROR(DistBackendError, prefix_ + e.what());
   }
 }
 

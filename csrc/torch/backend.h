@@ -92,6 +92,12 @@ class ProcessGroupDdlcomm : public c10d::Backend {
   ProcessGroupDdlcomm(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                       std::chrono::milliseconds timeout, std::vector<int64_t> globalRanks, std::string groupName,
                       const c10::intrusive_ptr<Options>& options = {});
+  // A ddlcomm backend over `carrier`'s point-to-point (ProcessGroupTransport): the compressed
+  // collectives on a group of another backend (ddlcomm.engine). `hostIdentities`: every rank's
+  // hostIdentity(), by rank; the options' allreduce_algorithm decides its levels over hosts.
+  ProcessGroupDdlcomm(const c10::intrusive_ptr<c10d::Backend>& carrier, const std::vector<std::string>& hostIdentities,
+                      std::chrono::milliseconds timeout, std::string groupName,
+                      const c10::intrusive_ptr<Options>& options = {});
   ~ProcessGroupDdlcomm() override;
 
   const std::string getBackendName() const override { return "ddlcomm"; }
@@ -217,6 +223,9 @@ class ProcessGroupDdlcomm : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> allreduceSparse(at::Tensor& tensor, const c10d::AllreduceOptions& opts);
   // Adds `work` to the coalesced Work while coalescing.
   void trackCoalesced(const c10::intrusive_ptr<c10d::Work>& work);
+  // What both constructors set before the group's transport exists: the options, the prefix.
+  void describeGroup(int rank, int size, std::chrono::milliseconds timeout, const std::vector<int64_t>& globalRanks,
+                     const std::string& groupName);
 
   std::unique_ptr<Executor> executor_;
   c10::intrusive_ptr<Options> options_;  // as created, never changed: the timeout is timeoutMs_

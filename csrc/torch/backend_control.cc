@@ -171,6 +171,7 @@ void ProcessGroupDdlcomm::monitoredBarrier(const c10d::BarrierOptions& opts, boo
   using Clock = std::chrono::steady_clock;
   const auto timeout =
       opts.timeout == c10d::kUnsetTimeout ? std::chrono::milliseconds(timeoutMs_.load()) : opts.timeout;
+  TORCH_CHECK(store_, prefix_, "monitored_barrier needs a store: call it on the carrier group");
   // Every rank calls it in the same order, so the count names the same call everywhere.
   const std::string base = c10::str("ddlcomm/monitored_barrier/", monitoredBarriers_++, "/");
   if (rank_ != 0) {

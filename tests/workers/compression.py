@@ -14,7 +14,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from common import init, run
 from ddlcomm import ProcessGroupDdlcomm, compressors, hooks, optim
-from ddlcomm.compressed import compressed_all_reduce, native_backend, server_residual_numel
+from ddlcomm import compressed
+from ddlcomm.compressed import compressed_all_reduce, engine_of, native_backend, server_residual_numel
+from ddlcomm.wire import Wire
 from ddlcomm.host_levels import host_levels
 
 COMPRESSORS = {
@@ -37,50 +39,65 @@ HOOKS = {
 }
 
 
-def _assert_native_matches_fallback(name: str, numel: int, gloo: dist.ProcessGroup, stream: int) -> None:
-    """One compressed all-reduce on the ddlcomm group and one through the fallback on `gloo`,
-    from the same inputs and residuals: same result and residuals, and the same on every rank."""
+def _python_path(x: torch.Tensor, comp, wres: torch.Tensor, sres: torch.Tensor, gloo: dist.ProcessGroup,
+                 stream: int) -> torch.Tensor:
+    """The algorithm over torch's collectives, as CUDA tensors and nccl groups take it, on CPU tensors."""
+    compressed._fallback(x, comp, wres, sres, gloo, True, stream, True, Wire(x, gloo), False)
+    return x
+
+
+def _assert_paths_agree(name: str, numel: int, gloo: dist.ProcessGroup, stream: int) -> None:
+    """One compressed all-reduce on the ddlcomm group (its transport), one on `gloo` (the same C++
+    over gloo's send and recv) and one over gloo's collectives in Python (CUDA tensors' path),
+    from the same inputs and residuals: the same result and residuals, and the same on every rank."""
     rank, n = dist.get_rank(), dist.get_world_size()
     comp = COMPRESSORS[name]()
     results = []
-    for group in (None, gloo):
+    for path in ("ddlcomm", "gloo", "python"):
         x = torch.randn(numel, generator=torch.Generator().manual_seed(rank * 7 + numel))
         wres = torch.randn(numel, generator=torch.Generator().manual_seed(99 + rank)) * 0.1
         sres = torch.randn(server_residual_numel(numel, rank, n),
                            generator=torch.Generator().manual_seed(55 + rank)) * 0.1
-        out = compressed_all_reduce(x, comp, wres, sres, group=group, stream=stream).wait()
-        results.append((out, wres, sres))
-    for a, b, what in zip(results[0], results[1], ("result", "worker residual", "server residual")):
-        assert torch.equal(a, b), f"{name} x{numel}: native and fallback {what} differ"
-    everyone = [torch.empty_like(results[0][0]) for _ in range(n)]
-    dist.all_gather(everyone, results[0][0], group=gloo)
-    assert all(torch.equal(e, results[0][0]) for e in everyone), f"{name} x{numel}: ranks hold different results"
+        if path == "python":
+            out = _python_path(x, comp, wres, sres, gloo, stream)
+        else:
+            out = compressed_all_reduce(x, comp, wres, sres, group=gloo if path == "gloo" else None,
+                                        stream=stream).wait()
+        results.append((path, (out, wres, sres)))
+    (_, first), rest = results[0], results[1:]
+    for path, other in rest:
+        for a, b, what in zip(first, other, ("result", "worker residual", "server residual")):
+            assert torch.equal(a, b), f"{name} x{numel}: the ddlcomm group's and the {path} path's {what} differ"
+    everyone = [torch.empty_like(first[0]) for _ in range(n)]
+    dist.all_gather(everyone, first[0], group=gloo)
+    assert all(torch.equal(e, first[0]) for e in everyone), f"{name} x{numel}: ranks hold different results"
 
 
-def native_matches_fallback() -> None:
-    """The native path (ddlcomm group) and the fallback (gloo group) give the same bits, and
-    ddlcomm's own calls raise no deprecation warning."""
+def paths_agree() -> None:
+    """The ddlcomm group, the gloo group and the Python path give the same bits, and ddlcomm's
+    own calls raise no deprecation warning."""
     warnings.simplefilter("error", FutureWarning)
     warnings.simplefilter("error", DeprecationWarning)
     init()
     gloo = dist.new_group(backend="gloo")
     assert native_backend(None) is not None and native_backend(gloo) is None
+    assert "over gloo" in repr(engine_of(gloo))
     for name in COMPRESSORS:
         # 70_001: several reduce tiles per chunk; 8_400_003: chunks split across threads, for one
         # compressor of each reduction (blocks of scales, 2-bit codes, sparse sums, casts): the
         # variants of one share its threading
         large = (8_400_003,) if name in ("onebit", "ternary", "topk_2bit", "bf16") else ()
         for numel in (1, 5, 1000, 70_001) + large:
-            _assert_native_matches_fallback(name, numel, gloo, stream=11)
+            _assert_paths_agree(name, numel, gloo, stream=11)
 
 
-def pieces_match_fallback() -> None:
-    """A vector longer than one piece (the second one short): the native pipeline over its
-    pieces and the fallback's plain loop over them give the same bits, on every rank."""
+def pieces_agree() -> None:
+    """A vector longer than one piece (the second one short): the pipeline over its pieces on
+    both groups and the Python path's plain loop over them give the same bits, on every rank."""
     init()
     gloo = dist.new_group(backend="gloo")
     for name in ("onebit", "ternary", "bf16"):
-        _assert_native_matches_fallback(name, ProcessGroupDdlcomm.piece_elements + 70_001, gloo, stream=4)
+        _assert_paths_agree(name, ProcessGroupDdlcomm.piece_elements + 70_001, gloo, stream=4)
 
 
 def non_finite() -> None:
@@ -178,10 +195,11 @@ def hook_mechanics() -> None:
             train_step(ddp, opt, x, y, step, rank)
         return model, state
 
-    # Same hook on a ddlcomm group (native) and a gloo group (fallback): identical training.
+    # Same hook on a ddlcomm group and a gloo group (the same C++ over gloo's send and recv):
+    # identical training.
     native_model, native_state = run_steps(None, 8)
     gloo_model, _ = run_steps(gloo, 8)
-    assert torch.equal(flat_params(native_model), flat_params(gloo_model)), "native and fallback hooks trained differently"
+    assert torch.equal(flat_params(native_model), flat_params(gloo_model)), "the two groups' hooks trained differently"
     assert native_state.iter == 8 and native_state.stats.compressed_buckets > 0
     assert native_state.stats.uncompressed_buckets > 0, "warm-up iterations must run uncompressed"
     # 1 bit + a float32 scale per 256 values: 32 / (1 + 32/256) = 28x fewer bytes than fp32 (less with 2 ranks'
@@ -213,6 +231,41 @@ def hook_mechanics() -> None:
         pass
     else:
         raise AssertionError("topk_hook accepted a OneBit state")
+
+
+class _WithUnused(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = small_model()
+        self.unused = torch.nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+def hook_on_ddp_own_gloo_group() -> None:
+    """The hook on the very gloo group DDP runs its own collectives on, with find_unused_parameters
+    (DDP all-reduces its unused-parameter map there while buckets are in flight): the hook's
+    messages (tagged send and recv) do not interleave with them. It trains as on a ddlcomm group,
+    the same on every rank."""
+    rank, n = init("gloo")
+    ddlcomm_group = dist.new_group(backend="ddlcomm")
+    x, y = synthetic(rank)
+    trained = []
+    for group in (None, ddlcomm_group):
+        torch.manual_seed(0)
+        model = _WithUnused()
+        ddp = DistributedDataParallel(model, process_group=group, bucket_cap_mb=0.05, find_unused_parameters=True)
+        ddp.register_comm_hook(hooks.CompressionState(group, compressors.OneBit(), start_compress_iter=2,
+                                                      min_compression_bytes=0), hooks.onebit_hook)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        for step in range(8):
+            train_step(ddp, opt, x, y, step, rank)
+        trained.append(flat_params(model))
+    assert torch.equal(trained[0], trained[1]), "the hook trained differently on DDP's gloo group"
+    everyone = [torch.empty_like(trained[0]) for _ in range(n)]
+    dist.all_gather(everyone, trained[0])
+    assert all(torch.equal(e, trained[0]) for e in everyone), "ranks hold different parameters"
 
 
 def uncompressed_is_logged_once() -> None:
@@ -264,12 +317,12 @@ def warmup_boundary() -> None:
 
 def debug_wrapper() -> None:
     """Under TORCH_DISTRIBUTED_DEBUG=DETAIL torch wraps the backend; the compressed all-reduce
-    still finds the native one (and gives the fallback's bits)."""
+    still finds the native one (and the bits of every other path)."""
     init()
     wrapped = dist.group.WORLD._get_backend(torch.device("cpu"))
     assert not isinstance(wrapped, ProcessGroupDdlcomm), "the debug mode did not wrap the backend: nothing tested"
     assert isinstance(native_backend(None), ProcessGroupDdlcomm)
-    _assert_native_matches_fallback("onebit", 70_001, dist.new_group(backend="gloo"), stream=3)
+    _assert_paths_agree("onebit", 70_001, dist.new_group(backend="gloo"), stream=3)
 
 
 def direction_mode() -> None:
@@ -436,10 +489,11 @@ def misuse_is_refused() -> None:
 
 if __name__ == "__main__":
     run({
-        "native_matches_fallback": native_matches_fallback,
-        "pieces_match_fallback": pieces_match_fallback,
+        "paths_agree": paths_agree,
+        "pieces_agree": pieces_agree,
         "non_finite": non_finite,
         "hook_mechanics": hook_mechanics,
+        "hook_on_ddp_own_gloo_group": hook_on_ddp_own_gloo_group,
         "warmup_boundary": warmup_boundary,
         "direction_mode": direction_mode,
         "matches_plain": matches_plain,

@@ -136,15 +136,16 @@ def compressed_mismatch_on_gloo() -> None:
     assert torch.equal(out, torch.ones(1000)), "the group is unusable after a refused call"
 
 
-def hook_peer_killed() -> None:
-    """A rank dies in the middle of compressed DDP training: every survivor's backward() raises
-    DistBackendError naming it (not torch's RuntimeError wrapper of a future's callback)."""
+def hook_peer_killed(backend: str) -> None:
+    """A rank dies in the middle of compressed DDP training on a `backend` group: every survivor's
+    backward() raises DistBackendError naming it (not torch's RuntimeError wrapper of a future's
+    callback)."""
     from torch.nn.parallel import DistributedDataParallel
 
     from ddlcomm import compressors, hooks
 
     timeout = PEER_FAILURE_TIMEOUT
-    rank, n = init(timeout_s=timeout)
+    rank, n = init(backend, timeout_s=timeout)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
     ddp = DistributedDataParallel(model, bucket_cap_mb=0.1)
@@ -163,13 +164,13 @@ def hook_peer_killed() -> None:
     _expect_peer_failure(timeout, train, since=lambda: last_step_done[0])
 
 
-def reduce_scatter_peer_killed() -> None:
-    """A rank dies between ddlcomm.fsdp's native compressed reduce-scatters (2M elements each):
-    every survivor's call raises DistBackendError naming it."""
+def reduce_scatter_peer_killed(backend: str) -> None:
+    """A rank dies between ddlcomm.fsdp's compressed reduce-scatters (2M elements each) on a
+    `backend` group: every survivor's call raises DistBackendError naming it."""
     from ddlcomm import compressors, fsdp
 
     timeout = PEER_FAILURE_TIMEOUT
-    rank, n = init(timeout_s=timeout)
+    rank, n = init(backend, timeout_s=timeout)
     state = fsdp.FSDPCompressionState(compressors.OneBit(), start_compress_iter=0, min_compression_bytes=0)
     grad, out = torch.randn(n * 500_000), torch.empty(500_000)
     last_call_done = [time.monotonic()]

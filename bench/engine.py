@@ -1,0 +1,214 @@
+"""The compressed all-reduce on a gloo group against the same call on a ddlcomm group, and
+against gloo moving the same payload bytes itself, in the same run.
+
+Run under torchrun from the repository root, e.g.::
+
+    torchrun --standalone --nproc-per-node 2 -m bench.engine --out docs/results/engine.md
+
+Both groups run one C++ implementation (``ddlcomm.compressed.engine_of``): the ddlcomm group
+on its own transport, the gloo group on gloo's send and recv. "gloo moving the payload" is
+gloo's own ``all_to_all_single`` of the bytes each rank scatters plus ``all_gather_single`` of
+the bytes it gathers (one call each for all pieces: less than the algorithm's messages, a
+floor). The ratio is gloo group / (ddlcomm group + gloo moving the payload): at 1 the engine
+over gloo costs what its computation costs plus what gloo takes to move its bytes. "host ms"
+is how long the caller spends in ``compressed_all_reduce`` before it has a future back (what a
+DDP hook costs the backward pass per bucket). Calls pass ``verify=False``, as the DDP hooks do
+after a bucket's first call. Each time is the median of --repeats, the slowest rank's.
+
+With ``--ddp`` it times DDP steps of an MLP (SGD) with the 1-bit hook on each group instead, against
+the same step without DDP (compute alone) and the 1-bit all-reduces of its gradient in DDP's
+25 MB buckets one after another (communication alone): a step below their sum overlaps the
+backward pass with communication. Run it on emulated hosts, e.g.
+``python -m ddlcomm.slownet --ranks 4 --rate 1gbit -- python -m bench.engine --ddp``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import shlex
+import statistics
+import sys
+import time
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from torch.nn.parallel import DistributedDataParallel
+
+from ddlcomm import _C, compressors, hooks
+from ddlcomm.compressed import compressed_all_reduce, server_residual_numel
+from ddlcomm.wire import all_gather_single
+
+from bench import init_ranks
+
+COMPRESSORS: dict[str, Callable[[], compressors.Compressor]] = {
+    "1-bit": compressors.OneBit,
+    "ternary": compressors.Ternary,
+    "top-k 1%": lambda: compressors.TopK(ratio=0.01, approximate=True),
+}
+
+
+def slowest_median(call: Callable[[], None], repeats: int) -> float:
+    """Median over `repeats` of the slowest rank's seconds for `call` (after one warm-up)."""
+    call()
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    slowest = torch.tensor(times)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return statistics.median(slowest.tolist())
+
+
+def payload_move(compressor: compressors.Compressor, numel: int, gloo: dist.ProcessGroup) -> Callable[[], None]:
+    """gloo's all-to-all of what this rank scatters and all-gather of what it gathers, in bytes."""
+    n, r = dist.get_world_size(gloo), dist.get_rank(gloo)
+    if compressor.is_sparse:
+        payload = torch.zeros(compressor.compressed_nbytes(numel), dtype=torch.uint8)
+        everyone = torch.empty(n * payload.numel(), dtype=torch.uint8)
+        return lambda: all_gather_single(everyone, payload, group=gloo)
+    send, recv, widest = [0] * n, [0] * n, 0
+    for _, _, bounds in _C.ProcessGroupDdlcomm.compressed_allreduce_pieces(numel, n):
+        sizes = [compressor.compressed_nbytes(bounds[i + 1] - bounds[i]) for i in range(n)]
+        for i in range(n):
+            send[i] += sizes[i]
+            recv[i] += sizes[r]
+        widest += max(sizes)
+    outgoing, incoming = torch.zeros(sum(send), dtype=torch.uint8), torch.empty(sum(recv), dtype=torch.uint8)
+    reduced, gathered = torch.zeros(widest, dtype=torch.uint8), torch.empty(n * widest, dtype=torch.uint8)
+
+    def move() -> None:
+        dist.all_to_all_single(incoming, outgoing, recv, send, group=gloo)
+        all_gather_single(gathered, reduced, group=gloo)
+    return move
+
+
+def measure(name: str, numel: int, groups: dict[str, dist.ProcessGroup], repeats: int) -> dict[str, float]:
+    compressor = COMPRESSORS[name]()
+    n, r = dist.get_world_size(), dist.get_rank()
+    row: dict[str, float] = {}
+    for label, group in groups.items():
+        grad = torch.randn(numel, generator=torch.Generator().manual_seed(r))
+        worker = torch.zeros(numel)
+        server = torch.zeros(server_residual_numel(numel, r, n))
+        steps = iter(range(1 << 30))
+        row[label] = slowest_median(
+            lambda: compressed_all_reduce(grad, compressor, worker, server, group=group, stream=next(steps),
+                                          verify=False).wait(),
+            repeats)
+        hosts = []
+        for _ in range(repeats):
+            dist.barrier()
+            start = time.perf_counter()
+            fut = compressed_all_reduce(grad, compressor, worker, server, group=group, stream=next(steps), verify=False)
+            hosts.append(time.perf_counter() - start)
+            fut.wait()
+        row[label + " host"] = statistics.median(hosts)
+    row["move"] = slowest_median(payload_move(compressor, numel, groups["gloo"]), repeats)
+    return row
+
+
+def ddp_rows(groups: dict[str, dist.ProcessGroup], width: int, depth: int, batch: int, repeats: int) -> list[str]:
+    """Step, compute alone and communication alone per group, in ms; their ratio step / (sum)."""
+    r, n = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    layers: list[torch.nn.Module] = []
+    for _ in range(depth):
+        layers += [torch.nn.Linear(width, width), torch.nn.ReLU()]
+    model = torch.nn.Sequential(*layers, torch.nn.Linear(width, 10))
+    x = torch.randn(batch, width, generator=torch.Generator().manual_seed(r))
+    y = torch.randint(0, 10, (batch,), generator=torch.Generator().manual_seed(r))
+
+    def stepper(module: torch.nn.Module) -> Callable[[], None]:
+        opt = torch.optim.SGD(module.parameters(), lr=1e-3)
+
+        def step() -> None:
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(module(x), y).backward()
+            opt.step()
+        return step
+
+    compute = slowest_median(stepper(model), repeats)
+    numel = sum(p.numel() for p in model.parameters())
+    bucket = (25 << 20) // 4
+    rows = []
+    for label, group in groups.items():
+        grads = [torch.randn(min(bucket, numel - b)) for b in range(0, numel, bucket)]
+        memory = [(torch.zeros(g.numel()), torch.zeros(server_residual_numel(g.numel(), r, n))) for g in grads]
+        steps = iter(range(1 << 30))
+
+        def communicate() -> None:
+            for g, (w, s) in zip(grads, memory):
+                compressed_all_reduce(g, compressors.OneBit(), w, s, group=group, stream=next(steps),
+                                      verify=False).wait()
+        comm = slowest_median(communicate, repeats)
+        ddp = DistributedDataParallel(copy.deepcopy(model), process_group=group)
+        ddp.register_comm_hook(hooks.CompressionState(group, compressors.OneBit(), start_compress_iter=2),
+                               hooks.onebit_hook)
+        ddp_step = stepper(ddp)
+        for _ in range(3):  # past the hook's warm-up and DDP's bucket rebuild
+            ddp_step()
+        step = slowest_median(ddp_step, repeats)
+        rows.append(f"| {label} | {step * 1e3:.1f} | {compute * 1e3:.1f} | {comm * 1e3:.1f} | "
+                    f"{step / (compute + comm):.2f} |")
+        if r == 0:
+            print(rows[-1], flush=True)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes-mb", type=float, nargs="+", default=[1, 26, 105],
+                        help="gradient sizes in MB of float32")
+    parser.add_argument("--compressors", nargs="+", default=list(COMPRESSORS), choices=list(COMPRESSORS),
+                        help="the compressors to time")
+    parser.add_argument("--repeats", type=int, default=7, help="timed calls per measurement (the median is reported)")
+    parser.add_argument("--out", help="also append the table (markdown) to this file")
+    parser.add_argument("--ddp", action="store_true", help="time DDP steps with the 1-bit hook instead")
+    parser.add_argument("--width", type=int, default=2048, help="--ddp: the MLP's width")
+    parser.add_argument("--depth", type=int, default=6, help="--ddp: its hidden layers (6: 25.2M parameters)")
+    parser.add_argument("--batch", type=int, default=16, help="--ddp: each rank's batch")
+    parser.add_argument("--where", default="loopback", help="what the table says the ranks ran on")
+    args = parser.parse_args()
+    init_ranks("gloo")
+    torch.set_num_threads(1)
+    groups = {"ddlcomm": dist.new_group(backend="ddlcomm"), "gloo": dist.group.WORLD}
+    command = (f"`torchrun --standalone --nproc-per-node {dist.get_world_size()} -m bench.engine "
+               f"{shlex.join(sys.argv[1:])}`" if args.where == "loopback" else
+               f"`python -m ddlcomm.slownet --ranks {dist.get_world_size()} ... -- python -m bench.engine "
+               f"{shlex.join(sys.argv[1:])}`")
+    lines = [f"{dist.get_world_size()} ranks on {args.where}, median of {args.repeats}, the slowest rank's. "
+             f"Command: {command}", ""]
+    if args.ddp:
+        lines += ["| 1-bit hook on | DDP step ms | compute alone ms | communication alone ms | step / (sum) |",
+                  "|---|---|---|---|---|"]
+        lines += ddp_rows(groups, args.width, args.depth, args.batch, args.repeats)
+    else:
+        lines += ["| compressor, gradient | ddlcomm group ms | gloo group ms | gloo moving the payload ms | ratio | "
+                  "host ms, ddlcomm / gloo |", "|---|---|---|---|---|---|"]
+    for name in ([] if args.ddp else args.compressors):
+        for mb in args.sizes_mb:
+            row = measure(name, int(mb * (1 << 20)) // 4, groups, args.repeats)
+            ratio = row["gloo"] / (row["ddlcomm"] + row["move"])
+            lines.append(f"| {name}, {mb:g} MB | {row['ddlcomm'] * 1e3:.2f} | {row['gloo'] * 1e3:.2f} | "
+                         f"{row['move'] * 1e3:.2f} | {ratio:.2f} | {row['ddlcomm host'] * 1e3:.3f} / "
+                         f"{row['gloo host'] * 1e3:.3f} |")
+            if dist.get_rank() == 0:
+                print(lines[-1], flush=True)
+    if dist.get_rank() == 0 and args.out:  # a section per run: one file holds the 2- and 4-rank runs
+        fresh = not os.path.exists(args.out)
+        with open(args.out, "a") as f:
+            f.write(("# The compressed all-reduce on gloo and ddlcomm groups\n\n" + __doc__ + "\n" if fresh else "")
+                    + f"## {'DDP steps, ' if args.ddp else ''}{dist.get_world_size()} ranks on {args.where}\n\n"
+                    + "\n".join(lines) + "\n\n")
+        print(f"wrote {args.out}", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

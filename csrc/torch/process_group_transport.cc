@@ -1,0 +1,175 @@
+#include "torch/process_group_transport.h"
+
+#include <ATen/Functions.h>
+
+#include <algorithm>
+#include <thread>
+
+namespace ddlcomm::torch_glue {
+namespace {
+
+constexpr int kTagBit = 1 << 30;
+constexpr uint32_t kStepLimit = 1u << 14;  // steps per peer per call: 15 bits hold the step and the lowest bit
+constexpr uint64_t kSignatureMagic = 0x474953444c4443ull;  // "CDLDSIG"
+
+int tagOf(const Signature& signature, bool isSignature) {
+  DDLCOMM_CHECK(signature.step < kStepLimit, ErrorKind::InvalidArgument, signature.describe(),
+                ": more messages between two ranks in one call than a process group's tags number (",
+                kStepLimit, ")");
+  return kTagBit | int((signature.tag & 0x7fff) << 15) | int(signature.step << 1) | (isSignature ? 0 : 1);
+}
+
+at::Tensor bytesAt(void* data, size_t bytes) {
+  return at::from_blob(data, {int64_t(bytes)}, at::TensorOptions().dtype(at::kByte));
+}
+
+std::array<uint64_t, 4> headerOf(const Request& r) {
+  return {kSignatureMagic, (uint64_t(r.signature.op) << 8) | uint64_t(r.signature.dtype), r.signature.tag,
+          r.signature.count};
+}
+
+}  // namespace
+
+ProcessGroupTransport::ProcessGroupTransport(c10::intrusive_ptr<c10d::Backend> carrier)
+    : carrier_(std::move(carrier)), rank_(carrier_->getRank()), size_(carrier_->getSize()) {}
+
+// Work still posted belongs to a failed group: the carrier cannot cancel it, only finish or fail it.
+ProcessGroupTransport::~ProcessGroupTransport() = default;
+
+void ProcessGroupTransport::postSend(Request& r) {
+  throwIfBroken();
+  InFlight f;
+  guarded([&] {
+    try {
+      if (r.signature.step == 0) {
+        f.header = std::make_shared<std::array<uint64_t, 4>>(headerOf(r));
+        std::vector<at::Tensor> header{bytesAt(f.header->data(), sizeof(*f.header))};
+        f.signature = carrier_->send(header, r.peer, tagOf(r.signature, true));
+      }
+      if (r.bytes) {
+        std::vector<at::Tensor> payload{bytesAt(r.data, r.bytes)};
+        f.payload = carrier_->send(payload, r.peer, tagOf(r.signature, false));
+      }
+    } catch (const std::exception& e) {
+      fail(ErrorKind::PeerFailure, "sending ", r.signature.describe(), " to rank ", r.peer, " over the ",
+           carrier_->getBackendName(), " group: ", e.what());
+    }
+  });
+  bytesSent_ += r.bytes;
+  r.failed = false;
+  r.transfersLeft = 1;
+  inFlight_[&r] = std::move(f);
+}
+
+void ProcessGroupTransport::postRecv(Request& r) {
+  throwIfBroken();
+  DDLCOMM_CHECK(r.peer != kAnySource, ErrorKind::InvalidArgument,
+                "a receive from any rank over another backend's group");
+  InFlight f;
+  f.isRecv = true;
+  guarded([&] {
+    try {
+      if (r.signature.step == 0) {
+        f.header = std::make_shared<std::array<uint64_t, 4>>();
+        std::vector<at::Tensor> header{bytesAt(f.header->data(), sizeof(*f.header))};
+        f.signature = carrier_->recv(header, r.peer, tagOf(r.signature, true));
+      }
+      if (r.bytes) {
+        std::vector<at::Tensor> payload{bytesAt(r.data, r.bytes)};
+        f.payload = carrier_->recv(payload, r.peer, tagOf(r.signature, false));
+      }
+    } catch (const std::exception& e) {
+      fail(ErrorKind::PeerFailure, "receiving ", r.signature.describe(), " from rank ", r.peer, " over the ",
+           carrier_->getBackendName(), " group: ", e.what());
+    }
+  });
+  r.failed = false;
+  r.transfersLeft = 1;
+  inFlight_[&r] = std::move(f);
+}
+
+void ProcessGroupTransport::waitWork(const c10::intrusive_ptr<c10d::Work>& work, const Request& r,
+                                     Deadline deadline) {
+  if (!work) return;
+  guarded([&] {
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+    try {
+      // c10d reads a zero timeout as "the group's own": at least a millisecond.
+      work->wait(std::max(left, std::chrono::milliseconds(1)));
+    } catch (const std::exception& e) {
+      const std::string what = e.what();
+      const bool timedOut = Clock::now() >= deadline || what.find("imed out") != std::string::npos;
+      fail(timedOut ? ErrorKind::Timeout : ErrorKind::PeerFailure, r.signature.describe(), " with rank ", r.peer,
+           " over the ", carrier_->getBackendName(), " group ", timedOut ? "timed out" : "failed", ": ", what);
+    }
+  });
+}
+
+void ProcessGroupTransport::checkSignature(const Request& r, const std::array<uint64_t, 4>& theirs) {
+  const std::array<uint64_t, 4> mine = headerOf(r);
+  if (theirs == mine) return;
+  guarded([&] {
+    DDLCOMM_CHECK(theirs[0] == kSignatureMagic, ErrorKind::Protocol, "rank ", r.peer, " sent a message tagged as ",
+                  r.signature.describe(), " that is not ddlcomm's");
+    Signature other = r.signature;
+    other.op = OpCode(uint8_t(theirs[1] >> 8));
+    other.dtype = DataType(uint8_t(theirs[1] & 0xff));
+    other.tag = theirs[2];
+    other.count = theirs[3];
+    fail(ErrorKind::Mismatch, "rank ", r.peer, " is in ", other.describe(), " while rank ", rank_, " is in ",
+         r.signature.describe());
+  });
+}
+
+void ProcessGroupTransport::wait(Request& r, Deadline deadline) {
+  auto it = inFlight_.find(&r);
+  if (it == inFlight_.end()) {
+    throwIfBroken();
+    return;  // done already (poll completed it)
+  }
+  InFlight f = std::move(it->second);
+  inFlight_.erase(it);
+  waitWork(f.signature, r, deadline);
+  if (f.isRecv && f.header) checkSignature(r, *f.header);
+  waitWork(f.payload, r, deadline);
+  r.transfersLeft = 0;
+}
+
+void ProcessGroupTransport::poll(std::chrono::milliseconds timeout) {
+  // The carrier completes its Work on its own threads: nothing to drive, only to notice.
+  for (auto it = inFlight_.begin(); it != inFlight_.end();) {
+    const InFlight& f = it->second;
+    const bool done = (!f.signature || f.signature->isCompleted()) && (!f.payload || f.payload->isCompleted());
+    Request* r = it->first;
+    ++it;
+    if (done) wait(*r, Clock::now() + std::chrono::seconds(1));
+  }
+  if (!inFlight_.empty()) std::this_thread::sleep_for(std::min(timeout, std::chrono::milliseconds(1)));
+}
+
+void ProcessGroupTransport::abort(ErrorKind kind, const std::string& reason) noexcept {
+  if (broken_) return;
+  brokenReason_ = failureMessage(kind, reason);
+  brokenKind_ = kind;
+  broken_ = true;
+  for (auto& [request, f] : inFlight_) {
+    request->failed = true;
+    request->transfersLeft = 0;
+  }
+  inFlight_.clear();
+}
+
+void ProcessGroupTransport::throwIfBroken() const {
+  if (broken_) throw Error(brokenKind_ == ErrorKind::Aborted ? ErrorKind::Aborted : brokenKind_, brokenReason_);
+}
+
+TransportStats ProcessGroupTransport::stats() const {
+  TransportStats s;
+  s.network = "c10d:" + carrier_->getBackendName();
+  s.connectionsPerPeer.assign(size_t(size_), 1);
+  s.connectionsPerPeer[size_t(rank_)] = 0;
+  s.bytesSent = bytesSent_;
+  return s;
+}
+
+}  // namespace ddlcomm::torch_glue

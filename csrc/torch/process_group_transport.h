@@ -1,0 +1,61 @@
+// A Transport over another c10d backend's point-to-point (gloo's, or a third party's): what
+// lets the compressed collectives run, one implementation, on a group of any backend
+// (ProcessGroupDdlcomm's carrier constructor; ddlcomm.engine in Python). Like tcp/ and ucx/ it
+// moves tagged messages; unlike them it adds no frame to each one: the first message of a
+// call between two ranks is preceded by the call's signature, so a rank in another collective,
+// with another count or dtype, fails with Mismatch instead of reading the wrong bytes.
+//
+// Tags: bit 30 set, the call's sequence number (15 bits) and the message's step (15 bits, the
+// lowest for "signature or payload"): user point-to-point on the same group, with tags below
+// 2^30, never meets them. Driven by one thread (the executor), as every transport.
+#pragma once
+
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+
+#include <map>
+#include <memory>
+#include <string>
+
+#include "transport/transport.h"
+
+namespace ddlcomm::torch_glue {
+
+class ProcessGroupTransport final : public Transport {
+ public:
+  explicit ProcessGroupTransport(c10::intrusive_ptr<c10d::Backend> carrier);
+  ~ProcessGroupTransport() override;
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  void postSend(Request& request) override;
+  void postRecv(Request& request) override;
+  void wait(Request& request, Deadline deadline) override;
+  void poll(std::chrono::milliseconds timeout) override;
+  void wakeup() override {}
+  void abort(ErrorKind kind, const std::string& reason) noexcept override;
+  void throwIfBroken() const override;
+  TransportStats stats() const override;
+
+ private:
+  // A request's c10d Works: the signature message (first message of a call only) and the payload.
+  struct InFlight {
+    c10::intrusive_ptr<c10d::Work> signature, payload;
+    std::shared_ptr<std::array<uint64_t, 4>> header;  // sent, or the peer's as received
+    bool isRecv = false;
+  };
+  // Waits for one Work, up to `deadline`; a failure aborts the transport and throws.
+  void waitWork(const c10::intrusive_ptr<c10d::Work>& work, const Request& request, Deadline deadline);
+  // Throws Mismatch unless the peer's signature (received) is this request's.
+  void checkSignature(const Request& request, const std::array<uint64_t, 4>& theirs);
+
+  c10::intrusive_ptr<c10d::Backend> carrier_;
+  const int rank_;
+  const int size_;
+  std::map<Request*, InFlight> inFlight_;
+  bool broken_ = false;
+  ErrorKind brokenKind_ = ErrorKind::Aborted;
+  std::string brokenReason_;
+  uint64_t bytesSent_ = 0;
+};
+
+}  // namespace ddlcomm::torch_glue
