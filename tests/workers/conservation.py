@@ -9,8 +9,8 @@ element, up to float32 rounding:
     out == mean_r(x_r + w_old_r - w_new_r) + s_old - s_new
 
 (no server term for the sparse formats, which all-gather the rank payloads). The check reads
-only the inputs and residuals before and after the call, so it holds the native backend and
-the gloo fallback to the same law while sharing no code with them: a wrong chunk, a residual
+only the inputs and residuals before and after the call, so it holds the C++ implementation on
+both groups to the law while sharing no code with it: a wrong chunk, a residual
 not updated or updated at the wrong place, a server residual of the wrong rank, a payload
 summed twice or dropped would all break it.
 
@@ -33,7 +33,8 @@ import torch.distributed as dist
 
 from common import ddlcomm_stats, init, run
 from ddlcomm import ProcessGroupDdlcomm, compressors
-from ddlcomm.compressed import compressed_all_reduce, native_backend, server_chunks, server_residual_numel, two_levels
+from ddlcomm.compressed import (compressed_all_reduce, engine_of, native_backend, server_chunks, server_residual_numel,
+                                two_levels)
 from ddlcomm.host_levels import host_levels
 
 U = 2.0**-24  # float32 unit roundoff
@@ -207,8 +208,8 @@ def ranks_draw_different_randomness(gloo: dist.ProcessGroup) -> None:
 
 def hierarchical() -> None:
     """Ranks 0-1 and 2-3 on two named hosts: every compressor's all-reduce on the ddlcomm group
-    and on a gloo group (exact inside each host, compressed across; natively, and over gloo's
-    collectives) keeps the law over the hierarchical plan, the sparse formats included (their
+    and on a gloo group (exact inside each host, compressed across; the same C++ on both, over
+    the group's own transport or gloo's send and recv) keeps the law over the hierarchical plan, the sparse formats included (their
     selection made on each rank's shard of its host's sum); a call with flat=True (the adaptive
     hook's one-level option) keeps it over the flat plan, and both groups agree bitwise either way."""
     init()
@@ -233,7 +234,8 @@ def hierarchical() -> None:
     for group in (None, gloo):
         for stream, name in enumerate(COMPRESSORS):
             check_conservation(name, 4099, group, gloo, stream, flat=True)
-    # Two ranks a host sum alike in either order, so here the fallback's bits are the native ones.
+    # The same C++ over either group's messages: the same bits, in either plan.
+    gloo_before = engine_of(gloo).stats()["hierarchical_compressed_allreduces"]
     for flat in (False, True):
         for stream, name in enumerate(COMPRESSORS):
             comp, rank, numel = COMPRESSORS[name](), dist.get_rank(), 70_001
@@ -248,6 +250,8 @@ def hierarchical() -> None:
     # Only the ddlcomm group's calls without flat take two levels: 3 sizes, two pieces, compared.
     took = ddlcomm_stats()["hierarchical_compressed_allreduces"] - before["hierarchical_compressed_allreduces"]
     assert took == 4 * len(COMPRESSORS) + len(TWO_PIECES), took
+    took = engine_of(gloo).stats()["hierarchical_compressed_allreduces"] - gloo_before
+    assert took == len(COMPRESSORS), f"the gloo group's compared calls took two levels {took} times"
 
 
 def conservation_and_randomness() -> None:
