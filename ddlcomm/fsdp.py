@@ -231,14 +231,12 @@ class FSDPCompressionState(CompressionOptions):
         index = self._index.setdefault(name, len(self._index))
         nbytes = input.numel() * input.element_size()
         ring = ring_reduce_scatter_bytes(nbytes, n)
-        self.stats.bytes_uncompressed += ring
         flat = input.view(-1)
         if self.momentum or self.adam_betas is not None:
             self._direction_step(name, output, flat, group, op, calls, call_stream(calls, index))
             return
         if self._uncompressed_reason(name, input, op, calls) is not None:
-            self.stats.uncompressed_buckets += 1
-            self.stats.bytes_sent += ring
+            self.stats.count(ring, ring, compressed=False)
             dist.reduce_scatter_tensor(output, input, op=op, group=group)
             return
         # Random-k sends a sample, which can miss a non-finite entry: as compressed_all_reduce
@@ -259,11 +257,7 @@ class FSDPCompressionState(CompressionOptions):
                                              op == dist.ReduceOp.AVG, stream).wait()
         else:
             self._reduce_scatter_over(group, output, flat, residual, op, stream, wire, agreement)
-        sent = reduce_scatter_wire_bytes(self.compressor, m, n)
-        self.stats.compressed_buckets += 1
-        self.stats.bytes_sent += sent
-        self.stats.compressed_bytes_sent += sent
-        self.stats.compressed_bytes_uncompressed += ring
+        self.stats.count(reduce_scatter_wire_bytes(self.compressor, m, n), ring, compressed=True)
 
     def _reduce_scatter_over(self, group: dist.ProcessGroup, output: torch.Tensor, flat: torch.Tensor,
                              residual: Optional[torch.Tensor], op: Any, stream: int, wire: Wire,
@@ -363,13 +357,7 @@ class FSDPCompressionState(CompressionOptions):
                 nbytes = flat.numel() * flat.element_size()
                 ring = ring_reduce_scatter_bytes(nbytes, n)
                 sent = wire_bytes(self.compressor, flat.numel(), n, r) if compress else ring_all_reduce_bytes(nbytes, n)
-                self.stats.bytes_sent += sent
-                if compress:
-                    self.stats.compressed_buckets += 1
-                    self.stats.compressed_bytes_sent += sent
-                    self.stats.compressed_bytes_uncompressed += ring
-                else:
-                    self.stats.uncompressed_buckets += 1
+                self.stats.count(sent, ring, compress)
         chunk = moment[r * m:(r + 1) * m]
         if not adam:
             output.view(-1).copy_(chunk * scale if scale != 1 else chunk)

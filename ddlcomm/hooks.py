@@ -324,11 +324,9 @@ def _reduce(state: CompressionState, buffer: torch.Tensor, params: list[torch.Te
     nbytes = buffer.numel() * buffer.element_size()
     reason = _uncompressed_reason(state, buffer, nbytes)
     rank, world = state._world()
-    ring = ring_all_reduce_bytes(nbytes, world)
-    state.stats.bytes_uncompressed += ring
     if reason is not None:
-        state.stats.uncompressed_buckets += 1
-        state.stats.bytes_sent += ring
+        ring = ring_all_reduce_bytes(nbytes, world)
+        state.stats.count(ring, ring, compressed=False)
         raw, fut = _average(buffer, state.process_group, world)
     elif state.tuner is None:
         raw, fut = _compress(state, buffer, params, signature, index, rank, world, nbytes, state.compressor, False)
@@ -432,16 +430,13 @@ def _compress(state: CompressionState, buffer: torch.Tensor, params: list[torch.
     if compressor is None:
         if worker is not None:  # everything the memory holds goes now
             state.memory.send_whole(signature, buffer, rank, world, state.process_group, placement)
-        state.stats.uncompressed_buckets += 1
-        state.stats.bytes_sent += ring_all_reduce_bytes(nbytes, world)
+        ring = ring_all_reduce_bytes(nbytes, world)
+        state.stats.count(ring, ring, compressed=False)
         raw, fut = _average(buffer, state.process_group, world)
     else:
         state.memory.emptied.discard(signature)
-        sent = wire_bytes(compressor, buffer.numel(), world, rank)
-        state.stats.compressed_buckets += 1
-        state.stats.bytes_sent += sent
-        state.stats.compressed_bytes_sent += sent
-        state.stats.compressed_bytes_uncompressed += ring_all_reduce_bytes(nbytes, world)
+        state.stats.count(wire_bytes(compressor, buffer.numel(), world, rank), ring_all_reduce_bytes(nbytes, world),
+                          compressed=True)
         # DDP has checked that every rank has the same buckets; each compressor is checked once.
         verify = (signature, repr(compressor)) not in state._verified
         state._verified.add((signature, repr(compressor)))

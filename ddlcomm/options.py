@@ -28,6 +28,18 @@ class CompressionStats:
     compressed_bytes_sent: int = 0  # the compressed buckets alone
     compressed_bytes_uncompressed: int = 0
 
+    def count(self, sent: int, uncompressed: int, compressed: bool) -> None:
+        """One bucket (or module) that put `sent` bytes on the wire where a plain ring would
+        have put `uncompressed`: through the compressor, or plainly (warm-up, small, refused)."""
+        self.bytes_sent += sent
+        self.bytes_uncompressed += uncompressed
+        if compressed:
+            self.compressed_buckets += 1
+            self.compressed_bytes_sent += sent
+            self.compressed_bytes_uncompressed += uncompressed
+        else:
+            self.uncompressed_buckets += 1
+
     @property
     def ratio(self) -> float:
         """Uncompressed bytes per byte sent, over everything (higher is better)."""

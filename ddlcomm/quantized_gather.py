@@ -88,7 +88,6 @@ class AllGatherQuantization(LogOnce):
             raise ValueError(f"ddlcomm fsdp: all-gather output of {output.numel()} elements for an input of {m} on "
                              f"{n} ranks")
         ring = (n - 1) * m * input.element_size()
-        self.stats.bytes_uncompressed += ring
         reason = None
         if input.dtype not in COMPRESSIBLE_DTYPES:
             reason = "dtype"
@@ -99,8 +98,7 @@ class AllGatherQuantization(LogOnce):
             self._log_once("small", "ddlcomm fsdp: parameter shards smaller than min_bytes=%d are all-gathered "
                         "unquantized (one had %d bytes)", self.min_bytes, m * input.element_size())
         if reason is not None:
-            self.stats.uncompressed_buckets += 1
-            self.stats.bytes_sent += ring
+            self.stats.count(ring, ring, compressed=False)
             all_gather_single(output, input, group=group)
             return
         slot = aligned(quantized_nbytes(m, self.block_size))
@@ -111,11 +109,7 @@ class AllGatherQuantization(LogOnce):
         rows = output.view(n, m)
         for i in range(n):
             dequantize(gathered[i * slot:(i + 1) * slot], m, self.block_size, rows[i])
-        sent = (n - 1) * quantized_nbytes(m, self.block_size)
-        self.stats.compressed_buckets += 1
-        self.stats.bytes_sent += sent
-        self.stats.compressed_bytes_sent += sent
-        self.stats.compressed_bytes_uncompressed += ring
+        self.stats.count((n - 1) * quantized_nbytes(m, self.block_size), ring, compressed=True)
 
 
 class QuantizedAllGather(AllGather):
