@@ -39,7 +39,7 @@ only payloads cross PCIe (``ddlcomm.compressed``). Non-finite gradients come out
 
 import logging
 import math
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import time
 
@@ -316,27 +316,37 @@ def _reduce_all(state: CompressionState, groups: list[tuple[torch.Tensor, list[t
     return results
 
 
+class _Bucket(NamedTuple):
+    """One bucket of one iteration, as the hook reduces it."""
+
+    buffer: torch.Tensor
+    params: list[torch.Tensor]
+    signature: Signature  # its parameters' keys in the error-feedback memory
+    index: int
+    nbytes: int
+
+
 def _reduce(state: CompressionState, buffer: torch.Tensor, params: list[torch.Tensor], index: int,
             last: bool) -> torch.futures.Future[torch.Tensor]:
     """One bucket of one iteration: compressed or plain all-reduce, averaged."""
     signature, numels = state._signature(params, buffer.numel(), index)
     state.memory.note_bucket(index, signature, numels)
     nbytes = buffer.numel() * buffer.element_size()
+    bucket = _Bucket(buffer, params, signature, index, nbytes)
     reason = _uncompressed_reason(state, buffer, nbytes)
-    rank, world = state._world()
+    world = state._world()[1]
     if reason is not None:
         ring = ring_all_reduce_bytes(nbytes, world)
         state.stats.count(ring, ring, compressed=False)
         raw, fut = _average(buffer, state.process_group, world)
     elif state.tuner is None:
-        raw, fut = _compress(state, buffer, params, signature, index, rank, world, nbytes, state.compressor, False)
+        raw, fut = _compress(state, bucket, state.compressor, False)
     else:
         tuner, iteration, issued = state.tuner, state.iter, time.perf_counter()
         if not tuner.bound:  # once: two_levels waits for the group's queued collectives
             tuner.bind(two_levels(state.process_group))
         option = tuner.option(iteration, index)
-        raw, fut = _compress(state, buffer, params, signature, index, rank, world, nbytes, option.compressor,
-                             option.flat)
+        raw, fut = _compress(state, bucket, option.compressor, option.flat)
         if tuner.timed(iteration) and buffer.device.type == "cpu":  # the cost model's data (ddlcomm.adaptive)
             def arrived(f: torch.futures.Future) -> torch.Tensor:
                 tuner.transferred(iteration, index, nbytes, issued, time.perf_counter())
@@ -396,12 +406,13 @@ def _end_bucket(state: CompressionState, raw: torch.futures.Future, fut: torch.f
     return fut
 
 
-def _compress(state: CompressionState, buffer: torch.Tensor, params: list[torch.Tensor], signature: Signature,
-              index: int, rank: int, world: int, nbytes: int, compressor: Optional[Compressor], flat: bool
+def _compress(state: CompressionState, bucket: _Bucket, compressor: Optional[Compressor], flat: bool
               ) -> tuple[torch.futures.Future, torch.futures.Future]:
     """A bucket through ``compressor`` (None: exactly, with what the error-feedback memory holds
     added, as the adaptive choice sends it), in one level over hosts if ``flat`` (an adaptive
     choice on a group that takes two), its update directions with ``optimizer=``."""
+    buffer, params, signature, index, nbytes = bucket
+    rank, world = state._world()
     if state.optimizer is None and not state.momentum and not isinstance(state.compressor, (FP16, BF16)):
         state._log_once("advice", "ddlcomm hook: compressing gradients with %r and no optimizer=: with momentum SGD "
                         "or Adam this loses accuracy; pass optimizer=ddlcomm.optim.SGD/Adam/AdamW(...) to average "
