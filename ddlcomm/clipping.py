@@ -30,10 +30,22 @@ import torch.distributed as dist
 
 from .wire import ring_all_reduce_bytes
 
-__all__ = ["EPS", "clip_iteration", "coefficient", "exact_norm", "sketch_size", "sketched_norm"]
+__all__ = ["EPS", "check_max_grad_norm", "clip_iteration", "coefficient", "exact_norm", "sketch_size", "sketched_norm"]
 
 EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s
 _SEED = 0x5C1F
+
+
+def check_max_grad_norm(max_grad_norm: float, grad_holds_directions: bool) -> None:
+    """Refuses a ``max_grad_norm`` that is not positive and finite, or one given where ``.grad``
+    holds the average gradient (FP16/BF16, or no ``optimizer=``), which ``clip_grad_norm_`` clips."""
+    if not 0 < max_grad_norm < math.inf:
+        raise ValueError(f"max_grad_norm must be positive and finite, got {max_grad_norm}")
+    if not grad_holds_directions:
+        raise ValueError("max_grad_norm= clips for a lossy compressor with optimizer=, where .grad holds update "
+                         "directions; here .grad holds the average gradient: call "
+                         "torch.nn.utils.clip_grad_norm_ between backward() and step() (after "
+                         "GradScaler.unscale_) as usual")
 
 
 def sketch_size(numel: int) -> int:

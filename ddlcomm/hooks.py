@@ -38,7 +38,6 @@ only payloads cross PCIe (``ddlcomm.compressed``). Non-finite gradients come out
 """
 
 import logging
-import math
 from typing import NamedTuple, Optional
 
 import time
@@ -49,6 +48,7 @@ import torch.distributed as dist
 from . import clipping
 from .adaptive import Tuner
 from .compressors import BF16, FP16, Compressor, OneBit, RandomK, Ternary, TopK, has_cuda
+from .dgc import DgcCorrection
 from .compressed import native_backend, start_compressed_all_reduce, two_levels, wire_bytes
 from .ddp_memory import FeedbackMemory, Signature
 from .hook_checkpoint import HookCheckpoint
@@ -150,22 +150,11 @@ class CompressionState(CompressionOptions, HookCheckpoint):
         compressor = self.compressor
         if start_compress_iter < 2:
             raise ValueError("start_compress_iter must be at least 2: DDP rebuilds its buckets after iteration 1")
-        if momentum and not compressor.is_sparse:
-            raise ValueError(f"momentum= is DGC's momentum correction for sparse compressors (TopK, RandomK); "
-                             f"{type(compressor).__name__} sends every entry each step: use optimizer= instead")
-        if clip_norm is not None and not clip_norm > 0:
-            raise ValueError(f"clip_norm must be positive, got {clip_norm}")
-        if clip_norm is not None and not momentum:
-            raise ValueError("clip_norm= is DGC's local clipping, for momentum=; it is not clip_grad_norm_. To "
-                             "clip as torch does, call torch.nn.utils.clip_grad_norm_ between backward() and "
-                             "step(): it works with FP16()/BF16() and with hooks that have no optimizer=")
-        if max_grad_norm is not None and not (0 < max_grad_norm < math.inf):
-            raise ValueError(f"max_grad_norm must be positive and finite, got {max_grad_norm}")
-        if max_grad_norm is not None and (optimizer is None or isinstance(compressor, (FP16, BF16))):
-            raise ValueError("max_grad_norm= clips for a lossy compressor with optimizer=, where .grad holds update "
-                             "directions; here .grad holds the average gradient: call "
-                             "torch.nn.utils.clip_grad_norm_ between backward() and step() (after "
-                             "GradScaler.unscale_) as usual")
+        # Each concept checks its own arguments; here only what relates two of them.
+        self.dgc = DgcCorrection(momentum, clip_norm, compressor) if momentum or clip_norm is not None else None
+        if max_grad_norm is not None:
+            lossy = not isinstance(compressor, (FP16, BF16))
+            clipping.check_max_grad_norm(max_grad_norm, grad_holds_directions=optimizer is not None and lossy)
         if adaptive and momentum:
             raise ValueError("adaptive=True chooses among exact, bfloat16 and the compressor; DGC's "
                              "momentum= masks by what the sparse compressor sent and cannot follow the switches: "
@@ -177,7 +166,6 @@ class CompressionState(CompressionOptions, HookCheckpoint):
         if optimizer is not None:
             self.attach(optimizer)
         self.model = model
-        self.clip_norm = clip_norm
         self.max_grad_norm = max_grad_norm
         self.grad_norm: Optional[torch.Tensor] = None
         self.tuner = Tuner(compressor, start_compress_iter) if adaptive else None
@@ -198,7 +186,7 @@ class CompressionState(CompressionOptions, HookCheckpoint):
         place (logged once). Returns the optimizer."""
         if optimizer is self.optimizer:
             return optimizer
-        if self.momentum:
+        if self.dgc is not None:
             raise ValueError("momentum= is DGC's local momentum for an optimizer without one; with optimizer= "
                              "the optimizer's own momentum is what the hook compresses")
         if self.optimizer is not None or self.stats.compressed_buckets:
@@ -413,29 +401,24 @@ def _compress(state: CompressionState, bucket: _Bucket, compressor: Optional[Com
     choice on a group that takes two), its update directions with ``optimizer=``."""
     buffer, params, signature, index, nbytes = bucket
     rank, world = state._world()
-    if state.optimizer is None and not state.momentum and not isinstance(state.compressor, (FP16, BF16)):
+    if state.optimizer is None and state.dgc is None and not isinstance(state.compressor, (FP16, BF16)):
         state._log_once("advice", "ddlcomm hook: compressing gradients with %r and no optimizer=: with momentum SGD "
                         "or Adam this loses accuracy; pass optimizer=ddlcomm.optim.SGD/Adam/AdamW(...) to average "
                         "update directions instead (docs/choosing-a-compressor.md)", state.compressor)
-    worker = server = momentum = None
+    worker = server = velocity = None
     sparse = compressor is not None and compressor.is_sparse
     # Server residuals are placed by the plan of a quantizer or cast (sparse formats keep none).
     placement = compressor if compressor is not None and not sparse else BF16()
     if state.error_feedback:
-        worker, server, momentum = state.memory.buffers(signature, rank, world, bool(state.momentum and sparse),
+        worker, server, velocity = state.memory.buffers(signature, rank, world, state.dgc is not None and sparse,
                                                         buffer.device, state.process_group, placement, flat)
-    if state.clip_norm is not None:  # DGC's local clipping, before the momentum accumulates
-        limit = state.clip_norm / math.sqrt(world)
-        norm = buffer.norm()
-        if torch.isfinite(norm) and norm > limit:
-            buffer.mul_(limit / norm)
+    if state.dgc is not None:  # local clipping, before the velocity accumulates
+        state.dgc.clip(buffer, world)
     directions = state.averages_directions
     if directions:  # FP16 and BF16 only round: they average the gradient (averages_directions)
         state.optimizer.directions_for(params, _gradients(buffer, params), compressor, world)
-    if momentum is not None:
-        # Momentum factor masking: entries sent last time (zero residual) restart from zero.
-        momentum.masked_fill_(worker == 0, 0.0).mul_(state.momentum).add_(buffer)
-        buffer.copy_(momentum)
+    if velocity is not None:
+        state.dgc.accumulate(buffer, velocity, worker)
     if worker is not None:  # memory made by the other plan goes now, whole
         state.memory.follow_plan(signature, buffer, flat, rank, world, state.process_group, placement)
     if compressor is None:
