@@ -1,7 +1,7 @@
 """The adaptive DDP hook against no hook and the fixed hooks, step for step: is it ever slower?
 
-Separate runs of each method vary by up to 20% on a shared 2-core machine (docs/choosing-a-
-compressor.md, "Letting the hook choose"), more than the few percent in question. Here every
+Separate runs of each method vary more between runs on a shared machine than the few percent in
+question (docs/results/adaptive.md). Here every
 method trains its own copy of the 25.2M-parameter MLP in one process, past its warm-up and the
 adaptive hooks' measurement, and then the methods take turns, one step each per round in an
 order that rotates from round to round, so that whatever the machine does at a moment falls on

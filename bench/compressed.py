@@ -92,8 +92,8 @@ def allreduce_bench(gloo, numel: int, repeats: int, compressed: bool = True) -> 
             sres = torch.zeros(server_residual_numel(numel, rank, n))
             # Each call reduces its own copy of the gradient, made and freed outside the clock:
             # gloo and ddlcomm fp32 above reduce a buffer that already exists, as DDP does its
-            # buckets. (A clone inside the call timed a 100 MB allocation and its page faults,
-            # about half of a 1-bit all-reduce's time on this machine.)
+            # buckets. (A clone inside the call would time a 100 MB allocation and its page faults
+            # as well.)
             copies = [grad.clone() for _ in range(repeats + 1)]
             step = iter(range(len(copies)))
 
@@ -263,9 +263,8 @@ def ddp_bench(gloo, width: int, depth: int, iters: int, batch: int, only: Option
             torch.nn.functional.cross_entropy(ddp(x), y).backward()
             opt.step()
 
-        # Past every hook's warm-up, alike for all (with 3 steps the fixed 1-bit hook took 0.67 s a
-        # step at 1 Gbit/s, an adaptive one after 12, sending 1-bit, 0.48 s), and past the adaptive
-        # hook's measurement (up to 2 + 34 iterations with the one-level option and a plan per bucket).
+        # Past every hook's warm-up, alike for all (a step still in a hook's warm-up sends
+        # uncompressed and would be timed as the hook's), and past the adaptive hook's measurement (up to 2 + 34 iterations with the one-level option and a plan per bucket).
         for _ in range(24):
             step()
         while getattr(state, "tuner", None) is not None and not state.tuner.settled(state.iter):

@@ -97,8 +97,8 @@ def all_reduce_(
 
     The group's ddlcomm backend runs the same operation as ``dist.all_reduce``: the same
     checks and errors, in order with the group's other collectives, with the same bits. It
-    skips c10d's Python and dispatcher layers, which cost about 2.5 us per call for any backend
-    (docs/transports.md has the figures), and with them c10d's debug tooling (the flight
+    skips c10d's Python and dispatcher layers, whose cost per call is the same for any backend
+    (docs/results/transports.md has the figures), and with them c10d's debug tooling (the flight
     recorder, ``TORCH_DISTRIBUTED_DEBUG``). Blocking and in place; returns ``tensor``, or leaves
     it alone on a rank outside ``group``, as ``dist.all_reduce`` does.
 

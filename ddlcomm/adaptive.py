@@ -34,7 +34,7 @@ option's by more than ``MARGIN``. Per-bucket timings alone (one bucket at a time
 backward, or per iteration in a round robin right after the warm-up) chose options slower in
 the step (docs/choosing-a-compressor.md, "Letting the hook choose"), because a bucket's encoder
 competes with backward for the cores; and a plan kept within the margin of a single option, as
-the least lossy, was slower than it step for step (10 Gbit/s, docs/collectives.md). CUDA
+the least lossy, was slower than it step for step (docs/results/across_hosts.md). CUDA
 buckets are not timed (their futures complete before the kernels do): one choice for all of
 them.
 

@@ -32,7 +32,7 @@ def test_ranks_train_and_choose_alike() -> None:
 
 
 def test_paired_benchmark_reports_ratios_over_two_hosts() -> None:
-    """bench.adaptive_paired (whose runs docs/collectives.md reports), small, on 2 named
+    """bench.adaptive_paired (whose runs docs/results/across_hosts.md reports), small, on 2 named
     hosts of 2 ranks: every method reports its paired ratios to the fixed hooks, and the
     adaptive hook measured four options (one level among them) and chose one of them."""
     import bench.adaptive_paired as paired

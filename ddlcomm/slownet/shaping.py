@@ -50,9 +50,9 @@ def qdisc_args(shaper: str, s: Shaping) -> list[str]:
     # tbf: the bucket holds 0.5 ms of line rate, and at least two whole
     # 64 KiB GSO packets. tbf splits a packet bigger than its bucket into
     # 1500-byte frames, and the veth, bridge and receiving TCP then handle
-    # each frame in softirq on the cores the ranks run on: at 1 Gbit/s with
-    # a 62 KB bucket that kernel work, not the rate, bounded a large
-    # all-reduce at about half the rate. netem passes
+    # each frame in softirq on the cores the ranks run on: with a small
+    # bucket that kernel work, not the rate, bounds a large all-reduce
+    # well below the rate. netem passes
     # GSO packets whole too, as a NIC with TSO does.
     burst = max(int(rate_Bps * 0.0005), 2 * 65536)
     limit = max(4 << 20, int(rate_Bps * 0.05))
