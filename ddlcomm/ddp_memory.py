@@ -27,12 +27,62 @@ import torch.distributed as dist
 from .compressed import server_chunks, server_residual_numel
 from .compressors import Compressor
 
-__all__ = ["Signature", "FeedbackMemory"]
+__all__ = ["Signature", "FeedbackMemory", "ParameterKeys"]
 
 logger = logging.getLogger("ddlcomm.hooks")
 
 Signature = tuple[str, ...]
 _KINDS = ("worker_residuals", "server_residuals", "momenta")
+
+
+class ParameterKeys:
+    """The keys the memory knows parameters by: the model's parameter names (DDP's and
+    torch.compile's prefixes dropped), else positions in the optimizer's parameter groups, else
+    names valid in this process only (which no checkpoint can carry: ``scheme`` says which)."""
+
+    def __init__(self) -> None:
+        self._of: dict[torch.Tensor, str] = {}
+
+    @staticmethod
+    def scheme(model: Optional[torch.nn.Module], optimizer: Optional[torch.optim.Optimizer]) -> str:
+        """"names", "optimizer" or "process": what the keys are made of."""
+        return "names" if model is not None else "optimizer" if optimizer is not None else "process"
+
+    def signature(self, params: list[torch.Tensor], numel: int, index: int, model: Optional[torch.nn.Module],
+                  optimizer: Optional[torch.optim.Optimizer]) -> tuple[Signature, list[int]]:
+        """The keys of a bucket's parameters, and their sizes; a buffer that is not a DDP bucket
+        (its parameters do not add up to it: a test double) is keyed by its index."""
+        if sum(p.numel() for p in params) != numel:
+            return (f"<bucket {index}>",), [numel]
+        if any(p not in self._of for p in params):
+            self._of = self._named(model, optimizer)
+            for p in params:  # no model or optimizer to name it: valid in this process only
+                self._of.setdefault(p, f"<parameter {len(self._of)}>")
+        return tuple(self._of[p] for p in params), [p.numel() for p in params]
+
+    def key(self, param: torch.Tensor) -> str:
+        """The key of a parameter of a bucket seen before."""
+        return self._of[param]
+
+    def _named(self, model: Optional[torch.nn.Module], optimizer: Optional[torch.optim.Optimizer]
+               ) -> dict[torch.Tensor, str]:
+        if model is not None:
+            keys = {}
+            for name, p in model.named_parameters():
+                while name.startswith(("module.", "_orig_mod.")):  # DDP and torch.compile wrappers
+                    name = name.split(".", 1)[1]
+                keys[p] = name
+            return keys
+        if optimizer is not None:
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            return {p: f"param_groups.{i}" for i, p in enumerate(params)}
+        return dict(self._of)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {}  # parameters do not outlive their process: named again at the first bucket
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self._of = {}
 
 
 class FeedbackMemory:

@@ -9,7 +9,7 @@ first iterations after a load are reduced in the saved layout (``_replay_left``)
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Optional
 
 import torch.distributed as dist
 
@@ -28,12 +28,18 @@ _REPLAY_ITERATIONS = 2
 
 
 class HookCheckpoint:
-    """The checkpoint half of ``ddlcomm.hooks.CompressionState`` (its attributes: ``memory``,
-    ``iter``, ``stats``, ``tuner``, ``model``, ``optimizer``, ``process_group`` and the
-    bookkeeping that ``__init__`` there sets)."""
+    """The checkpoint half of ``ddlcomm.hooks.CompressionState``: what a load leaves to check
+    (the saving rank, the attributes a pickle dropped) and to replay, over the state's
+    ``memory``, ``keys``, ``iter``, ``stats``, ``tuner``, ``model``, ``optimizer`` and
+    ``process_group``; a load also empties the iteration's held buckets."""
+
+    def __init__(self) -> None:
+        self._saved_world: Optional[tuple[int, int]] = None  # (rank, world size) a loaded state was made under
+        self._replay_left = 0  # iterations after a load that are reduced in the saved layout
+        self._detached: tuple[str, ...] = ()  # attributes that were set when pickled
 
     def _key_scheme(self) -> str:
-        return "names" if self.model is not None else "optimizer" if self.optimizer is not None else "process"
+        return self.keys.scheme(self.model, self.optimizer)
 
     def _check_attached(self) -> None:
         missing = [name for name in self._detached if getattr(self, name) is None]
@@ -120,7 +126,7 @@ class HookCheckpoint:
         if self.memory and self._key_scheme() == "process":
             self.state_dict()  # raises the reason
         state = {k: v for k, v in self.__dict__.items()
-                 if k not in ("process_group", "optimizer", "model", "_keys", "_inflight")}
+                 if k not in ("process_group", "optimizer", "model", "_inflight")}
         state["_detached"] = tuple(n for n in ("optimizer", "model") if getattr(self, n) is not None) + self._detached
         if dist.is_initialized() and self._saved_world is None:
             state["_saved_world"] = self._world()
@@ -129,5 +135,5 @@ class HookCheckpoint:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self.process_group = self.optimizer = self.model = None
-        self._keys, self._inflight = {}, []
+        self._inflight = []
         self._held, self._replay_left = [], _REPLAY_ITERATIONS if self.memory.layout else 0  # as after a load

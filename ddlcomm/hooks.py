@@ -50,7 +50,7 @@ from .adaptive import Tuner
 from .compressors import BF16, FP16, Compressor, OneBit, RandomK, Ternary, TopK, has_cuda
 from .dgc import DgcCorrection
 from .compressed import native_backend, start_compressed_all_reduce, two_levels, wire_bytes
-from .ddp_memory import FeedbackMemory, Signature
+from .ddp_memory import FeedbackMemory, ParameterKeys, Signature
 from .hook_checkpoint import HookCheckpoint
 from .optim import DirectionOptimizer, averages_directions, for_compressor
 from .options import CompressionOptions, CompressionStats
@@ -171,13 +171,11 @@ class CompressionState(CompressionOptions, HookCheckpoint):
         self.tuner = Tuner(compressor, start_compress_iter) if adaptive else None
         self.iter = 0
         self.memory = FeedbackMemory()
-        self._keys: dict[torch.Tensor, str] = {}  # parameter -> its key in the memory
+        self.keys = ParameterKeys()  # what the memory knows each parameter by
         self._verified: set[tuple[Signature, str]] = set()  # (bucket, compressor) checked across ranks
-        self._saved_world: Optional[tuple[int, int]] = None  # (rank, world size) a loaded state was made under
         self._held: list = []  # this iteration's buckets so far (see _whole_iteration)
-        self._replay_left = 0  # iterations after a load that are reduced in the saved layout
         self._inflight: list[torch.futures.Future] = []  # this iteration's communication
-        self._detached: tuple[str, ...] = ()  # attributes that were set when pickled
+        HookCheckpoint.__init__(self)
 
     def attach(self, optimizer: torch.optim.Optimizer) -> DirectionOptimizer:
         """Sets the optimizer whose update directions the hook averages (``optimizer=``), for
@@ -209,27 +207,7 @@ class CompressionState(CompressionOptions, HookCheckpoint):
         return dist.get_rank(group), dist.get_world_size(group)
 
     def _signature(self, params: list[torch.Tensor], numel: int, index: int) -> tuple[Signature, list[int]]:
-        """The keys of a bucket's parameters, and their sizes."""
-        if sum(p.numel() for p in params) != numel:  # not a DDP bucket (a test double): key by index
-            return (f"<bucket {index}>",), [numel]
-        if any(p not in self._keys for p in params):
-            self._keys = self._parameter_keys()
-            for p in params:  # no model or optimizer to name it: valid in this process only
-                self._keys.setdefault(p, f"<parameter {len(self._keys)}>")
-        return tuple(self._keys[p] for p in params), [p.numel() for p in params]
-
-    def _parameter_keys(self) -> dict[torch.Tensor, str]:
-        if self.model is not None:
-            keys = {}
-            for name, p in self.model.named_parameters():
-                while name.startswith(("module.", "_orig_mod.")):  # DDP and torch.compile wrappers
-                    name = name.split(".", 1)[1]
-                keys[p] = name
-            return keys
-        if self.optimizer is not None:
-            params = [p for group in self.optimizer.param_groups for p in group["params"]]
-            return {p: f"param_groups.{i}" for i, p in enumerate(params)}
-        return dict(self._keys)
+        return self.keys.signature(params, numel, index, self.model, self.optimizer)
 
 
 def compressed_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -278,7 +256,7 @@ def _whole_iteration(state: CompressionState, bucket: dist.GradBucket) -> torch.
                 buffer.copy_(result)
             if not any(buffer is b for b, _, _ in buckets):  # a saved bucket: back to the current ones
                 for view, part in zip(_gradients(buffer, params), params):
-                    views[state._keys[part]][1].copy_(view)
+                    views[state.keys.key(part)][1].copy_(view)
     except BaseException as error:  # every bucket's future fails, as a failed all-reduce would
         for _, _, fut in buckets:
             fut.set_exception(error)
