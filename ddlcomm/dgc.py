@@ -11,6 +11,7 @@ stays within ``clip_norm``. ``CompressionState(momentum=, clip_norm=)`` builds o
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Optional
 
@@ -19,6 +20,8 @@ import torch
 from .compressors import Compressor
 
 __all__ = ["DgcCorrection"]
+
+logger = logging.getLogger("ddlcomm.hooks")
 
 
 class DgcCorrection:
@@ -43,6 +46,9 @@ class DgcCorrection:
             raise ValueError(f"clip_norm must be positive, got {clip_norm}")
         self.momentum = momentum
         self.clip_norm = clip_norm
+        logger.warning("ddlcomm hook: DGC's momentum= lost accuracy on both SGD recipes of docs/results/recipes.md "
+                       "(top-k 1%% DGC); optimizer=ddlcomm.optim.SGD(...) averages update directions instead, and "
+                       "kept it with Ternary() and top-k")
 
     def clip(self, buffer: torch.Tensor, world: int) -> None:
         """Scales this rank's bucket to norm ``clip_norm / sqrt(world)`` at most, in place."""

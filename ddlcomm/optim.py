@@ -54,7 +54,7 @@ from typing import Any, Optional
 
 import torch
 
-from .compressors import BF16, FP16, Compressor, OneBit, TopK, all_finite
+from .compressors import BF16, FP16, Compressor, OneBit, RandomK, TopK, all_finite
 from .moments import normalised_step, update_first, update_second
 
 __all__ = ["SGD", "Adam", "AdamW", "DirectionOptimizer", "averages_directions", "convert", "for_compressor"]
@@ -359,17 +359,17 @@ def convert(optimizer: torch.optim.Optimizer) -> DirectionOptimizer:
 
 def for_compressor(optimizer: torch.optim.Optimizer, compressor: Compressor) -> DirectionOptimizer:
     """``convert(optimizer)`` for a hook through ``compressor``, saying so once: the conversion
-    (at INFO level), and where the pair lost accuracy on the recipes of
-    docs/choosing-a-compressor.md (1-bit or top-k with Adam, where ternary kept it)."""
+    (at INFO level), and where the pair lost accuracy on the recipes of docs/results/recipes.md
+    (1-bit or top-k with Adam, random-k with any optimizer, where ternary kept it)."""
     if not isinstance(optimizer, DirectionOptimizer):
         name = f"{type(optimizer).__module__}.{type(optimizer).__name__}"
         optimizer = convert(optimizer)
         _hook_logger.info("ddlcomm hook: %s is now ddlcomm.optim.%s (the same object): its step() applies the "
                           "averaged update directions", name, type(optimizer).__name__)
-    if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)) and isinstance(compressor, (OneBit, TopK)):
+    if isinstance(compressor, RandomK) or (isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW))
+                                           and isinstance(compressor, (OneBit, TopK))):
         _hook_logger.warning("ddlcomm hook: %r with %s lost accuracy on recipes where Ternary() kept it "
-                             "(docs/choosing-a-compressor.md, the recipes table); consider Ternary()",
-                             compressor, type(optimizer).__name__)
+                             "(docs/results/recipes.md); consider Ternary()", compressor, type(optimizer).__name__)
     return optimizer
 
 
