@@ -49,7 +49,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-_SPARSE = {"top_k", "random_k"}
 _encode_stream = _C.ProcessGroupDdlcomm.encode_stream
 
 
@@ -144,7 +143,7 @@ def server_chunks(numel: int, rank: int, world_size: int, group: Optional[dist.P
         if engine is not None:
             return [tuple(c) for c in engine.compressed_server_chunks(compressor.config, numel)]
         levels = host_levels_of(group or dist.group.WORLD) if world_size > 1 else None
-        if levels is not None and compressor.format not in _SPARSE:
+        if levels is not None and not compressor.is_sparse:
             return [tuple(c) for c in levels.plan(numel)["server_chunks"]]
     return [(begin + bounds[rank], begin + bounds[rank + 1]) for begin, _, bounds in _pieces(numel, world_size)]
 
@@ -313,7 +312,7 @@ def _fallback(
                     _Among(compressor, levels.across, scale, stream, None, wire, (r, n)))
         return
     among = _Among(compressor, group, scale, stream, agreement, wire, (r, n))
-    if compressor.format in _SPARSE:
+    if compressor.is_sparse:
         _sparse_among(flat, worker_residual, among)
     else:
         _pieces_among(flat, [(begin, bounds) for begin, _, bounds in _pieces(numel, n)], worker_residual,
@@ -359,7 +358,7 @@ def _over_hosts(flat: torch.Tensor, worker_residual: Optional[torch.Tensor], ser
     ring's."""
     plan = levels.plan(flat.numel())
     dist.all_reduce(flat, group=levels.host)
-    if among.compressor.format in _SPARSE:
+    if among.compressor.is_sparse:
         bounds = plan["sparse_shards"]
         begin, end = bounds[levels.local], bounds[levels.local + 1]
         _sparse_among(flat[begin:end], None if worker_residual is None else worker_residual[begin:end], among)
