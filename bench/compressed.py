@@ -7,16 +7,16 @@ inside emulated hosts. Rank 0 prints one JSON line per measurement (prefix ``RES
     ranks are on several hosts with several ranks each, and then the flat ring as well), and the
     compressed all-reduce with fp16, 1-bit, ternary and top-k 1%;
 (b) ddlcomm.fsdp's compressed reduce-scatter of the same gradient: native (hierarchical where
-    the all-reduce is, and then the flat one as well), and the flat algorithm in Python over the
-    all-to-all, against gloo's and ddlcomm's fp32 ones (hierarchical and flat likewise); the
+    the all-reduce is, and then the flat one as well), and on the gloo group, against gloo's and
+    ddlcomm's fp32 ones (hierarchical and flat likewise); the
     float32 all-gather of its shards, gloo's and ddlcomm's (hierarchical and flat likewise);
 (c) DDP training of a >= 25M-parameter model: seconds per iteration with gloo (default
     hook), PyTorch's fp16_compress_hook and powerSGD_hook (rank 4), each ddlcomm hook (bf16
     as well), and the adaptive fp16 and 1-bit hooks (exact, bf16 or the compressor, whichever
     was measured fastest: timed after their choice), with the bytes each rank puts on the wire
     per iteration;
-(d) with --over-gloo-only, the compressed all-reduce (1-bit, ternary) over the gloo group, as
-    over nccl: in two levels where its ranks' hosts take them, flat with DDLCOMM_ALLREDUCE_ALGO=ring.
+(d) with --over-gloo-only, the compressed all-reduce (1-bit, ternary) on the gloo group: in two
+    levels with DDLCOMM_ALLREDUCE_ALGO=hierarchical where its ranks' hosts take them, else flat.
 """
 
 from __future__ import annotations
@@ -33,9 +33,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 import ddlcomm
 from ddlcomm import compressors, fsdp, hooks
-from ddlcomm.compressed import compressed_all_reduce, reduce_scatter_wire_bytes, server_residual_numel, wire_bytes
-from ddlcomm.host_levels import host_levels
-from ddlcomm.wire import Agreement, Wire, ring_all_reduce_bytes, ring_reduce_scatter_bytes
+from ddlcomm.compressed import (compressed_all_reduce, engine_of, reduce_scatter_wire_bytes, server_residual_numel,
+                                two_levels, wire_bytes)
+from ddlcomm.wire import ring_all_reduce_bytes, ring_reduce_scatter_bytes
 
 from bench import init_ranks
 
@@ -110,16 +110,16 @@ def allreduce_bench(gloo, numel: int, repeats: int, compressed: bool = True) -> 
 
 
 def over_gloo_bench(gloo, numel: int, repeats: int) -> None:
-    """The compressed all-reduce over the gloo group (ddlcomm.compressed's fallback over gloo's
-    collectives, as over nccl): in two levels where its hosts take them, flat under
-    DDLCOMM_ALLREDUCE_ALGO=ring; against gloo's fp32 all-reduce."""
+    """The compressed all-reduce on the gloo group (the ddlcomm group's C++ over gloo's send and
+    recv): in two levels under DDLCOMM_ALLREDUCE_ALGO=hierarchical where its hosts take them, else
+    flat; against gloo's fp32 all-reduce."""
     rank, n = dist.get_rank(), dist.get_world_size()
     grad = torch.randn(numel, generator=torch.Generator().manual_seed(rank))
     base = timed(lambda: dist.all_reduce(grad, group=gloo), repeats)
     report(kind="allreduce", method="gloo fp32", seconds=base, speedup=1.0,
            wire_bytes=ring_all_reduce_bytes(numel * 4, n), numel=numel, ranks=n)
-    levels = host_levels(gloo)
-    plan = "flat" if levels is None else f"two levels, {levels.topology}"
+    layered = two_levels(gloo)
+    plan = f"two levels, {engine_of(gloo).stats()['topology']}" if layered else "flat"
     for name in ("1-bit", "ternary"):
         comp = COMPRESSORS[name]()
         wres, sres = torch.zeros(numel), torch.zeros(server_residual_numel(numel, rank, n))
@@ -127,13 +127,13 @@ def over_gloo_bench(gloo, numel: int, repeats: int) -> None:
         step = iter(range(len(copies)))
         t = timed(lambda: compressed_all_reduce(copies[next(step)], comp, wres, sres, group=gloo).wait(), repeats)
         report(kind="allreduce", method=f"{name} over gloo ({plan})", seconds=t, speedup=base / t,
-               wire_bytes=wire_bytes(comp, numel, n) if levels is None else None)
+               wire_bytes=None if layered else wire_bytes(comp, numel, n))
 
 
 def reduce_scatter_bench(gloo, numel: int, repeats: int) -> None:
-    """(b) ddlcomm.fsdp's compressed reduce-scatter of a `numel`-element float32 gradient: the
-    native collective against the same algorithm in Python over the all-to-all of the ddlcomm
-    group and of gloo, and the plain fp32 reduce-scatters."""
+    """(b) ddlcomm.fsdp's compressed reduce-scatter of a `numel`-element float32 gradient on the
+    ddlcomm group and on the gloo group (the same C++ collective over gloo's send and recv),
+    and the plain fp32 reduce-scatters."""
     rank, n = dist.get_rank(), dist.get_world_size()
     m = numel // n
     grad = torch.randn(n * m, generator=torch.Generator().manual_seed(rank))
@@ -156,19 +156,13 @@ def reduce_scatter_bench(gloo, numel: int, repeats: int) -> None:
     for name in ("1-bit", "ternary"):
         comp = COMPRESSORS[name]()
         wire = reduce_scatter_wire_bytes(comp, m, n)
-        paths = [("native", dist.group.WORLD, False), ("python, ddlcomm all-to-all", dist.group.WORLD, True),
-                 ("python, gloo all-to-all", gloo, True)]
+        # The same C++ collective on both groups: the ddlcomm group's transport, gloo's send and recv.
+        paths = [("native", dist.group.WORLD), ("over gloo", gloo)]
         while paths:
-            label, group, python = paths.pop(0)
+            label, group = paths.pop(0)
             state = fsdp.FSDPCompressionState(comp, start_compress_iter=0, min_compression_bytes=0)
             state.reduce_scatter("g", out, grad, group, dist.ReduceOp.AVG)  # residual allocated, agreement checked
-            residual = state.residuals["g"]
-            if python:
-                call = lambda: state._reduce_scatter_over(group, out, grad, residual, dist.ReduceOp.AVG, 0,  # noqa: E731
-                                                          Wire(grad, group), Agreement(grad, comp, group, n, False,
-                                                                                        grad.device))
-            else:
-                call = lambda: state.reduce_scatter("g", out, grad, group, dist.ReduceOp.AVG)  # noqa: E731
+            call = lambda: state.reduce_scatter("g", out, grad, group, dist.ReduceOp.AVG)  # noqa: E731
             before = world.stats()["hierarchical_compressed_reduce_scatters"]
             t = timed(call, repeats)
             if world.stats()["hierarchical_compressed_reduce_scatters"] > before:
@@ -177,7 +171,7 @@ def reduce_scatter_bench(gloo, numel: int, repeats: int) -> None:
                        wire_bytes=None)
                 if flat is None:
                     flat = dist.new_group(backend="ddlcomm", pg_options=ddlcomm.Options(allreduce_algorithm="ring"))
-                paths.insert(0, ("native flat", flat, False))
+                paths.insert(0, ("native flat", flat))
                 continue
             report(kind="reduce_scatter", method=f"{name} {label}", seconds=t, speedup=base / t, wire_bytes=wire)
 
@@ -305,8 +299,8 @@ def main() -> None:
     parser.add_argument("--ddp-methods", default="",
                         help="comma-separated DDP methods to time (e.g. 'ddlcomm 1-bit hook'; default: all)")
     parser.add_argument("--over-gloo-only", action="store_true",
-                        help="time the compressed all-reduce over the gloo group only (two levels where the hosts "
-                             "take them; DDLCOMM_ALLREDUCE_ALGO=ring for flat)")
+                        help="time the compressed all-reduce on the gloo group only (two levels under "
+                             "DDLCOMM_ALLREDUCE_ALGO=hierarchical where the hosts take them, else flat)")
     args = parser.parse_args()
     init_ranks("ddlcomm")
     gloo = dist.new_group(backend="gloo")
