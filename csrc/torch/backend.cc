@@ -164,6 +164,7 @@ ProcessGroupDdlcomm::ProcessGroupDdlcomm(const c10::intrusive_ptr<c10d::Backend>
       options_(options ? c10::make_intrusive<Options>(*options) : c10::make_intrusive<Options>()),
       timeoutMs_(timeout.count()) {
   describeGroup(rank_, size_, timeout, {}, groupName);
+  overCarrier_ = true;
   prefix_.insert(prefix_.size() - 2, c10::str(" over ", carrier->getBackendName()));
   workPrefix_ = std::make_shared<const std::string>(prefix_);
   TORCH_CHECK_VALUE(hostIdentities.size() == size_t(size_), prefix_, hostIdentities.size(),
@@ -332,6 +333,7 @@ struct PointToPoint {
 }  // namespace
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupDdlcomm::send(std::vector<at::Tensor>& tensors, int dstRank, int tag) {
+  TORCH_CHECK(!overCarrier_, prefix_, "send: use the carrier group itself; this backend runs its collectives");
   at::Tensor user = single(tensors, "send");
   TORCH_CHECK_VALUE(dstRank >= 0 && dstRank < size_ && dstRank != rank_, "ddlcomm send: invalid destination rank ",
                     dstRank, " from rank ", rank_, " in a group of ", size_);
@@ -355,6 +357,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDdlcomm::recvAnysource(std::vector<at
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupDdlcomm::postRecv(std::vector<at::Tensor>& tensors, int srcRank, int tag) {
+  TORCH_CHECK(!overCarrier_, prefix_, "recv: use the carrier group itself; this backend runs its collectives");
   at::Tensor user = single(tensors, "recv");
   auto p2p = std::make_shared<PointToPoint>(user, staged(user), srcRank, tag);
   auto work = c10::make_intrusive<DdlcommWork>(rank_, c10d::OpType::RECV, tensors, workPrefix_);

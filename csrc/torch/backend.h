@@ -238,6 +238,7 @@ class ProcessGroupDdlcomm : public c10d::Backend {
   std::string prefix_;  // "[ddlcomm rank 1/4] " for every message
   std::shared_ptr<const std::string> workPrefix_;  // the same, shared by every Work
   std::atomic<uint64_t> opsIssued_{0};
+  bool overCarrier_ = false;  // messages travel as another backend's send and recv
   // DDLCOMM_INLINE_BYTES: larger operations always go to the progress thread. No limit by
   // default: the caller waits either way, and the hand-off costs two wake-ups at any size.
   size_t inlineBytes_ = std::numeric_limits<size_t>::max();

@@ -81,7 +81,14 @@ def paths_agree() -> None:
     init()
     gloo = dist.new_group(backend="gloo")
     assert native_backend(None) is not None and native_backend(gloo) is None
-    assert "over gloo" in repr(engine_of(gloo))
+    engine = engine_of(gloo)
+    assert "over gloo" in repr(engine)
+    try:  # it runs the collectives; send and recv go over the group itself
+        engine.send([torch.ones(1)], (dist.get_rank() + 1) % dist.get_world_size(), 0)
+    except RuntimeError as e:
+        assert "use the carrier group itself" in str(e), e
+    else:
+        raise AssertionError("the engine took a send")
     for name in COMPRESSORS:
         # 70_001: several reduce tiles per chunk; 8_400_003: chunks split across threads, for one
         # compressor of each reduction (blocks of scales, 2-bit codes, sparse sums, casts): the
