@@ -36,53 +36,37 @@ ProcessGroupTransport::ProcessGroupTransport(c10::intrusive_ptr<c10d::Backend> c
 // Work still posted belongs to a failed group: the carrier cannot cancel it, only finish or fail it.
 ProcessGroupTransport::~ProcessGroupTransport() = default;
 
-void ProcessGroupTransport::postSend(Request& r) {
-  throwIfBroken();
-  InFlight f;
-  guarded([&] {
-    try {
-      if (r.signature.step == 0) {
-        f.header = std::make_shared<std::array<uint64_t, 4>>(headerOf(r));
-        std::vector<at::Tensor> header{bytesAt(f.header->data(), sizeof(*f.header))};
-        f.signature = carrier_->send(header, r.peer, tagOf(r.signature, true));
-      }
-      if (r.bytes) {
-        std::vector<at::Tensor> payload{bytesAt(r.data, r.bytes)};
-        f.payload = carrier_->send(payload, r.peer, tagOf(r.signature, false));
-      }
-    } catch (const std::exception& e) {
-      fail(ErrorKind::PeerFailure, "sending ", r.signature.describe(), " to rank ", r.peer, " over the ",
-           carrier_->getBackendName(), " group: ", e.what());
-    }
-  });
-  bytesSent_ += r.bytes;
-  r.failed = false;
-  r.transfersLeft = 1;
-  inFlight_[&r] = std::move(f);
-}
+void ProcessGroupTransport::postSend(Request& r) { post(r, false); }
 
 void ProcessGroupTransport::postRecv(Request& r) {
-  throwIfBroken();
   DDLCOMM_CHECK(r.peer != kAnySource, ErrorKind::InvalidArgument,
                 "a receive from any rank over another backend's group");
+  post(r, true);
+}
+
+void ProcessGroupTransport::post(Request& r, bool isRecv) {
+  throwIfBroken();
   InFlight f;
-  f.isRecv = true;
+  f.isRecv = isRecv;
+  auto move = [&](void* data, size_t bytes, bool isSignature) {
+    std::vector<at::Tensor> tensors{bytesAt(data, bytes)};
+    const int tag = tagOf(r.signature, isSignature);
+    return isRecv ? carrier_->recv(tensors, r.peer, tag) : carrier_->send(tensors, r.peer, tag);
+  };
   guarded([&] {
     try {
-      if (r.signature.step == 0) {
-        f.header = std::make_shared<std::array<uint64_t, 4>>();
-        std::vector<at::Tensor> header{bytesAt(f.header->data(), sizeof(*f.header))};
-        f.signature = carrier_->recv(header, r.peer, tagOf(r.signature, true));
+      if (r.signature.step == 0) {  // a receive's header is filled by the peer's signature
+        f.header = std::make_shared<std::array<uint64_t, 4>>(isRecv ? std::array<uint64_t, 4>{} : headerOf(r));
+        f.signature = move(f.header->data(), sizeof(*f.header), true);
       }
-      if (r.bytes) {
-        std::vector<at::Tensor> payload{bytesAt(r.data, r.bytes)};
-        f.payload = carrier_->recv(payload, r.peer, tagOf(r.signature, false));
-      }
+      if (r.bytes) f.payload = move(r.data, r.bytes, false);
     } catch (const std::exception& e) {
-      fail(ErrorKind::PeerFailure, "receiving ", r.signature.describe(), " from rank ", r.peer, " over the ",
-           carrier_->getBackendName(), " group: ", e.what());
+      fail(ErrorKind::PeerFailure, isRecv ? "receiving " : "sending ", r.signature.describe(),
+           isRecv ? " from rank " : " to rank ", r.peer, " over the ", carrier_->getBackendName(), " group: ",
+           e.what());
     }
   });
+  if (!isRecv) bytesSent_ += r.bytes;
   r.failed = false;
   r.transfersLeft = 1;
   inFlight_[&r] = std::move(f);

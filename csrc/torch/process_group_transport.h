@@ -43,6 +43,8 @@ class ProcessGroupTransport final : public Transport {
     std::shared_ptr<std::array<uint64_t, 4>> header;  // sent, or the peer's as received
     bool isRecv = false;
   };
+  // Posts the request's signature (the first message of a call to a peer) and payload.
+  void post(Request& request, bool isRecv);
   // Waits for one Work, up to `deadline`; a failure aborts the transport and throws.
   void waitWork(const c10::intrusive_ptr<c10d::Work>& work, const Request& request, Deadline deadline);
   // Throws Mismatch unless the peer's signature (received) is this request's.
