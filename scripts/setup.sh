@@ -33,11 +33,13 @@ fi
 if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
-if ! .venv/bin/python -c "import torch, numpy, pytest, hypothesis, scikit_build_core, matplotlib, sklearn, lightning" >/dev/null 2>&1; then
+if ! .venv/bin/python -c "import torch, numpy, pytest, hypothesis, scikit_build_core, matplotlib, sklearn, lightning, accelerate, transformers" >/dev/null 2>&1; then
   echo "setup: installing torch 2.13.0 (CPU) and the build and test tools into .venv (a few minutes, once)"
   .venv/bin/pip install -q --upgrade pip
+  # The trainers the integration tests run (tests/test_trainers.py, tests/test_lightning.py), pinned;
+  # torch==2.13.0 in the same command keeps pip from resolving another torch for them.
   .venv/bin/pip install -q torch==2.13.0 numpy pytest hypothesis "scikit-build-core>=0.10" ninja cmake matplotlib scikit-learn \
-    lightning==2.6.0  # the trainer the integration tests run (tests/test_lightning.py)
+    lightning==2.6.0 accelerate==1.15.0 transformers==5.24.0
 fi
 # Editable: the checkout itself is the package (its compiled extension is found through the
 # install), so Python run in the checkout's root (the benchmarks, `python -m bench.NAME`)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The test command (README, .ci/run): set up, the front door (the README's main command in its
-# short form), then the whole suite. pytest's exit status is the script's, so "no tests
-# collected" (exit 5) fails too.
+# short form), then the whole suite, with the trainer integrations as a step of their own.
+# pytest's exit status is the script's, so "no tests collected" (exit 5) fails too.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -23,5 +23,13 @@ echo "== scripts/demo.sh --short"
 bash scripts/demo.sh --short
 # libFuzzer with ASan/UBSan on the frame and payload parsers, ~30 s per target (docs/fuzzing.md).
 bash scripts/fuzz.sh 30
+if [ $# -gt 0 ]; then  # the caller chose the tests (and markers): one run
+  echo "== pytest $*"
+  exec .venv/bin/pytest -q --durations=40 "$@"
+fi
 echo "== pytest"
-exec .venv/bin/pytest -q --durations=40 "$@"
+.venv/bin/pytest -q --durations=40 -m "not trainers"
+# The trainer integrations (Lightning, Accelerate, the Hugging Face Trainer: tests/test_trainers.py,
+# tests/test_lightning.py) as a step of their own, so that a failure there is told apart.
+echo "== pytest -m trainers"
+exec .venv/bin/pytest -q --durations=10 -m trainers

@@ -16,6 +16,9 @@ import pytest
 if not os.environ.get("CI"):  # CI has it (scripts/setup.sh): there a missing install fails
     pytest.importorskip("lightning", reason="Lightning is not installed (scripts/setup.sh installs it)")
 
+# With the trainer integrations (tests/test_trainers.py): scripts/test.sh runs them as a step of their own.
+pytestmark = pytest.mark.trainers
+
 WORKER = Path(__file__).parent / "workers" / "lightning_fit.py"
 
 
