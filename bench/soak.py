@@ -83,8 +83,9 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=4 * 3600, help="seconds before the ranks are killed")
     args = parser.parse_args()
     start = time.monotonic()
-    results = load_harness().launch("soak", "soak", args.ranks, timeout=args.timeout,
-                                    args=(str(args.ops), str(args.seed), str(int(args.max_mib * MiB))))
+    harness = load_harness()
+    results = harness.launch_script(harness.WORKERS / "soak.py", args.ranks, timeout=args.timeout,
+                                    args=("soak", str(args.ops), str(args.seed), str(int(args.max_mib * MiB))))
     wall = time.monotonic() - start
     for r in results:
         if r.returncode != 0:

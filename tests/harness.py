@@ -23,7 +23,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 
@@ -166,10 +166,13 @@ class RankResult:
     seconds: float
 
 
-def launch(worker: str, scenario: str, world_size: int, args: tuple[str, ...] = (), **options: Any) -> list[RankResult]:
-    """Runs `tests/workers/<worker>.py <scenario> [args]` on `world_size` ranks; returns per-rank
-    results (``options``: those of ``launch_script``)."""
-    return launch_script(WORKERS / f"{worker}.py", world_size, args=(scenario, *args), **options)
+def launch(scenario: Callable[..., Any], world_size: int, args: tuple[str, ...] = (), **options: Any
+           ) -> list[RankResult]:
+    """Runs `scenario`, a function of a tests/workers module (the per-rank body), on `world_size`
+    ranks with `args` (strings); returns per-rank results (``options``: those of
+    ``launch_script``)."""
+    module = scenario.__module__.rsplit(".", 1)[-1]
+    return launch_script(WORKERS / f"{module}.py", world_size, args=(scenario.__name__, *args), **options)
 
 
 def launch_script(

@@ -6,16 +6,19 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
 from ddlcomm.compressors import OneBit
 from harness import assert_all_ok, launch, launch_script
+from workers import adaptive
 
 
-@pytest.mark.parametrize("scenario", ["choice_rule", "per_bucket_plan", "misuse_is_refused"])
-def test_choice_rule_and_misuse(scenario: str) -> None:
-    assert_all_ok(launch("adaptive", scenario, 2, timeout=120))
+@pytest.mark.parametrize("scenario", [adaptive.choice_rule, adaptive.per_bucket_plan, adaptive.misuse_is_refused],
+                         ids=lambda f: f.__name__)
+def test_choice_rule_and_misuse(scenario: Callable[[], None]) -> None:
+    assert_all_ok(launch(scenario, 2, timeout=120))
 
 
 @pytest.mark.parametrize("hosts,algorithm", [(1, "auto"), (2, "auto"), (2, "hierarchical")])
@@ -23,12 +26,12 @@ def test_switching_options_loses_nothing(hosts: int, algorithm: str) -> None:
     """On 2 hosts x 2 ranks the server residuals lie where the hierarchical plan puts them, and
     the ddlcomm group (under auto; the gloo group too where forced) also tries one level."""
     where = {r: {"DDLCOMM_HOST_ID": f"host-{r * hosts // 4}"} for r in range(4)}
-    assert_all_ok(launch("adaptive", "nothing_is_lost", 4, timeout=180, rank_env=where,
+    assert_all_ok(launch(adaptive.nothing_is_lost, 4, timeout=180, rank_env=where,
                          env={"DDLCOMM_ALLREDUCE_ALGO": algorithm}))
 
 
 def test_ranks_train_and_choose_alike() -> None:
-    assert_all_ok(launch("adaptive", "trains_alike_everywhere", 2, timeout=240))
+    assert_all_ok(launch(adaptive.trains_alike_everywhere, 2, timeout=240))
 
 
 def test_paired_benchmark_reports_ratios_over_two_hosts() -> None:
@@ -48,7 +51,7 @@ def test_paired_benchmark_reports_ratios_over_two_hosts() -> None:
     for record in records:
         others = {f"ratio_to {m}" for m in methods[:2] if m != record["method"]}
         assert others <= set(record) and all(len(record[k]) == 3 and record[k][0] > 0 for k in others), record
-    adaptive, onebit = records[-1], repr(OneBit())
-    assert len(adaptive["measured"]) in (4, 5), adaptive  # a plan per bucket the fifth, where one was tried
-    assert adaptive["choice"] in ("exact", "BF16()", onebit, f"{onebit} one level") or (
-        adaptive["choice"].startswith("per bucket [") and len(adaptive["measured"]) == 5), adaptive
+    chosen, onebit = records[-1], repr(OneBit())
+    assert len(chosen["measured"]) in (4, 5), chosen  # a plan per bucket the fifth, where one was tried
+    assert chosen["choice"] in ("exact", "BF16()", onebit, f"{onebit} one level") or (
+        chosen["choice"].startswith("per bucket [") and len(chosen["measured"]) == 5), chosen

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 import ddlcomm
 from harness import assert_all_ok, launch
+from workers import auth
 
 
 @settings(max_examples=200, deadline=None)
@@ -21,7 +22,7 @@ def test_hmac_matches_the_standard(key: bytes, message: bytes) -> None:
 
 
 def test_hostile_clients_are_dropped_and_the_job_runs() -> None:
-    results = launch("auth", "hostile_clients", 4, timeout=120, env={"DDLCOMM_HANDSHAKE_TIMEOUT_MS": "1500"})
+    results = launch(auth.hostile_clients, 4, timeout=120, env={"DDLCOMM_HANDSHAKE_TIMEOUT_MS": "1500"})
     assert_all_ok(results)
     for r in results[:3]:  # every attacked rank logged what it dropped, and why
         summary = re.search(
@@ -38,7 +39,7 @@ def test_hostile_clients_are_dropped_and_the_job_runs() -> None:
 
 
 def test_disagreeing_keys_fail_fast_with_a_clear_error() -> None:
-    results = launch("auth", "disagreeing_keys", 2, timeout=60, rank_env={1: {"DDLCOMM_AUTH_KEY": "not the same"}})
+    results = launch(auth.disagreeing_keys, 2, timeout=60, rank_env={1: {"DDLCOMM_AUTH_KEY": "not the same"}})
     assert [r.returncode for r in results] == [4, 4], [r.output for r in results]
     rejected = re.search(r"DistBackendError after ([\d.]+) s: .*rejected this rank's proof", results[1].output)
     assert rejected and float(rejected.group(1)) < 5, results[1].output
@@ -47,7 +48,7 @@ def test_disagreeing_keys_fail_fast_with_a_clear_error() -> None:
 
 
 def test_disagreeing_world_sizes_are_named() -> None:
-    results = launch("auth", "disagreeing_sizes", 2, timeout=60)
+    results = launch(auth.disagreeing_sizes, 2, timeout=60)
     assert [r.returncode for r in results] == [4, 4], [r.output for r in results]
     assert "group of 3 ranks, this rank in one of 2 (the ranks disagree on the world size)" in results[0].output, \
         results[0].output

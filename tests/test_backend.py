@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from harness import assert_all_ok, launch, transport_env, transports
+from workers import collectives
 
 ROOT = Path(__file__).resolve().parent.parent
 # A one-rank group on a FileStore: enough for whatever a rank does on its own.
@@ -37,12 +38,12 @@ def run_python(code: str, tmp_path: Path, *args: str, env: dict[str, str] | None
 # Uneven slices (3 ranks) over shared memory: test_shared_memory_rings_and_windows_smaller_than_the_messages.
 @pytest.mark.parametrize("transport, world_size", [(t, 4) for t in transports()] + [("shm", 2)])
 def test_allreduce_every_dtype_and_op(transport: str, world_size: int) -> None:
-    assert_all_ok(launch("collectives", "allreduce", world_size, timeout=240, env=transport_env(transport)))
+    assert_all_ok(launch(collectives.allreduce, world_size, timeout=240, env=transport_env(transport)))
 
 
 @pytest.mark.parametrize("transport, world_size", [(t, 4) for t in transports()] + [("shm", 2)])
 def test_other_collectives(transport: str, world_size: int) -> None:
-    assert_all_ok(launch("collectives", "collectives", world_size, timeout=240, env=transport_env(transport)))
+    assert_all_ok(launch(collectives.collectives, world_size, timeout=240, env=transport_env(transport)))
 
 
 def test_shared_memory_rings_and_windows_smaller_than_the_messages() -> None:
@@ -50,8 +51,8 @@ def test_shared_memory_rings_and_windows_smaller_than_the_messages() -> None:
     of 64 KiB (a large all-reduce in many fills, alternating halves)."""
     env = {"DDLCOMM_TRANSPORT": "shm", "DDLCOMM_SHM_RING_BYTES": "4096", "DDLCOMM_SHM_WINDOW_BYTES": "65536",
            "DDLCOMM_SHM_ONESHOT_BYTES": "1024"}
-    assert_all_ok(launch("collectives", "allreduce", 3, timeout=240, env=env))
-    assert_all_ok(launch("collectives", "collectives", 2, timeout=240, env=env))
+    assert_all_ok(launch(collectives.allreduce, 3, timeout=240, env=env))
+    assert_all_ok(launch(collectives.collectives, 2, timeout=240, env=env))
 
 
 # Halving-doubling on 3 ranks folds the third into the first; on 4 it folds none.
@@ -60,45 +61,45 @@ def test_shared_memory_rings_and_windows_smaller_than_the_messages() -> None:
 def test_forced_allreduce_algorithms(algorithm: str, world_size: int) -> None:
     # The forced algorithms exchange messages: through the shared-memory rings here (auto).
     env = {"DDLCOMM_ALLREDUCE_ALGO": algorithm, "DDLCOMM_SEGMENT_BYTES": "4096"}
-    assert_all_ok(launch("collectives", "allreduce", world_size, timeout=240, env=env))
+    assert_all_ok(launch(collectives.allreduce, world_size, timeout=240, env=env))
 
 
 def test_striped_connections() -> None:
     env = {"DDLCOMM_TRANSPORT": "tcp", "DDLCOMM_SOCKETS_PER_PEER": "3", "DDLCOMM_STRIPE_MIN_BYTES": "4096"}
-    assert_all_ok(launch("collectives", "collectives", 2, timeout=240, env=env))
+    assert_all_ok(launch(collectives.collectives, 2, timeout=240, env=env))
 
 
 def test_async_work_and_futures() -> None:
-    assert_all_ok(launch("collectives", "async_ops", 4))
+    assert_all_ok(launch(collectives.async_ops, 4))
 
 
 @pytest.mark.parametrize("transport, world_size", [("tcp", 2), ("shm", 3)])
 def test_direct_allreduce_is_dist_all_reduce(transport: str, world_size: int) -> None:
-    assert_all_ok(launch("collectives", "direct", world_size, timeout=240, env=transport_env(transport)))
+    assert_all_ok(launch(collectives.direct, world_size, timeout=240, env=transport_env(transport)))
 
 
 def test_subgroups() -> None:
-    assert_all_ok(launch("collectives", "subgroups", 4))
+    assert_all_ok(launch(collectives.subgroups, 4))
 
 
 def test_world_size_one() -> None:
-    assert_all_ok(launch("collectives", "single_rank", 1))
+    assert_all_ok(launch(collectives.single_rank, 1))
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_ddp_matches_gloo(world_size: int) -> None:
-    assert_all_ok(launch("collectives", "ddp", world_size, timeout=240))
+    assert_all_ok(launch(collectives.ddp, world_size, timeout=240))
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_pytorch_comm_hooks_match_gloo(world_size: int) -> None:
     """allreduce, fp16 compress and PowerSGD hooks: bitwise as on gloo on 2 ranks, close on 4."""
-    assert_all_ok(launch("collectives", "torch_hooks_vs_gloo", world_size, timeout=120))
+    assert_all_ok(launch(collectives.torch_hooks_vs_gloo, world_size, timeout=120))
 
 
 def test_compressed_allreduce_bytes_on_the_wire_match_wire_bytes() -> None:
     """Bytes measured on the group's sockets (TCP_INFO), not the formula re-checked."""
-    assert_all_ok(launch("collectives", "wire_bytes_measured", 3, timeout=120, env=transport_env("tcp")))
+    assert_all_ok(launch(collectives.wire_bytes_measured, 3, timeout=120, env=transport_env("tcp")))
 
 
 BAD_ENVIRONMENT = {

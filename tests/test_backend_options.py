@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 import ddlcomm
 from harness import assert_all_ok, launch
+from workers import backend_options
 
 NAMES = "auto, tcp, shm or ucx"  # every name the transport table knows, built or not
 
@@ -22,16 +23,16 @@ NAMES = "auto, tcp, shm or ucx"  # every name the transport table knows, built o
 def test_groups_get_the_transport_they_ask_for_over_the_environment() -> None:
     # Under DDLCOMM_TRANSPORT=shm the tcp group's option beats the environment, and a group
     # with Options() gets shm from it.
-    assert_all_ok(launch("backend_options", "two_transports", 3, timeout=180, env={"DDLCOMM_TRANSPORT": "shm"}))
+    assert_all_ok(launch(backend_options.two_transports, 3, timeout=180, env={"DDLCOMM_TRANSPORT": "shm"}))
 
 
 def test_a_groups_options_come_back_from_its_backend() -> None:
-    assert_all_ok(launch("backend_options", "options_round_trip", 2,
+    assert_all_ok(launch(backend_options.options_round_trip, 2,
                          env={"DDLCOMM_TCP_SPIN_US": "9", "DDLCOMM_SHM_SPIN_US": "7"}))
 
 
 def test_bad_options_fail_at_group_creation_and_the_ranks_go_on() -> None:
-    assert_all_ok(launch("backend_options", "bad_options", 2))
+    assert_all_ok(launch(backend_options.bad_options, 2))
 
 
 def test_options_class() -> None:

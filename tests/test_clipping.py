@@ -8,12 +8,13 @@ import torch
 
 from ddlcomm import clipping, compressors, hooks, optim
 from harness import assert_all_ok, launch
+from workers import clipping as clipping_scenarios
 
 
 def test_max_grad_norm_clips_the_average_gradient_by_a_sketched_norm() -> None:
     """tests/workers/clipping.py: max_grad_norm_clips_the_average_gradient, then
     sketch_estimates_the_norm (the estimate's error against the math), in one launch."""
-    assert_all_ok(launch("clipping", "sketch_and_clip", 2, timeout=180))
+    assert_all_ok(launch(clipping_scenarios.sketch_and_clip, 2, timeout=180))
 
 
 def test_max_grad_norm_is_only_for_directions() -> None:

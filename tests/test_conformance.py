@@ -4,16 +4,19 @@ complex dtypes, PREMUL_SUM, profiler spans, sparse all-reduce and waits in any o
 ranks, checked against gloo or computed directly."""
 
 from __future__ import annotations
+from typing import Callable
 
 import pytest
 
 from harness import assert_all_ok, launch
+from workers import conformance
 
-SCENARIOS = ["all_gather_coalesced", "recv_any_source", "monitored_barrier", "set_timeout", "coalescing",
-             "complex_dtypes", "premul_sum", "profiler_spans", "sparse_allreduce", "waits_in_any_order"]
+SCENARIOS = [conformance.all_gather_coalesced, conformance.recv_any_source, conformance.monitored_barrier,
+             conformance.set_timeout, conformance.coalescing, conformance.complex_dtypes, conformance.premul_sum,
+             conformance.profiler_spans, conformance.sparse_allreduce, conformance.waits_in_any_order]
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
-@pytest.mark.parametrize("scenario", SCENARIOS)
-def test_conformance(scenario: str, world_size: int) -> None:
-    assert_all_ok(launch("conformance", scenario, world_size, timeout=120))
+@pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda f: f.__name__)
+def test_conformance(scenario: Callable[[], None], world_size: int) -> None:
+    assert_all_ok(launch(scenario, world_size, timeout=120))

@@ -24,6 +24,7 @@ import statistics
 import pytest
 
 from harness import assert_all_ok, launch
+from workers import convergence
 
 SEEDS = "0,1"
 MARGIN = 1.5  # points, plain mean minus compressed mean
@@ -33,7 +34,7 @@ DGC = "top-k 1% DGC (hook momentum + clipping)"
 
 
 def _quality(runs: list[str], timeout: float) -> dict:
-    results = launch("convergence", "quality", 2, timeout=timeout, args=(";".join(runs), SEEDS))
+    results = launch(convergence.quality, 2, timeout=timeout, args=(";".join(runs), SEEDS))
     assert_all_ok(results)
     line = next(l for l in results[0].output.splitlines() if l.startswith("QUALITY "))
     return json.loads(line[len("QUALITY "):])
@@ -75,7 +76,7 @@ def test_time_to_accuracy_benchmark_runs_every_method() -> None:
     from bench.time_to_accuracy import METHODS
 
     # The MLP: the machinery is under test, and its evaluation is 20x cheaper than the CNN's.
-    results = launch("convergence", "time_to_accuracy_curves", 2, timeout=300, args=("mlp", "sgd"))
+    results = launch(convergence.time_to_accuracy_curves, 2, timeout=300, args=("mlp", "sgd"))
     assert_all_ok(results)
     line = next(l for l in results[0].output.splitlines() if l.startswith("RESULTS "))
     records = json.loads(line[len("RESULTS "):])

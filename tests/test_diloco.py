@@ -5,50 +5,51 @@ from __future__ import annotations
 import pytest
 
 from harness import assert_all_ok, launch
+from workers import diloco, diloco_levels
 
 
 @pytest.mark.parametrize("backend", ["ddlcomm", "gloo"])
 def test_float32_outer_steps_match_a_direct_implementation(backend: str) -> None:
     # Two ranks: a sum of two is the same in any order, so the reference's per-parameter
     # all-reduces and DiLoCo's flat one agree to the bit (AdamW would amplify a rounding difference).
-    assert_all_ok(launch("diloco", "matches_reference", 2, timeout=120, args=(backend,)))
+    assert_all_ok(launch(diloco.matches_reference, 2, timeout=120, args=(backend,)))
 
 
 @pytest.mark.parametrize("backend", ["ddlcomm", "gloo"])
 def test_warmup_steps_train_as_ddp(backend: str) -> None:
-    assert_all_ok(launch("diloco", "warmup_matches_ddp", 2, timeout=120, args=(backend,)))
+    assert_all_ok(launch(diloco.warmup_matches_ddp, 2, timeout=120, args=(backend,)))
 
 
 @pytest.mark.parametrize("backend,names", [("ddlcomm", "onebit,topk"), ("gloo", "ternary")])
 def test_error_feedback_conserves_the_pseudo_gradient(backend: str, names: str) -> None:
-    assert_all_ok(launch("diloco", "conservation", 4, timeout=120, args=(backend, names)))
+    assert_all_ok(launch(diloco.conservation, 4, timeout=120, args=(backend, names)))
 
 
 @pytest.mark.parametrize("backend,names", [("ddlcomm", "ternary,topk,onebit+directions"),
                                            ("gloo", "onebit,ternary+directions")])
 def test_compressed_warmup_shares_the_step_and_conserves_the_gradient(backend: str, names: str) -> None:
-    assert_all_ok(launch("diloco", "warmup_conservation", 4, timeout=120, args=(backend, names)))
+    assert_all_ok(launch(diloco.warmup_conservation, 4, timeout=120, args=(backend, names)))
 
 
 @pytest.mark.parametrize("backend,names", [("ddlcomm", "ternary,none,ternary+stream,ternary+warmup,onebit+cwarmup"),
                                            ("gloo", "onebit+stream")])
 def test_replicas_agree_and_resume_is_exact(backend: str, names: str) -> None:
-    assert_all_ok(launch("diloco", "resume", 2, timeout=120, args=(backend, names)))
+    assert_all_ok(launch(diloco.resume, 2, timeout=120, args=(backend, names)))
 
 
 def test_streamed_outer_steps_match_a_direct_implementation() -> None:
-    assert_all_ok(launch("diloco", "streaming_matches_reference", 2, timeout=120, args=("ddlcomm",)))
+    assert_all_ok(launch(diloco.streaming_matches_reference, 2, timeout=120, args=("ddlcomm",)))
 
 
 @pytest.mark.parametrize("backend", ["ddlcomm", "gloo"])
 def test_a_warmup_step_skipped_on_one_rank_is_taken_by_none(backend: str) -> None:
-    assert_all_ok(launch("diloco", "warmup_skip", 3, timeout=120, args=(backend,)))
+    assert_all_ok(launch(diloco.warmup_skip, 3, timeout=120, args=(backend,)))
 
 
 def test_bad_arguments_and_non_finite_pseudo_gradients_are_refused() -> None:
-    assert_all_ok(launch("diloco", "errors", 2, timeout=120))
+    assert_all_ok(launch(diloco.errors, 2, timeout=120))
 
 
 @pytest.mark.parametrize("backend", ["ddlcomm", "gloo"])
 def test_two_levels_replicas_of_two_ranks_each_sync_half(backend: str) -> None:
-    assert_all_ok(launch("diloco_levels", "two_levels", 4, timeout=180, args=(backend,)))
+    assert_all_ok(launch(diloco_levels.two_levels, 4, timeout=180, args=(backend,)))

@@ -6,13 +6,14 @@ import pytest
 import torch
 
 from harness import assert_all_ok, launch
+from workers import convergence, sharded
 
 from ddlcomm import compressors, fsdp
 
 
 @pytest.mark.parametrize("backend,ranks", [("ddlcomm", 4), ("gloo", 2)])
 def test_compressed_reduce_scatter_loses_nothing(backend: str, ranks: int) -> None:
-    assert_all_ok(launch("sharded", "reduce_scatter_math", ranks, timeout=120, args=(backend,)))
+    assert_all_ok(launch(sharded.reduce_scatter_math, ranks, timeout=120, args=(backend,)))
 
 
 @pytest.mark.parametrize("backend", ["ddlcomm", "gloo"])
@@ -21,7 +22,7 @@ def test_compressed_reduce_scatter_over_two_hosts_of_two_ranks(backend: str) -> 
     the hierarchy is forced): still nothing lost, the residuals where the native plan keeps them."""
     hosts = {r: {"DDLCOMM_HOST_ID": f"host-{r // 2}"} for r in range(4)}
     env = {"DDLCOMM_ALLREDUCE_ALGO": "hierarchical"} if backend == "gloo" else {}
-    assert_all_ok(launch("sharded", "reduce_scatter_math", 4, timeout=120, args=(backend, "2x2"), rank_env=hosts,
+    assert_all_ok(launch(sharded.reduce_scatter_math, 4, timeout=120, args=(backend, "2x2"), rank_env=hosts,
                          env=env))
 
 
@@ -45,7 +46,7 @@ def test_fsdp2_keeps_accuracy_on_the_convergence_task() -> None:
 
     checked = {"sgd": ("1-bit + 8-bit all-gather",), "adamw": ("1-bit", "ternary")}
     runs = [f"{opt}:{name}" for opt, names in checked.items() for name in ("all-reduce", *names)]
-    results = launch("convergence", "quality", 2, timeout=600, args=(";".join(runs), "0,1", "fsdp"))
+    results = launch(convergence.quality, 2, timeout=600, args=(";".join(runs), "0,1", "fsdp"))
     assert_all_ok(results)
     line = next(l for l in results[0].output.splitlines() if l.startswith("QUALITY "))
     acc = {opt: {name: statistics.fmean(v) for name, v in d.items()}
@@ -58,26 +59,26 @@ def test_fsdp2_keeps_accuracy_on_the_convergence_task() -> None:
 
 
 def test_ddlcomm_and_gloo_groups_train_alike() -> None:
-    assert_all_ok(launch("sharded", "backends_agree", 2, timeout=180))
+    assert_all_ok(launch(sharded.backends_agree, 2, timeout=180))
 
 
 def test_native_reduce_scatter_matches_the_fallback_bitwise() -> None:
-    assert_all_ok(launch("sharded", "native_reduce_scatter", 3, timeout=240))
+    assert_all_ok(launch(sharded.native_reduce_scatter, 3, timeout=240))
 
 
 def test_fsdp2_resume_is_bit_identical() -> None:
-    assert_all_ok(launch("sharded", "resume", 2, timeout=180, args=("onebit",)))
+    assert_all_ok(launch(sharded.resume, 2, timeout=180, args=("onebit",)))
 
 
 def test_hsdp_replicas_agree_and_keep_accuracy() -> None:
-    results = launch("sharded", "hsdp", 4, timeout=400)
+    results = launch(sharded.hsdp, 4, timeout=400)
     _print_accuracy(results)
     assert_all_ok(results)
 
 
 @pytest.mark.parametrize("backend,ranks", [("ddlcomm", 4), ("gloo", 2)])
 def test_quantized_all_gather(backend: str, ranks: int) -> None:
-    results = launch("sharded", "quantized_all_gather", ranks, timeout=300, args=(backend,))
+    results = launch(sharded.quantized_all_gather, ranks, timeout=300, args=(backend,))
     _print_accuracy(results)
     assert_all_ok(results)
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from harness import assert_all_ok, launch
+from workers import gpu
 
 from ddlcomm import compressors
 
@@ -82,7 +83,7 @@ def test_gpu_bad_input_is_refused() -> None:
 
 
 def test_backend_collectives_on_cuda_tensors() -> None:
-    assert_all_ok(launch("gpu", "collectives", 2, timeout=180))
+    assert_all_ok(launch(gpu.collectives, 2, timeout=180))
 
 
 # (backend, ranks): two ranks share GPU 0 on ddlcomm and gloo; nccl gets one GPU per rank.
@@ -99,37 +100,37 @@ def _print_accuracy(results) -> None:
 
 @pytest.mark.parametrize("backend,ranks", GROUPS)
 def test_compressed_all_reduce_on_cuda_matches_cpu(backend: str, ranks: int) -> None:
-    assert_all_ok(launch("gpu", "compressed", ranks, timeout=240, args=(backend,)))
+    assert_all_ok(launch(gpu.compressed, ranks, timeout=240, args=(backend,)))
 
 
 def test_compressed_all_reduce_on_cuda_over_two_hosts_matches_cpu() -> None:
     """2 named hosts x 2 ranks of a ddlcomm group: CUDA tensors take the fallback's two levels,
     CPU ones the native hierarchy; with two ranks a host both give the same bits."""
     hosts = {r: {"DDLCOMM_HOST_ID": f"host-{r // 2}"} for r in range(4)}
-    assert_all_ok(launch("gpu", "compressed", 4, timeout=300, args=("ddlcomm",), rank_env=hosts))
+    assert_all_ok(launch(gpu.compressed, 4, timeout=300, args=("ddlcomm",), rank_env=hosts))
 
 
 @pytest.mark.parametrize("backend,ranks", GROUPS)
 def test_ddp_hooks_on_cuda_match_cpu_accuracy(backend: str, ranks: int) -> None:
-    results = launch("gpu", "ddp", ranks, timeout=600, args=(backend,))
+    results = launch(gpu.ddp, ranks, timeout=600, args=(backend,))
     _print_accuracy(results)
     assert_all_ok(results)
 
 
 @pytest.mark.parametrize("backend,ranks", [g for g in GROUPS if g != ("gloo", 2)])
 def test_fsdp_reduce_scatter_on_cuda_matches_cpu(backend: str, ranks: int) -> None:
-    assert_all_ok(launch("gpu", "fsdp_reduce_scatter", ranks, timeout=240, args=(backend,)))
+    assert_all_ok(launch(gpu.fsdp_reduce_scatter, ranks, timeout=240, args=(backend,)))
 
 
 @pytest.mark.parametrize("backend,ranks", [GROUPS[0], GROUPS[3]])  # FSDP2 on one rank reduces nothing
 def test_fsdp_training_on_cuda_matches_cpu_accuracy(backend: str, ranks: int) -> None:
-    results = launch("gpu", "fsdp_training", ranks, timeout=600, args=(backend,))
+    results = launch(gpu.fsdp_training, ranks, timeout=600, args=(backend,))
     _print_accuracy(results)
     assert_all_ok(results)
 
 
 @pytest.mark.parametrize("backend,ranks", GROUPS)
 def test_diloco_on_cuda_matches_cpu_accuracy(backend: str, ranks: int) -> None:
-    results = launch("gpu", "diloco", ranks, timeout=600, args=(backend,))
+    results = launch(gpu.diloco, ranks, timeout=600, args=(backend,))
     _print_accuracy(results)
     assert_all_ok(results)

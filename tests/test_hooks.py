@@ -12,21 +12,22 @@ import torch.distributed as dist
 
 from ddlcomm import compressors, hooks
 from harness import assert_all_ok, launch
+from workers import compression
 
 
 def test_every_path_agrees_bitwise() -> None:
     # The ddlcomm group over shared memory (the default here), the gloo group over gloo's send and
     # recv, and the Python path over gloo's collectives; test_soak runs compressed all-reduces over
     # every transport. Two threads per rank, so that the largest vector's chunks are split across threads.
-    assert_all_ok(launch("compression", "paths_agree", 4, timeout=180, env={"DDLCOMM_NUM_THREADS": "2"}))
+    assert_all_ok(launch(compression.paths_agree, 4, timeout=180, env={"DDLCOMM_NUM_THREADS": "2"}))
 
 
 def test_every_path_agrees_bitwise_over_pieces() -> None:
-    assert_all_ok(launch("compression", "pieces_agree", 4, timeout=240))
+    assert_all_ok(launch(compression.pieces_agree, 4, timeout=240))
 
 
 def test_hook_on_ddp_own_gloo_group_with_unused_parameters() -> None:
-    assert_all_ok(launch("compression", "hook_on_ddp_own_gloo_group", 2, timeout=120))
+    assert_all_ok(launch(compression.hook_on_ddp_own_gloo_group, 2, timeout=120))
 
 
 def test_state_versions(caplog: pytest.LogCaptureFixture) -> None:
@@ -45,32 +46,32 @@ def test_state_versions(caplog: pytest.LogCaptureFixture) -> None:
 
 
 def test_non_finite_gradients_do_not_poison_residuals() -> None:
-    assert_all_ok(launch("compression", "non_finite", 4, timeout=180))
+    assert_all_ok(launch(compression.non_finite, 4, timeout=180))
 
 
 @pytest.mark.parametrize("ranks", [2, 4])
 def test_direction_mode_native_fallback_and_replicas_agree(ranks: int) -> None:
-    assert_all_ok(launch("compression", "direction_mode", ranks, timeout=300))
+    assert_all_ok(launch(compression.direction_mode, ranks, timeout=300))
 
 
 def test_direction_mode_over_two_hosts() -> None:
     """2 hosts x 2 ranks, the hierarchy forced: the hooks over the gloo group take two levels
     too (exact inside a host)."""
     hosts = {r: {"DDLCOMM_HOST_ID": f"host-{r // 2}"} for r in range(4)}
-    assert_all_ok(launch("compression", "direction_mode", 4, timeout=300, rank_env=hosts,
+    assert_all_ok(launch(compression.direction_mode, 4, timeout=300, rank_env=hosts,
                          env={"DDLCOMM_ALLREDUCE_ALGO": "hierarchical"}))
 
 
 def test_hook_mechanics() -> None:
-    assert_all_ok(launch("compression", "hook_mechanics", 2, timeout=240))
+    assert_all_ok(launch(compression.hook_mechanics, 2, timeout=240))
 
 
 def test_warmup_ends_exactly_at_start_compress_iter() -> None:
-    assert_all_ok(launch("compression", "warmup_boundary", 2, timeout=120))
+    assert_all_ok(launch(compression.warmup_boundary, 2, timeout=120))
 
 
 def test_uncompressed_buckets_are_logged_once() -> None:
-    assert_all_ok(launch("compression", "uncompressed_is_logged_once", 2, timeout=120))
+    assert_all_ok(launch(compression.uncompressed_is_logged_once, 2, timeout=120))
 
 
 @pytest.mark.parametrize("options, error, words", [
@@ -89,7 +90,7 @@ def test_state_refuses_options_it_would_ignore_or_misuse(options: dict, error: t
 
 
 def test_native_backend_is_found_under_the_debug_wrapper() -> None:
-    assert_all_ok(launch("compression", "debug_wrapper", 2, timeout=120, env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}))
+    assert_all_ok(launch(compression.debug_wrapper, 2, timeout=120, env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}))
 
 
 @pytest.fixture

@@ -13,6 +13,7 @@ import torch
 
 from ddlcomm import compressors, hooks, optim
 from harness import assert_all_ok, launch
+from workers import closure, compression
 
 CASES = [
     ("SGD", dict(lr=0.1, momentum=0.9)),
@@ -126,11 +127,11 @@ def test_fp16_and_bf16_are_torch_on_the_average_gradient_with_clipping_and_grad_
     optimizer=ddlcomm.optim.* end where plain DDP with the torch optimizer does, within the
     compressor's rounding (tests/workers/compression.py derives the tolerance), clip_grad_norm_
     sees plain's norms, and the replicas are the same bits."""
-    assert_all_ok(launch("compression", "matches_plain", 2, timeout=180))
+    assert_all_ok(launch(compression.matches_plain, 2, timeout=180))
 
 
 def test_clipping_or_grad_scaler_on_averaged_directions_is_refused() -> None:
-    assert_all_ok(launch("compression", "misuse_is_refused", 2, timeout=120))
+    assert_all_ok(launch(compression.misuse_is_refused, 2, timeout=120))
 
 
 def test_step_with_a_closure_applies_the_averaged_directions() -> None:
@@ -138,7 +139,7 @@ def test_step_with_a_closure_applies_the_averaged_directions() -> None:
     third step: ``opt.step(closure)`` (backward inside step(), as Lightning and L-BFGS-style
     loops call it) trains bit for bit as ``closure(); opt.step()`` and returns the closure's
     loss (tests/workers/closure.py)."""
-    assert_all_ok(launch("closure", "closure_steps", 2, timeout=180))
+    assert_all_ok(launch(closure.closure_steps, 2, timeout=180))
 
 
 def test_hook_state_takes_ddlcomm_and_torch_optimizers_only() -> None:

@@ -9,22 +9,23 @@ import torch
 from ddlcomm.compressed import server_chunks, server_residual_numel
 from ddlcomm.ddp_memory import FeedbackMemory
 from harness import assert_all_ok, launch
+from workers import resume
 
 
 def test_resume_is_exact() -> None:
-    assert_all_ok(launch("resume", "exact_resume", 4, timeout=300))
+    assert_all_ok(launch(resume.exact_resume, 4, timeout=300))
 
 
 def test_pickled_state_resumes_exactly() -> None:
-    assert_all_ok(launch("resume", "pickled_state", 2, timeout=180))
+    assert_all_ok(launch(resume.pickled_state, 2, timeout=180))
 
 
 def test_states_that_cannot_resume_are_refused() -> None:
-    assert_all_ok(launch("resume", "refused", 4, timeout=180))
+    assert_all_ok(launch(resume.refused, 4, timeout=180))
 
 
 def test_changed_bucket_layout_is_remapped() -> None:
-    assert_all_ok(launch("resume", "changed_layout", 4, timeout=180))
+    assert_all_ok(launch(resume.changed_layout, 4, timeout=180))
 
 
 # Parameters of different sizes, and of equal sizes side by side before and after (where

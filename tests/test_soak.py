@@ -9,6 +9,7 @@ import re
 import pytest
 
 from harness import RankResult, assert_all_ok, launch, soak_summary, transport_env, transports
+from workers import soak
 
 OPS = 500
 MAX_BYTES = 8 << 20
@@ -30,7 +31,7 @@ def test_soak_random_collectives(transport: str) -> None:
     # About 15 s on 2 cores for the default transport (shm here), fewer operations elsewhere;
     # the timeout turns a hang into a failure.
     ops = OPS if transport == "shm" else OPS // 5
-    results = launch("soak", "soak", 4, timeout=180, args=(str(ops), "1", str(MAX_BYTES)), env=transport_env(transport))
+    results = launch(soak.soak, 4, timeout=180, args=(str(ops), "1", str(MAX_BYTES)), env=transport_env(transport))
     assert_all_ok(results)
     summaries = [summary(r) for r in results]
     # Exit 0 says no check failed; this says the checks ran: every operation issued was compared
@@ -56,7 +57,7 @@ def test_soak_random_collectives(transport: str) -> None:
 
 def test_soak_reports_wrong_results() -> None:
     """The checker's self-test: results corrupted from step 20 on must fail the run, naming the op."""
-    results = launch("soak", "soak", 4, timeout=120, args=("40", "2", str(1 << 20), "20"))
+    results = launch(soak.soak, 4, timeout=120, args=("40", "2", str(1 << 20), "20"))
     for r in results:
         assert r.returncode != 0, f"rank {r.rank} passed with corrupted results"
         reported = [int(step) for step in re.findall(rf"rank {r.rank} step (\d+) \w+ async=", r.output)]

@@ -11,18 +11,19 @@ import pytest
 
 import ddlcomm
 from harness import assert_all_ok, launch
+from workers import topology
 
 
 def test_hierarchical_all_reduce_over_two_hosts_of_two_ranks() -> None:
     hosts = {r: {"DDLCOMM_HOST_ID": f"host-{r // 2}"} for r in range(4)}
-    assert_all_ok(launch("topology", "hierarchical", 4, timeout=180, rank_env=hosts))
+    assert_all_ok(launch(topology.hierarchical, 4, timeout=180, rank_env=hosts))
 
 
 @pytest.mark.parametrize("hosts, per_host", [(8, 1), (4, 2)])
 def test_hierarchical_all_reduce_over_more_hosts(hosts: int, per_host: int) -> None:
     """8 hosts: halving-doubling across them (3 steps each way where a ring takes 7); 4: a ring."""
     ranks = {r: {"DDLCOMM_HOST_ID": f"host-{r // per_host}"} for r in range(hosts * per_host)}
-    assert_all_ok(launch("topology", "many_hosts", hosts * per_host, timeout=240, rank_env=ranks,
+    assert_all_ok(launch(topology.many_hosts, hosts * per_host, timeout=240, rank_env=ranks,
                          args=(f"{hosts} hosts x {per_host} rank{'s' if per_host > 1 else ''}",)))
 
 
@@ -47,7 +48,7 @@ def test_host_plan_of_other_backends(algorithm: str | None, fast_inside: bool, l
 
 def test_hierarchy_needs_as_many_ranks_on_every_host() -> None:
     hosts = {0: {"DDLCOMM_HOST_ID": "a"}, 1: {"DDLCOMM_HOST_ID": "a"}, 2: {"DDLCOMM_HOST_ID": "b"}}
-    assert_all_ok(launch("topology", "unequal_hosts", 3, timeout=120, rank_env=hosts))
+    assert_all_ok(launch(topology.unequal_hosts, 3, timeout=120, rank_env=hosts))
 
 
 # A rank's view of /sys/class in a mount namespace of its own: the real entries bound back
@@ -80,7 +81,7 @@ needs_mount_namespaces = pytest.mark.skipif(
 def test_auto_takes_tcp_unless_every_rank_has_rdma() -> None:
     """Rank 0 lists an RDMA device and rank 1 none: both take TCP (each deciding alone, rank 0
     took UCX and rank 1 TCP, and neither connected)."""
-    results = launch("topology", "network", 2, timeout=120, args=("tcp",),
+    results = launch(topology.network, 2, timeout=120, args=("tcp",),
                      rank_prefix={0: _with_rdma("rdma"), 1: _with_rdma("none")})
     assert_all_ok(results)
 
@@ -88,6 +89,6 @@ def test_auto_takes_tcp_unless_every_rank_has_rdma() -> None:
 @needs_mount_namespaces
 @pytest.mark.skipif("ucx" not in ddlcomm.transports(), reason="this build has no UCX transport")
 def test_auto_takes_ucx_when_every_rank_has_rdma() -> None:
-    results = launch("topology", "network", 2, timeout=120, args=("ucx",),
+    results = launch(topology.network, 2, timeout=120, args=("ucx",),
                      rank_prefix={0: _with_rdma("rdma"), 1: _with_rdma("rdma")})
     assert_all_ok(results)

@@ -15,6 +15,8 @@ from collections.abc import Iterator
 import pytest
 
 from harness import assert_all_ok, launch, transport_env, transports
+from workers import faults
+from workers import transports as transport_scenarios
 
 
 def dev_shm() -> set[str]:
@@ -23,14 +25,14 @@ def dev_shm() -> set[str]:
 
 def test_collectives_use_shared_memory_and_leave_nothing() -> None:
     before = dev_shm()
-    assert_all_ok(launch("transports", "shared_memory_used", 4, env={"DDLCOMM_TRANSPORT": "shm"}))
+    assert_all_ok(launch(transport_scenarios.shared_memory_used, 4, env={"DDLCOMM_TRANSPORT": "shm"}))
     assert dev_shm() == before
 
 
 def test_nothing_is_left_after_sigkill() -> None:
     """Regions are anonymous (memfd): a rank killed mid-collective leaves no file anywhere."""
     before = dev_shm()
-    results = launch("faults", "peer_killed", 4, timeout=90, args=("during",), env={"DDLCOMM_TRANSPORT": "shm"})
+    results = launch(faults.peer_killed, 4, timeout=90, args=("during",), env={"DDLCOMM_TRANSPORT": "shm"})
     assert results[1].returncode == -signal.SIGKILL, results[1].output
     assert_all_ok([r for r in results if r.rank != 1])
     assert dev_shm() == before
@@ -63,24 +65,24 @@ def pid_namespaces(count: int) -> Iterator[list[list[str]]]:
 @pytest.mark.parametrize("transport", transports())
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_waiting_spins_unless_ranks_outnumber_cores(transport: str, world_size: int) -> None:
-    assert_all_ok(launch("transports", "spin_choice", world_size, env=transport_env(transport)))
+    assert_all_ok(launch(transport_scenarios.spin_choice, world_size, env=transport_env(transport)))
 
 
 @pytest.mark.parametrize("variable", ["DDLCOMM_TCP_SPIN_US", "DDLCOMM_SHM_SPIN_US"])
 def test_a_users_spin_replaces_the_choice(variable: str) -> None:
-    assert_all_ok(launch("transports", "spin_choice", 4, env={variable: "7"}))
+    assert_all_ok(launch(transport_scenarios.spin_choice, 4, env={variable: "7"}))
 
 
 def test_two_hosts_mix_shared_memory_and_tcp() -> None:
     with pid_namespaces(2) as (a, b):
-        assert_all_ok(launch("transports", "mixed_hosts", 4, timeout=120, rank_prefix={0: a, 1: a, 2: b, 3: b}))
+        assert_all_ok(launch(transport_scenarios.mixed_hosts, 4, timeout=120, rank_prefix={0: a, 1: a, 2: b, 3: b}))
 
 
 def test_host_id_states_the_topology_on_one_machine() -> None:
     """DDLCOMM_HOST_ID names the host: ranks 0-1 and 2-3 as two hosts of one machine, shared
     memory inside each, TCP between them, as two pid namespaces make them above."""
     hosts = {r: {"DDLCOMM_HOST_ID": f"host-{r // 2}"} for r in range(4)}
-    assert_all_ok(launch("transports", "mixed_hosts", 4, timeout=120, rank_env=hosts))
+    assert_all_ok(launch(transport_scenarios.mixed_hosts, 4, timeout=120, rank_env=hosts))
 
 
 @pytest.mark.parametrize("when", ["during", "after"])
@@ -89,12 +91,12 @@ def test_killed_peer_on_a_mixed_group_is_named_by_every_survivor(when: str) -> N
     TCP, ranks 2 and 3 over TCP. Every survivor raises DistBackendError naming rank 1 within
     the timeout (tests/workers/faults.py, peer_killed)."""
     with pid_namespaces(2) as (a, b):
-        results = launch("faults", "peer_killed", 4, timeout=90, args=(when,), rank_prefix={0: a, 1: a, 2: b, 3: b})
+        results = launch(faults.peer_killed, 4, timeout=90, args=(when,), rank_prefix={0: a, 1: a, 2: b, 3: b})
     assert results[1].returncode == -signal.SIGKILL, results[1].output
     assert_all_ok([r for r in results if r.rank != 1])
 
 
 def test_shm_alone_is_refused_across_hosts() -> None:
     with pid_namespaces(2) as (a, b):
-        assert_all_ok(launch("transports", "shm_refused_across_hosts", 2, timeout=60, rank_prefix={0: a, 1: b},
+        assert_all_ok(launch(transport_scenarios.shm_refused_across_hosts, 2, timeout=60, rank_prefix={0: a, 1: b},
                              env={"DDLCOMM_TRANSPORT": "shm"}))

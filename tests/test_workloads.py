@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from harness import assert_all_ok, launch
+from workers import workloads
 
 # Each workload once: on 4 ranks where that shape adds something (FSDP2 shards, checkpoint
 # resharding, objects), on 2 ranks the rest (a pipeline stage per rank, a 2-way mesh).
@@ -25,7 +26,7 @@ REPLICATED = {"fsdp2", "fsdp2_divide_factor", "tensor_parallel", "checkpoint", "
 
 def _results(ranks: int, backend: str, names: tuple[str, ...], out: Path) -> list[dict[str, dict]]:
     """Per rank: workload -> {"losses": [...], "params": [...]}."""
-    assert_all_ok(launch("workloads", "suite", ranks, timeout=300, args=(backend, str(out), *names)))
+    assert_all_ok(launch(workloads.suite, ranks, timeout=300, args=(backend, str(out), *names)))
     results = [json.loads((out / f"{backend}-rank{rank}.json").read_text()) for rank in range(ranks)]
     for rank, found in enumerate(results):
         assert set(found) == set(names), f"rank {rank} reported {sorted(found)}"

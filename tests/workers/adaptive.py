@@ -274,10 +274,4 @@ def misuse_is_refused() -> None:
 
 
 if __name__ == "__main__":
-    run({
-        "choice_rule": choice_rule,
-        "per_bucket_plan": per_bucket_plan,
-        "nothing_is_lost": nothing_is_lost,
-        "trains_alike_everywhere": trains_alike_everywhere,
-        "misuse_is_refused": misuse_is_refused,
-    })
+    run()

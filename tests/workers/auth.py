@@ -139,5 +139,4 @@ def disagreeing_sizes() -> None:
 
 
 if __name__ == "__main__":
-    run({"hostile_clients": hostile_clients, "disagreeing_keys": disagreeing_keys,
-         "disagreeing_sizes": disagreeing_sizes})
+    run()

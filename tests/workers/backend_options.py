@@ -144,8 +144,4 @@ def bad_options() -> None:
 
 
 if __name__ == "__main__":
-    run({
-        "two_transports": two_transports,
-        "options_round_trip": options_round_trip,
-        "bad_options": bad_options,
-    })
+    run()

@@ -139,8 +139,4 @@ def sketch_and_clip() -> None:
 
 
 if __name__ == "__main__":
-    run({
-        "sketch_estimates_the_norm": sketch_estimates_the_norm,
-        "max_grad_norm_clips_the_average_gradient": max_grad_norm_clips_the_average_gradient,
-        "sketch_and_clip": sketch_and_clip,
-    })
+    run()

@@ -69,4 +69,4 @@ def closure_steps() -> None:
 
 
 if __name__ == "__main__":
-    run({"closure_steps": closure_steps})
+    run()

@@ -436,14 +436,4 @@ def wire_bytes_measured() -> None:
 
 
 if __name__ == "__main__":
-    run({
-        "allreduce": allreduce,
-        "collectives": collectives,
-        "async_ops": async_ops,
-        "direct": direct,
-        "subgroups": subgroups,
-        "single_rank": single_rank,
-        "ddp": ddp,
-        "torch_hooks_vs_gloo": torch_hooks_vs_gloo,
-        "wire_bytes_measured": wire_bytes_measured,
-    })
+    run()

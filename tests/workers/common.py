@@ -123,9 +123,11 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def run(scenarios: dict) -> None:
+def run() -> None:
+    """Runs the scenario the command line names (a function of the worker module run as
+    __main__, as tests/harness.py's ``launch`` passes it) with the arguments after it."""
     name = sys.argv[1]
-    scenarios[name](*sys.argv[2:])
+    getattr(sys.modules["__main__"], name)(*sys.argv[2:])
     # Models in reference cycles (DDP's reducer, FSDP2's hooks) hold their process groups: free
     # them now, not during interpreter finalization, where a gloo group's worker threads
     # releasing tensors abort the process (SIGABRT, "terminate called without an active

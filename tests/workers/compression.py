@@ -495,16 +495,4 @@ def misuse_is_refused() -> None:
 
 
 if __name__ == "__main__":
-    run({
-        "paths_agree": paths_agree,
-        "pieces_agree": pieces_agree,
-        "non_finite": non_finite,
-        "hook_mechanics": hook_mechanics,
-        "hook_on_ddp_own_gloo_group": hook_on_ddp_own_gloo_group,
-        "warmup_boundary": warmup_boundary,
-        "direction_mode": direction_mode,
-        "matches_plain": matches_plain,
-        "misuse_is_refused": misuse_is_refused,
-        "uncompressed_is_logged_once": uncompressed_is_logged_once,
-        "debug_wrapper": debug_wrapper,
-    })
+    run()

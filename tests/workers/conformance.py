@@ -345,15 +345,4 @@ def waits_in_any_order() -> None:
 
 
 if __name__ == "__main__":
-    run({
-        "all_gather_coalesced": all_gather_coalesced,
-        "monitored_barrier": monitored_barrier,
-        "set_timeout": set_timeout,
-        "coalescing": coalescing,
-        "complex_dtypes": complex_dtypes,
-        "premul_sum": premul_sum,
-        "profiler_spans": profiler_spans,
-        "recv_any_source": recv_any_source,
-        "sparse_allreduce": sparse_allreduce,
-        "waits_in_any_order": waits_in_any_order,
-    })
+    run()

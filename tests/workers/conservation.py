@@ -263,4 +263,4 @@ def conservation_and_randomness() -> None:
 
 
 if __name__ == "__main__":
-    run({"conservation_and_randomness": conservation_and_randomness, "hierarchical": hierarchical})
+    run()

@@ -53,4 +53,4 @@ def time_to_accuracy_curves(task_name: str, opt_name: str) -> None:
 
 
 if __name__ == "__main__":
-    run({"quality": quality, "time_to_accuracy_curves": time_to_accuracy_curves})
+    run()

@@ -443,5 +443,4 @@ def warmup_skip(backend: str) -> None:
 
 
 if __name__ == "__main__":
-    run({"warmup_skip": warmup_skip, "matches_reference": matches_reference, "warmup_matches_ddp": warmup_matches_ddp, "streaming_matches_reference": streaming_matches_reference,
-         "conservation": conservation, "warmup_conservation": warmup_conservation, "resume": resume, "errors": errors})
+    run()

@@ -91,4 +91,4 @@ def ring_bytes(numel: int, name: str) -> int:
 
 
 if __name__ == "__main__":
-    run({"two_levels": two_levels})
+    run()

@@ -373,20 +373,4 @@ def init_destroy_cycles(cycles: str) -> None:
 
 
 if __name__ == "__main__":
-    run({
-        "bad_arguments": bad_arguments,
-        "reduce_scatter_peer_killed": reduce_scatter_peer_killed,
-        "size_mismatch": size_mismatch,
-        "small_size_mismatch": small_size_mismatch,
-        "dtype_mismatch": dtype_mismatch,
-        "op_mismatch": op_mismatch,
-        "p2p_size_mismatch": p2p_size_mismatch,
-        "peer_killed": peer_killed,
-        "connection_reset": connection_reset,
-        "straggler_while_others_move_on": straggler_while_others_move_on,
-        "init_destroy_cycles": init_destroy_cycles,
-        "compressor_mismatch": compressor_mismatch,
-        "compressed_mismatch_on_gloo": compressed_mismatch_on_gloo,
-        "hook_peer_killed": hook_peer_killed,
-        "straggler": straggler,
-    })
+    run()

@@ -321,5 +321,4 @@ def diloco(backend: str) -> None:
 
 
 if __name__ == "__main__":
-    run({"collectives": collectives, "compressed": compressed, "ddp": ddp, "fsdp_reduce_scatter": fsdp_reduce_scatter,
-         "fsdp_training": fsdp_training, "diloco": diloco})
+    run()

@@ -98,4 +98,4 @@ def link_down(timeout: str, numel: str) -> None:
 
 
 if __name__ == "__main__":
-    run({"mixed": mixed, "hosts": hosts, "link_down": link_down})
+    run()

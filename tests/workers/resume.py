@@ -246,9 +246,4 @@ def changed_layout() -> None:
 
 
 if __name__ == "__main__":
-    run({
-        "exact_resume": exact_resume,
-        "pickled_state": pickled_state,
-        "refused": refused,
-        "changed_layout": changed_layout,
-    })
+    run()

@@ -475,5 +475,4 @@ def quantized_all_gather(backend: str) -> None:
 
 
 if __name__ == "__main__":
-    run({"reduce_scatter_math": reduce_scatter_math, "backends_agree": backends_agree, "native_reduce_scatter": native_reduce_scatter, "resume": resume, "hsdp": hsdp,
-         "quantized_all_gather": quantized_all_gather})
+    run()

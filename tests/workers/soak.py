@@ -233,4 +233,4 @@ def soak(ops: str, seed: str, max_bytes: str, corrupt_from: str = "-1") -> None:
 
 
 if __name__ == "__main__":
-    run({"soak": soak})
+    run()

@@ -210,4 +210,4 @@ def network(expected: str) -> None:
 
 
 if __name__ == "__main__":
-    run({"hierarchical": hierarchical, "many_hosts": many_hosts, "unequal_hosts": unequal_hosts, "network": network})
+    run()

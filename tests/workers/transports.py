@@ -140,9 +140,4 @@ def spin_choice() -> None:
 
 
 if __name__ == "__main__":
-    run({
-        "spin_choice": spin_choice,
-        "shared_memory_used": shared_memory_used,
-        "mixed_hosts": mixed_hosts,
-        "shm_refused_across_hosts": shm_refused_across_hosts,
-    })
+    run()

@@ -260,4 +260,4 @@ def suite(backend: str, out_dir: str, *names: str) -> None:
 
 
 if __name__ == "__main__":
-    run({"suite": suite})
+    run()
