@@ -29,6 +29,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from . import hooks
 from .compressors import BF16, FP16, Compressor
+from .options import LogOnce
 from .rank_states import RankStates
 
 __all__ = ["register_hook"]
@@ -36,7 +37,7 @@ __all__ = ["register_hook"]
 logger = logging.getLogger(__name__)
 
 Hook = Callable[[hooks.CompressionState, dist.GradBucket], torch.futures.Future]
-_said: set[str] = set()
+_once = LogOnce(logger)  # what this module says once per process
 
 
 def register_hook(
@@ -84,13 +85,13 @@ def register_hook(
     """
     if not isinstance(model, DistributedDataParallel):
         if accelerator.distributed_type == DistributedType.NO and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            _say("not-distributed", "ddlcomm.accelerate: the compressed hook does not run: Accelerate trains each of "
-                 "the %s processes alone (on CPU it distributes only with Accelerator(cpu=True))",
-                 os.environ["WORLD_SIZE"])
+            _once.log_once("not-distributed", "ddlcomm.accelerate: the compressed hook does not run: Accelerate "
+                           "trains each of the %s processes alone (on CPU it distributes only with "
+                           "Accelerator(cpu=True))", os.environ["WORLD_SIZE"])
         else:
-            _say("not-ddp", "ddlcomm.accelerate: the compressed hook does not run: the prepared model is a %s, not "
-                 "DistributedDataParallel (%s); training is not compressed", type(model).__name__,
-                 accelerator.distributed_type)
+            _once.log_once("not-ddp", "ddlcomm.accelerate: the compressed hook does not run: the prepared model "
+                           "is a %s, not DistributedDataParallel (%s); training is not compressed",
+                           type(model).__name__, accelerator.distributed_type)
         return None
     inner = getattr(optimizer, "optimizer", optimizer)  # inside accelerate.optimizer.AcceleratedOptimizer
     lossy = not isinstance(compressor, (FP16, BF16))
@@ -108,8 +109,3 @@ def register_hook(
         accelerator.register_for_checkpointing(RankStates(state))
     return state
 
-
-def _say(reason: str, message: str, *args: object) -> None:
-    if reason not in _said:
-        _said.add(reason)
-        logger.warning(message, *args)

@@ -181,16 +181,16 @@ class FSDPCompressionState(CompressionOptions):
         if calls < self.start_compress_iter:
             return "warm-up"
         if tensor.dtype not in _DTYPES:
-            self._log_once("dtype", "ddlcomm fsdp: %s gradients are reduce-scattered uncompressed: the compressors "
+            self.log_once("dtype", "ddlcomm fsdp: %s gradients are reduce-scattered uncompressed: the compressors "
                            "take float32, float16 and bfloat16", tensor.dtype)
             return "dtype"
         if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
-            self._log_once("op", "ddlcomm fsdp: reduce op %s is reduce-scattered uncompressed (SUM and AVG are "
+            self.log_once("op", "ddlcomm fsdp: reduce op %s is reduce-scattered uncompressed (SUM and AVG are "
                            "compressed); a gradient divide factor makes FSDP2 use another op", op)
             return "op"
         nbytes = tensor.numel() * tensor.element_size()
         if nbytes < self.min_compression_bytes:
-            self._log_once("small", "ddlcomm fsdp: parameter groups smaller than min_compression_bytes=%d are "
+            self.log_once("small", "ddlcomm fsdp: parameter groups smaller than min_compression_bytes=%d are "
                            "reduce-scattered uncompressed (the module %r has %d bytes)", self.min_compression_bytes, name,
                            nbytes)
             return "small"

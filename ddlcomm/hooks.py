@@ -342,15 +342,15 @@ def _uncompressed_reason(state: CompressionState, buffer: torch.Tensor, nbytes: 
     if state.iter < state.start_compress_iter:
         return "warm-up"
     if buffer.is_cuda and not has_cuda():
-        state._log_once("device", "ddlcomm hook: buckets on %s go uncompressed: this build of ddlcomm has no CUDA "
+        state.log_once("device", "ddlcomm hook: buckets on %s go uncompressed: this build of ddlcomm has no CUDA "
                         "kernels (it was built against a CPU-only torch)", buffer.device)
         return "device"
     if buffer.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        state._log_once("dtype", "ddlcomm hook: %s buckets go uncompressed: the compressors take float32, float16 "
+        state.log_once("dtype", "ddlcomm hook: %s buckets go uncompressed: the compressors take float32, float16 "
                         "and bfloat16", buffer.dtype)
         return "dtype"
     if nbytes < state.min_compression_bytes:
-        state._log_once("small", "ddlcomm hook: buckets smaller than min_compression_bytes=%d go uncompressed "
+        state.log_once("small", "ddlcomm hook: buckets smaller than min_compression_bytes=%d go uncompressed "
                         "(the first had %d bytes); lower it to compress them", state.min_compression_bytes, nbytes)
         return "small"
     return None
@@ -380,7 +380,7 @@ def _compress(state: CompressionState, bucket: _Bucket, compressor: Optional[Com
     buffer, params, signature, index, nbytes = bucket
     rank, world = state._world()
     if state.optimizer is None and state.dgc is None and not isinstance(state.compressor, (FP16, BF16)):
-        state._log_once("advice", "ddlcomm hook: compressing gradients with %r and no optimizer=: with momentum SGD "
+        state.log_once("advice", "ddlcomm hook: compressing gradients with %r and no optimizer=: with momentum SGD "
                         "or Adam this loses accuracy; pass optimizer=ddlcomm.optim.SGD/Adam/AdamW(...) to average "
                         "update directions instead (docs/choosing-a-compressor.md)", state.compressor)
     worker = server = velocity = None

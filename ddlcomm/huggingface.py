@@ -32,6 +32,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from . import hooks, optim
 from .compressors import BF16, FP16, Compressor
+from .options import LogOnce
 from .rank_states import RankStates
 
 __all__ = ["CompressionCallback", "state_file"]
@@ -46,7 +47,7 @@ def state_file(checkpoint: str, rank: int) -> str:
     return os.path.join(checkpoint, f"ddlcomm_compression_rank{rank}.pt")
 
 
-class CompressionCallback(TrainerCallback):
+class CompressionCallback(TrainerCallback, LogOnce):
     """Registers a ``ddlcomm.hooks`` compressed hook on the DDP model of ``trainer``.
 
     Args:
@@ -93,7 +94,7 @@ class CompressionCallback(TrainerCallback):
         self.state: Optional[hooks.CompressionState] = None
         self._registered: Optional[DistributedDataParallel] = None  # the DDP model the hook is on
         self._clip: Optional[tuple[TrainingArguments, float]] = None  # the max_grad_norm the hook took
-        self._said: set[str] = set()
+        LogOnce.__init__(self, logger)
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                        **kwargs: Any) -> None:
@@ -102,7 +103,7 @@ class CompressionCallback(TrainerCallback):
         model = self.trainer.model_wrapped
         if not isinstance(model, DistributedDataParallel):
             self.state = None
-            self._say("not-ddp", "ddlcomm.huggingface: the compressed hook does not run: the Trainer's model is a %s, "
+            self.log_once("not-ddp", "ddlcomm.huggingface: the compressed hook does not run: the Trainer's model is a %s, "
                       "not DistributedDataParallel (one process, FSDP or DeepSpeed; on a CPU-only machine the Trainer "
                       "distributes with TrainingArguments(use_cpu=True)); training is not compressed",
                       type(model).__name__)
@@ -154,7 +155,7 @@ class CompressionCallback(TrainerCallback):
         try:
             return optim.convert(inner)
         except TypeError as error:
-            self._say("optimizer", "ddlcomm.huggingface: the hook averages gradients (with momentum or Adam this "
+            self.log_once("optimizer", "ddlcomm.huggingface: the hook averages gradients (with momentum or Adam this "
                       "loses accuracy): %s", error)
             return None
 
@@ -162,13 +163,9 @@ class CompressionCallback(TrainerCallback):
         checkpoint = self.resume_from or os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
         path = state_file(checkpoint, dist.get_rank())
         if not os.path.exists(path):
-            self._say("resume", "ddlcomm.huggingface: resumed at step %d without a compression state (no %s): the "
+            self.log_once("resume", "ddlcomm.huggingface: resumed at step %d without a compression state (no %s): the "
                       "error-feedback memory restarts from zero; pass CompressionCallback(resume_from=) where the "
                       "checkpoint is not %s-<step> in output_dir", state.global_step, path, PREFIX_CHECKPOINT_DIR)
             return
         RankStates(self.state).load_local_state_dict(torch.load(path, map_location="cpu", weights_only=True))
 
-    def _say(self, reason: str, message: str, *args: Any) -> None:
-        if reason not in self._said:
-            self._said.add(reason)
-            logger.warning(message, *args)

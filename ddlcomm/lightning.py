@@ -38,7 +38,8 @@ from torch.nn.parallel import DistributedDataParallel
 from . import hooks, optim
 from .compressors import BF16, FP16, Compressor
 from .diloco import DiLoCo
-from .rank_states import RankStates
+from .options import LogOnce
+from .rank_states import RankStates, to_cpu
 
 __all__ = ["CompressionCallback", "DiLoCoCallback"]
 
@@ -47,7 +48,7 @@ logger = logging.getLogger(__name__)
 Hook = Callable[[hooks.CompressionState, dist.GradBucket], torch.futures.Future]
 
 
-class CompressionCallback(pl.Callback):
+class CompressionCallback(pl.Callback, LogOnce):
     """Registers a ``ddlcomm.hooks`` compressed hook on Lightning's DDP model (CPU and CUDA).
 
     Args:
@@ -90,7 +91,7 @@ class CompressionCallback(pl.Callback):
         self.state: Optional[hooks.CompressionState] = None
         self._loaded: Optional[dict[str, Any]] = None  # a checkpoint's entry, until the fit has taken it
         self._clip: Optional[tuple[pl.Trainer, Any]] = None  # the Trainer whose gradient_clip_val the hook took
-        self._said: set[str] = set()
+        LogOnce.__init__(self, logger)
 
     # -- fit -------------------------------------------------------------------------------
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -98,7 +99,7 @@ class CompressionCallback(pl.Callback):
         self.state = None
         model = trainer.strategy.model
         if not isinstance(model, DistributedDataParallel):
-            self._say("strategy", "ddlcomm.lightning: the compressed hook does not run: %s trains without "
+            self.log_once("strategy", "ddlcomm.lightning: the compressed hook does not run: %s trains without "
                       "DistributedDataParallel (a DDP hook needs strategy='ddp' on 2 or more processes); "
                       "this fit is not compressed", type(trainer.strategy).__name__)
             return
@@ -152,14 +153,14 @@ class CompressionCallback(pl.Callback):
         gradients, which loses accuracy with momentum and Adam: said once)."""
         optimizers = trainer.optimizers
         if len(optimizers) != 1:
-            self._say("optimizers", "ddlcomm.lightning: %d optimizers: the hook averages gradients, not one "
+            self.log_once("optimizers", "ddlcomm.lightning: %d optimizers: the hook averages gradients, not one "
                       "optimizer's update directions (with momentum SGD or Adam this loses accuracy)",
                       len(optimizers))
             return None
         try:
             return optim.convert(optimizers[0])
         except TypeError as error:
-            self._say("optimizer", "ddlcomm.lightning: the hook averages gradients: %s", error)
+            self.log_once("optimizer", "ddlcomm.lightning: the hook averages gradients: %s", error)
             return None
 
     def _clip_norm(self, trainer: pl.Trainer) -> Optional[float]:
@@ -186,10 +187,6 @@ class CompressionCallback(pl.Callback):
             trainer.gradient_clip_val = clip
             self._clip = None
 
-    def _say(self, reason: str, message: str, *args: Any) -> None:
-        if reason not in self._said:
-            self._said.add(reason)
-            logger.warning(message, *args)
 
 
 
@@ -207,7 +204,7 @@ def _inner_step_hook(callback, bucket):  # noqa: ANN001, ANN201
     return future
 
 
-class DiLoCoCallback(pl.Callback):
+class DiLoCoCallback(pl.Callback, LogOnce):
     """Trains a ``strategy="ddp"`` fit with ``ddlcomm.diloco.DiLoCo`` (docs/lightning.md, "DiLoCo").
 
     In ``on_fit_start`` it registers a hook on Lightning's DDP model that sends nothing (each
@@ -268,7 +265,7 @@ class DiLoCoCallback(pl.Callback):
         self._ddp = False  # whether this fit runs the hook
         self._loaded: Optional[dict[str, Any]] = None  # this rank's checkpoint entry, until the fit has taken it
         self._step = 0  # trainer.global_step when DiLoCo last counted a step
-        self._said: set[str] = set()
+        LogOnce.__init__(self, logger)
 
     # -- fit -------------------------------------------------------------------------------
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -280,7 +277,7 @@ class DiLoCoCallback(pl.Callback):
                              "steps train each replica on its own gradient, which the compressed hook would average; "
                              "pass one of the two (DiLoCoCallback(compressor=) compresses the outer steps)")
         if not isinstance(model, DistributedDataParallel):
-            self._say("strategy", "ddlcomm.lightning: DiLoCo does not run: %s trains without DistributedDataParallel "
+            self.log_once("strategy", "ddlcomm.lightning: DiLoCo does not run: %s trains without DistributedDataParallel "
                       "(DiLoCoCallback needs strategy='ddp' on 2 or more processes); this fit is plain",
                       type(trainer.strategy).__name__)
             return
@@ -345,7 +342,7 @@ class DiLoCoCallback(pl.Callback):
         Lightning calls it on every rank."""
         if self.diloco is None:
             return {}
-        mine = _to_cpu({"diloco": self.diloco.state_dict(),
+        mine = to_cpu({"diloco": self.diloco.state_dict(),
                         "replica": [p.detach() for p in self.diloco.model.parameters()],
                         "inner_optimizer": self.diloco.inner_optimizer.state_dict()})
         world = dist.get_world_size()
@@ -363,18 +360,3 @@ class DiLoCoCallback(pl.Callback):
             raise ValueError(f"ddlcomm.lightning: the checkpoint holds DiLoCo states of {len(ranks)} ranks, this fit "
                              f"has {dist.get_world_size()}")
         self._loaded = ranks[dist.get_rank()]
-
-    def _say(self, reason: str, message: str, *args: Any) -> None:
-        if reason not in self._said:
-            self._said.add(reason)
-            logger.warning(message, *args)
-
-
-def _to_cpu(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.detach().cpu().clone()
-    if isinstance(value, dict):
-        return {k: _to_cpu(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_to_cpu(v) for v in value)
-    return value

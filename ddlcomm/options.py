@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 from .compressors import Compressor
 
@@ -58,10 +58,12 @@ class LogOnce:
 
     _logger = logging.getLogger("ddlcomm")  # each path sets its own module's logger
 
-    def __init__(self) -> None:
+    def __init__(self, logger: Optional[logging.Logger] = None) -> None:
         self._logged: set[str] = set()  # reasons already logged once
+        if logger is not None:
+            self._logger = logger
 
-    def _log_once(self, reason: str, message: str, *args: Any) -> None:
+    def log_once(self, reason: str, message: str, *args: Any) -> None:
         if reason not in self._logged:
             self._logged.add(reason)
             self._logger.warning(message, *args)

@@ -91,11 +91,11 @@ class AllGatherQuantization(LogOnce):
         reason = None
         if input.dtype not in COMPRESSIBLE_DTYPES:
             reason = "dtype"
-            self._log_once("dtype", "ddlcomm fsdp: %s parameter all-gathers are not quantized (parameters of mixed "
+            self.log_once("dtype", "ddlcomm fsdp: %s parameter all-gathers are not quantized (parameters of mixed "
                         "dtypes are gathered as bytes); float32, float16 and bfloat16 are", input.dtype)
         elif m * input.element_size() < self.min_bytes:
             reason = "small"
-            self._log_once("small", "ddlcomm fsdp: parameter shards smaller than min_bytes=%d are all-gathered "
+            self.log_once("small", "ddlcomm fsdp: parameter shards smaller than min_bytes=%d are all-gathered "
                         "unquantized (one had %d bytes)", self.min_bytes, m * input.element_size())
         if reason is not None:
             self.stats.count(ring, ring, compressed=False)

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from .hooks import CompressionState
 
-__all__ = ["RankStates"]
+__all__ = ["RankStates", "to_cpu"]
 
 
 class RankStates:
@@ -43,7 +43,7 @@ class RankStates:
         writes a file of its own: ``ddlcomm.huggingface``)."""
         state = self.state
         optimizer = state.optimizer.state_dict() if state.optimizer is not None and state.averages_directions else None
-        return _to_cpu({"hook": state.state_dict(), "optimizer": optimizer})
+        return to_cpu({"hook": state.state_dict(), "optimizer": optimizer})
 
     def state_dict(self) -> dict[str, Any]:
         """Every rank's state, gathered to the group's rank 0. Call it on every rank."""
@@ -96,12 +96,13 @@ class RankStates:
         return state_dict["ranks"][dist.get_rank(group)]
 
 
-def _to_cpu(value: Any) -> Any:
-    """``value`` with every tensor in it on the CPU (dicts, lists and tuples walked)."""
+def to_cpu(value: Any) -> Any:
+    """``value`` with every tensor in it copied to the CPU (dicts, lists and tuples walked): a
+    checkpoint's copy, which training does not change afterwards."""
     if isinstance(value, torch.Tensor):
-        return value.cpu()
+        return value.detach().cpu().clone()
     if isinstance(value, dict):
-        return {k: _to_cpu(v) for k, v in value.items()}
+        return {k: to_cpu(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return type(value)(_to_cpu(v) for v in value)
+        return type(value)(to_cpu(v) for v in value)
     return value
