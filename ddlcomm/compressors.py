@@ -47,6 +47,8 @@ from . import _C
 __all__ = ["Compressor", "OneBit", "Ternary", "TopK", "RandomK", "FP16", "BF16", "all_finite", "has_cuda"]
 
 _native = _C.compress
+# The table of formats (csrc/compress/formats.h): each subclass names its row.
+_FORMATS = {row["name"]: row for row in _native.formats}
 
 # csrc/common/dtype.h DataType values.
 _DTYPE_CODES = {torch.float32: 0, torch.float16: 2, torch.bfloat16: 3}
@@ -125,15 +127,29 @@ def inspect(payload: torch.Tensor) -> dict:
 
 
 class Compressor:
-    """Base class: encode with error feedback, decode, decode-accumulate."""
+    """Base class: encode with error feedback, decode, decode-accumulate.
+
+    A compressor class names its row of the C++ table of formats
+    (``class OneBit(Compressor, format="one_bit")``), which gives it ``format``, ``is_sparse``
+    and ``samples_randomly``; its constructor turns its options into the native config.
+    """
 
     _format: Any = None  # _C.compress.Format of the subclass
+    _format_name = ""
     #: The payload carries a subset of the entries (top-k, random-k): what is not sent stays
     #: in the residual, and DGC's momentum correction applies.
     is_sparse: bool = False
     #: The subset is a random sample (random-k): a non-finite entry can be left out of the
     #: payload, so the compressed collectives check finiteness on the side.
     samples_randomly: bool = False
+
+    def __init_subclass__(cls, format: Optional[str] = None, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if format is not None:
+            row = _FORMATS[format]
+            cls._format, cls._format_name = row["format"], format
+            cls.is_sparse = row["family"] == "sparse"
+            cls.samples_randomly = row["samples_randomly"]
 
     def __init__(self, **options: Any) -> None:
         if self._format is None:
@@ -165,7 +181,7 @@ class Compressor:
     @property
     def format(self) -> str:
         """The payload format name, as ``inspect(payload)["format"]`` reports it."""
-        return self._format.name.lower()
+        return self._format_name
 
     def compressed_nbytes(self, numel: int) -> int:
         """Size in bytes of the payload of a tensor with ``numel`` elements."""
@@ -325,14 +341,13 @@ def _block_size(block_size: int) -> int:
     return _integer(block_size, "block_size", 1, 32)
 
 
-class OneBit(Compressor):
+class OneBit(Compressor, format="one_bit"):
     """Sign bits plus one float32 scale per block of ``block_size`` elements (about 32x smaller).
 
     The scale is the block's mean |y|; with ``two_scales`` (1-bit SGD) a block decodes to the
     mean of its y >= 0 entries or minus the mean |y| of its y < 0 entries.
     """
 
-    _format = _native.Format.ONE_BIT
 
     def __init__(self, block_size: int = 256, two_scales: bool = False) -> None:
         super().__init__(block_size=_block_size(block_size), two_scales=bool(two_scales))
@@ -341,7 +356,7 @@ class OneBit(Compressor):
         return f"block_size={self._config.block_size}, two_scales={self._config.two_scales}"
 
 
-class Ternary(Compressor):
+class Ternary(Compressor, format="ternary"):
     """Values in {-s, 0, +s} with one float32 scale s per block, 2 bits per element.
 
     Default (deterministic, the rule of ternary weight networks): elements with |y| above
@@ -355,7 +370,6 @@ class Ternary(Compressor):
     the residual can grow without bound: use it without error feedback.
     """
 
-    _format = _native.Format.TERNARY
 
     def __init__(self, block_size: int = 256, stochastic: bool = False, clip: float = 0.0, seed: int = 0) -> None:
         if not clip >= 0.0:
@@ -373,7 +387,6 @@ class Ternary(Compressor):
 
 class _Sparse(Compressor):
     _DEFAULT_RATIO = 0.01
-    is_sparse = True
 
     def __init__(self, ratio: Optional[float], k: Optional[int], **options: Any) -> None:
         # One of the two decides how many entries are kept; silently preferring k would hide a mistake.
@@ -397,7 +410,7 @@ class _Sparse(Compressor):
         return f"k={self._config.k}" if self._config.k else f"ratio={self._config.ratio}"
 
 
-class TopK(_Sparse):
+class TopK(_Sparse, format="top_k"):
     """The k largest-magnitude entries (indices ascending + their values), ties to the lower index.
 
     Keeps a fraction ``ratio`` (default 0.01) of the entries, or exactly ``k``: give one, not both.
@@ -414,7 +427,6 @@ class TopK(_Sparse):
     what the code loses stays in the residual. CPU tensors only for now.
     """
 
-    _format = _native.Format.TOP_K
 
     def __init__(self, ratio: Optional[float] = None, k: Optional[int] = None, approximate: bool = False,
                  value_bits: int = 32) -> None:
@@ -428,7 +440,7 @@ class TopK(_Sparse):
         return f"{super()._describe()}, approximate={self._config.approximate}{bits}"
 
 
-class RandomK(_Sparse):
+class RandomK(_Sparse, format="random_k"):
     """k entries at distinct random indices (Floyd's algorithm, counter-based from ``seed`` and ``stream``).
 
     Keeps a fraction ``ratio`` (default 0.01) of the entries, or exactly ``k``: give one, not both.
@@ -437,8 +449,6 @@ class RandomK(_Sparse):
     decoded vector an unbiased estimate of y (the residual then holds y - decoded).
     """
 
-    _format = _native.Format.RANDOM_K
-    samples_randomly = True
 
     def __init__(self, ratio: Optional[float] = None, k: Optional[int] = None, seed: int = 0,
                  scaled: bool = False) -> None:
@@ -448,19 +458,17 @@ class RandomK(_Sparse):
         return f"{super()._describe()}, seed={self._config.seed}, scaled={self._config.scaled}"
 
 
-class FP16(Compressor):
+class FP16(Compressor, format="float16"):
     """IEEE half precision (round to nearest even; beyond +-65504 becomes +-inf)."""
 
-    _format = _native.Format.FLOAT16
 
     def __init__(self) -> None:  # no options: a cast has none (block_size=... raises TypeError)
         super().__init__()
 
 
-class BF16(Compressor):
+class BF16(Compressor, format="bfloat16"):
     """bfloat16 (round to nearest even)."""
 
-    _format = _native.Format.BFLOAT16
 
     def __init__(self) -> None:  # no options, as FP16
         super().__init__()

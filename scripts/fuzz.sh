@@ -35,10 +35,7 @@ if ! have_toolchain; then
 fi
 
 # The parsers and what they call; no torch. DDLCOMM_MULTIVERSION (common/half.h) is off under clang.
-SOURCES=(csrc/common/error.cc csrc/common/dtype.cc csrc/transport/frame.cc
-  csrc/compress/payload.cc csrc/compress/block_codec.cc csrc/compress/onebit.cc csrc/compress/ternary.cc
-  csrc/compress/sparse.cc csrc/compress/topk.cc csrc/compress/randomk.cc csrc/compress/cast.cc
-  csrc/compress/parallel.cc)
+SOURCES=(csrc/common/error.cc csrc/common/dtype.cc csrc/transport/frame.cc csrc/compress/*.cc)
 FLAGS=(-std=c++17 -O1 -g -pthread -Icsrc -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined)
 mkdir -p "$OUT/obj"
 echo "== building fuzz targets with $CXX (ASan, UBSan, libFuzzer)"

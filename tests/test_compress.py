@@ -54,6 +54,21 @@ def test_public_properties_say_what_each_format_sends() -> None:
     assert TopK(k=5).config.k == 5
 
 
+def test_every_row_of_the_format_table_has_one_compressor_class() -> None:
+    # The classes come from the C++ table (csrc/compress/formats.h): a row without a class, or two
+    # classes on one row, would be a compressor users cannot reach or two names for one payload.
+    from ddlcomm import _C
+    from ddlcomm.compressors import Compressor
+
+    def leaves(cls: type) -> list[type]:
+        return [leaf for sub in cls.__subclasses__() for leaf in ([sub] if sub._format is not None else leaves(sub))]
+
+    classes = [cls for cls in leaves(Compressor) if cls.__module__ == "ddlcomm.compressors"]
+    assert sorted(cls().format for cls in classes) == sorted(row["name"] for row in _C.compress.formats)
+    for row in _C.compress.formats:
+        assert row["format"].name == row["name"].upper()
+
+
 def test_encode_works_in_place_on_any_contiguous_shape() -> None:
     x, residual = make_input(6 * 70, torch.float32)
     x2d, r2d = x.view(6, 70), residual.clone().view(6, 70)

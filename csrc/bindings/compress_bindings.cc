@@ -2,8 +2,10 @@
 // (ddlcomm/compressors.py) checks the tensors and passes data_ptr()s; these functions release the
 // GIL around the kernels, which validate everything else and raise ddlcomm errors, translated
 // here into ValueError / TypeError.
+#include <cctype>
 #include <cstdint>
 #include <exception>
+#include <string>
 
 #include "bindings/bindings.h"
 #include "common/dtype.h"
@@ -47,13 +49,25 @@ void bindCompression(py::module_& m) {
   py::register_local_exception_translator(translateErrors);
   py::module_ c = m.def_submodule("compress", "Compressor kernels on raw buffers (see ddlcomm.compressors)");
 
-  py::enum_<Format>(c, "Format")
-      .value("ONE_BIT", Format::OneBit)
-      .value("TERNARY", Format::Ternary)
-      .value("TOP_K", Format::TopK)
-      .value("RANDOM_K", Format::RandomK)
-      .value("FLOAT16", Format::Float16)
-      .value("BFLOAT16", Format::BFloat16);
+  // The enum and the table of formats (compress/formats.h), from which ddlcomm.compressors
+  // derives what each compressor class is.
+  py::enum_<Format> formatEnum(c, "Format");
+  py::list formats;
+  for (const compress::FormatTraits& row : compress::kFormats) {
+    std::string upper = row.name;
+    for (char& ch : upper) ch = char(std::toupper(static_cast<unsigned char>(ch)));
+    formatEnum.value(upper.c_str(), row.format);
+    py::dict d;
+    d["format"] = row.format;
+    d["name"] = row.name;
+    d["family"] = row.family == compress::Family::Blocks   ? "blocks"
+                  : row.family == compress::Family::Sparse ? "sparse"
+                                                           : "cast";
+    d["value_codes"] = row.valueCodes;
+    d["samples_randomly"] = row.samplesRandomly;
+    formats.append(d);
+  }
+  c.attr("formats") = formats;
 
   py::class_<Config>(c, "Config")
       .def(py::init<>())

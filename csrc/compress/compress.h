@@ -72,20 +72,19 @@ struct Config {
 };
 
 // The header fields that follow from the config alone (shared by the CPU and CUDA encoders).
-inline bool hasBlocks(Format format) { return format == Format::OneBit || format == Format::Ternary; }
-inline bool isSparse(Format format) { return format == Format::TopK || format == Format::RandomK; }
 inline uint8_t headerFlags(const Config& config) {
-  if (config.format == Format::OneBit && config.twoScales) return kFlagTwoScales;
-  if (config.format == Format::Ternary && config.stochastic) return kFlagStochastic;
-  return 0;
+  const FormatTraits* row = findFormat(uint8_t(config.format));
+  const uint8_t asked = (config.twoScales ? kFlagTwoScales : 0) | (config.stochastic ? kFlagStochastic : 0);
+  return row == nullptr ? 0 : asked & row->flags;
 }
 inline uint32_t headerBlockSize(const Config& config) { return hasBlocks(config.format) ? config.blockSize : 0; }
 // Value codes are top-k's: 1, 2, 4 or 8 bits; 32 (float32 values) for every format.
 inline bool validValueBits(const Config& config) {
-  return config.valueBits == 32 || (config.format == Format::TopK && config.valueBits > 0 && isValueBits(config.valueBits));
+  return config.valueBits == 32 ||
+         (takesValueCodes(config.format) && config.valueBits > 0 && isValueBits(config.valueBits));
 }
 inline uint32_t headerValueBits(const Config& config) {
-  return config.format == Format::TopK && config.valueBits != 32 ? config.valueBits : 0;
+  return takesValueCodes(config.format) && config.valueBits != 32 ? config.valueBits : 0;
 }
 
 // Entries kept by top-k / random-k for a vector of numel elements: min(k, numel) when k is
@@ -115,8 +114,6 @@ inline PayloadLayout payloadLayout(const Config& config, size_t numel) {
                        headerValueBits(config));
 }
 
-// "one_bit", "ternary", "top_k", "random_k", "float16", "bfloat16".
-const char* formatName(Format format);
 // Payload size of every encode of numel elements with this config (exact for all formats).
 size_t encodedBytes(const Config& config, size_t numel);
 

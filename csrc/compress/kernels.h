@@ -12,6 +12,26 @@
 
 namespace ddlcomm::compress {
 
+// One format's CPU kernels, behind one signature per entry point (a row of kernel_table.cc).
+struct CpuKernels {
+  Format format;
+  // Writes the payload's sections (its header is written) for the k entries kept (Sparse).
+  void (*encode)(const Config& config, const Input& in, uint64_t stream, uint64_t k, const PayloadLayout& layout,
+                 uint8_t* payload, TopKStats* stats);
+  void (*decode)(const PayloadInfo& info, const PayloadLayout& layout, const uint8_t* payload, const Output& out);
+  // inspect(): the sections' contents (codes, index order, unused bits), after the header;
+  // throws Error(Protocol) naming the payload `name`.
+  void (*check)(const PayloadInfo& info, const PayloadLayout& layout, const uint8_t* payload, const char* name);
+  // reduceEncode, tile by tile: decode elements [first, first + numel) of a payload, and encode
+  // y into the same elements of another. Null for Sparse formats (sumSparse sums them).
+  void (*decodeTile)(const Config& config, size_t first, size_t numel, const PayloadLayout& layout,
+                     const uint8_t* payload, const Output& out);
+  void (*encodeTile)(const Config& config, const Input& y, uint64_t stream, const PayloadLayout& layout,
+                     uint8_t* payload);
+};
+// The row of a format (Error(InvalidArgument) for an unknown one).
+const CpuKernels& cpuKernels(Format format);
+
 // Parallel parts of 1-bit and ternary start at multiples of this many blocks, so each part's
 // codes start on a byte boundary.
 constexpr size_t kBlocksPerUnit = 8;

@@ -19,15 +19,13 @@ constexpr size_t kReduceTileElements = 8192;
 // Float32 decode outputs from this size on bypass the cache (Output::streaming).
 constexpr size_t kStreamingBytes = size_t(4) << 20;
 
-bool isKnownFormat(uint8_t raw) { return raw >= uint8_t(Format::OneBit) && raw <= uint8_t(Format::BFloat16); }
-
 void checkConfig(const Config& config) {
   DDLCOMM_CHECK(isKnownFormat(uint8_t(config.format)), ErrorKind::InvalidArgument, "unknown compression format ",
                 int(config.format));
   if (hasBlocks(config.format)) {
     DDLCOMM_CHECK(config.blockSize > 0, ErrorKind::InvalidArgument, "block size must be positive");
   }
-  if (config.format == Format::Ternary) {
+  if (allowsFlag(config.format, kFlagStochastic)) {
     DDLCOMM_CHECK(std::isfinite(config.clip) && config.clip >= 0.f, ErrorKind::InvalidArgument,
                   "clip must be a finite number >= 0, got ", config.clip);
     DDLCOMM_CHECK(config.stochastic || config.clip == 0.f, ErrorKind::InvalidArgument,
@@ -49,15 +47,6 @@ PayloadLayout layoutFor(const Config& config, size_t numel) {
   return layout;
 }
 
-// The bits of the last byte of a packed section beyond the last element must be zero.
-void checkUnusedBits(const uint8_t* section, size_t bytes, uint64_t numel, unsigned bitsPerElement,
-                     const char* name) {
-  const unsigned used = unsigned(numel % 8) * bitsPerElement % 8;
-  if (bytes == 0 || used == 0) return;
-  DDLCOMM_CHECK((section[bytes - 1] >> used) == 0, ErrorKind::Protocol, name,
-                " payload: unused bits of the last byte are not zero");
-}
-
 // "one_bit (block size 256, flags 0)", "top_k (block size 0, flags 0, 2-bit values)", for
 // mismatch messages.
 std::string describeHeader(uint8_t format, uint32_t blockSize, uint8_t flags, uint32_t valueBits) {
@@ -76,19 +65,9 @@ void decodeInto(const uint8_t* payload, size_t bytes, const Output& out, size_t 
   DDLCOMM_CHECK(info.numel == numel, ErrorKind::InvalidArgument, "the payload holds ", info.numel,
                 " elements, the output has ", numel);
   DDLCOMM_CHECK(numel == 0 || out.data != nullptr, ErrorKind::InvalidArgument, "decode: null output");
-  const bool twoScales = info.flags & kFlagTwoScales;
   const PayloadLayout layout =
-      payloadLayout(info.format, twoScales, info.blockSize, info.numel, info.k, info.valueBits);
-  const uint8_t* first = payload + layout.first;
-  const uint8_t* second = payload + layout.second;
-  switch (info.format) {
-    case Format::OneBit:
-    case Format::Ternary: return decodeBlocks(info.format, twoScales, numel, info.blockSize, first, second, out);
-    case Format::TopK:
-    case Format::RandomK: return decodeSparse(numel, SparseSection::of(payload, layout, info.k, info.valueBits), out);
-    case Format::Float16:
-    case Format::BFloat16: return decodeCast(info.format, numel, first, out);
-  }
+      payloadLayout(info.format, info.flags & kFlagTwoScales, info.blockSize, info.numel, info.k, info.valueBits);
+  cpuKernels(info.format).decode(info, layout, payload, out);
 }
 
 }  // namespace
@@ -97,18 +76,6 @@ void checkFloatType(DataType type, const char* what) {
   DDLCOMM_CHECK(type == DataType::Float32 || type == DataType::Float16 || type == DataType::BFloat16,
                 ErrorKind::UnsupportedType, what, " must be torch.float32, torch.float16 or torch.bfloat16, got ",
                 dataTypeName(type));
-}
-
-const char* formatName(Format format) {
-  switch (format) {
-    case Format::OneBit: return "one_bit";
-    case Format::Ternary: return "ternary";
-    case Format::TopK: return "top_k";
-    case Format::RandomK: return "random_k";
-    case Format::Float16: return "float16";
-    case Format::BFloat16: return "bfloat16";
-  }
-  return "unknown";
 }
 
 size_t encodedBytes(const Config& config, size_t numel) { return layoutFor(config, numel).bytes; }
@@ -127,27 +94,7 @@ size_t encode(const Config& config, DataType xType, const void* x, float* residu
   const uint64_t k = keptEntries(config, numel);
   writeHeader(config, numel, payload);
 
-  const Input in{xType, x, residual, numel};
-  uint8_t* first = payload + layout.first;
-  uint8_t* second = payload + layout.second;
-  switch (config.format) {
-    case Format::OneBit:
-    case Format::Ternary: encodeBlocks(config, in, stream, first, second); break;
-    case Format::TopK: {
-      const unsigned valueBits = headerValueBits(config);
-      if (valueBits == 0) {
-        encodeTopK(config, in, stream, k, first, second, topKStats);
-        break;
-      }
-      std::vector<float> y(k);  // the kept entries' values, then coded
-      encodeTopK(config, in, stream, k, first, reinterpret_cast<uint8_t*>(y.data()), topKStats);
-      encodeValueCodes(k, valueBits, first, y.data(), residual, second, payload + layout.codes);
-      break;
-    }
-    case Format::RandomK: encodeRandomK(config, in, stream, k, first, second); break;
-    case Format::Float16:
-    case Format::BFloat16: encodeCast(config.format, in, first); break;
-  }
+  cpuKernels(config.format).encode(config, Input{xType, x, residual, numel}, stream, k, layout, payload, topKStats);
   return layout.bytes;
 }
 
@@ -162,18 +109,18 @@ PayloadInfo inspect(const uint8_t* payload, size_t bytes) {
                 " is not supported (expected ", int(kPayloadVersion), ")");
   DDLCOMM_CHECK(isKnownFormat(h.format), ErrorKind::Protocol, "unknown payload format ", int(h.format));
   const auto format = Format(h.format);
-  const char* name = formatName(format);
+  const FormatTraits& row = *findFormat(h.format);
+  const char* name = row.name;
   DDLCOMM_CHECK(h.reserved0 == 0, ErrorKind::Protocol, name, " payload: the reserved header byte is not zero");
-  const uint8_t allowedFlags = format == Format::OneBit ? kFlagTwoScales : format == Format::Ternary ? kFlagStochastic : 0;
-  DDLCOMM_CHECK((h.flags & ~allowedFlags) == 0, ErrorKind::Protocol, name, " payload: invalid flags ", int(h.flags));
-  if (hasBlocks(format)) {
+  DDLCOMM_CHECK((h.flags & ~row.flags) == 0, ErrorKind::Protocol, name, " payload: invalid flags ", int(h.flags));
+  if (row.family == Family::Blocks) {
     DDLCOMM_CHECK(h.blockSize > 0, ErrorKind::Protocol, name, " payload: block size is 0");
   } else {
     DDLCOMM_CHECK(h.blockSize == 0, ErrorKind::Protocol, name, " payload: block size must be 0, got ", h.blockSize);
   }
-  DDLCOMM_CHECK(h.valueBits == 0 || (format == Format::TopK && isValueBits(h.valueBits)), ErrorKind::Protocol,
+  DDLCOMM_CHECK(h.valueBits == 0 || (row.valueCodes && isValueBits(h.valueBits)), ErrorKind::Protocol,
                 name, " payload: invalid value bits ", h.valueBits);
-  if (isSparse(format)) {
+  if (row.family == Family::Sparse) {
     DDLCOMM_CHECK(h.k <= h.numel, ErrorKind::Protocol, name, " payload: k = ", h.k, " exceeds numel = ", h.numel);
   } else {
     DDLCOMM_CHECK(h.k == 0, ErrorKind::Protocol, name, " payload: k must be 0, got ", h.k);
@@ -184,23 +131,9 @@ PayloadInfo inspect(const uint8_t* payload, size_t bytes) {
   DDLCOMM_CHECK(bytes == layout.bytes, ErrorKind::Protocol, name, " payload has ", bytes, " bytes, its header (numel ",
                 h.numel, ", k ", h.k, ", block size ", h.blockSize, ") needs ", layout.bytes);
 
-  const uint8_t* first = payload + layout.first;
-  const uint8_t* second = payload + layout.second;
-  switch (format) {
-    case Format::OneBit: checkUnusedBits(second, layout.secondBytes(), h.numel, 1, name); break;
-    case Format::Ternary:
-      checkUnusedBits(second, layout.secondBytes(), h.numel, 2, name);
-      checkTernaryCodes(second, h.numel);
-      break;
-    case Format::TopK:
-    case Format::RandomK:
-      checkSparseIndices(first, h.k, h.numel);
-      if (h.valueBits != 0) checkUnusedBits(payload + layout.codes, layout.bytes - layout.codes, h.k, h.valueBits, name);
-      break;
-    case Format::Float16:
-    case Format::BFloat16: break;
-  }
-  return {format, h.flags, h.blockSize, h.numel, h.k, h.valueBits};
+  const PayloadInfo info{format, h.flags, h.blockSize, h.numel, h.k, h.valueBits};
+  cpuKernels(format).check(info, layout, payload, name);
+  return info;
 }
 
 void checkPayloadConfig(const uint8_t* payload, size_t bytes, const Config& config) {
@@ -249,8 +182,7 @@ size_t reduceEncode(const Config& config, const uint8_t* const* payloads, size_t
                 " bytes is too small, the payload needs ", layout.bytes);
   for (size_t j = 0; j < count; ++j) checkSummand(config, payloads[j], payloadBytes, numel);
   writeHeader(config, numel, out);
-  uint8_t* first = out + layout.first;
-  uint8_t* second = out + layout.second;
+  const CpuKernels& kernels = cpuKernels(config.format);
 
   const size_t unit = hasBlocks(config.format) ? kBlocksPerUnit * config.blockSize : 64;
   const size_t tile = unit * std::max<size_t>(1, kReduceTileElements / unit);
@@ -260,24 +192,12 @@ size_t reduceEncode(const Config& config, const uint8_t* const* payloads, size_t
     for (size_t t = t0; t < t1; ++t) {
       const size_t begin = t * tile, len = std::min(tile, numel - begin);
       std::fill(sum.begin(), sum.begin() + ptrdiff_t(len), 0.f);
-      for (size_t j = 0; j < count; ++j) {
-        const uint8_t* inFirst = payloads[j] + layout.first;
-        if (hasBlocks(config.format)) {
-          decodeBlocksRange(config.format, config.twoScales, begin, len, config.blockSize, inFirst,
-                            payloads[j] + layout.second, accumulate);
-        } else {
-          decodeCastRange(config.format, begin, len, inFirst, accumulate);
-        }
-      }
+      for (size_t j = 0; j < count; ++j) kernels.decodeTile(config, begin, len, layout, payloads[j], accumulate);
       if (factor != 1.f) {
         for (size_t i = 0; i < len; ++i) sum[i] *= factor;
       }
       const Input y{DataType::Float32, sum.data(), residual ? residual + begin : nullptr, len, begin};
-      if (hasBlocks(config.format)) {
-        encodeBlocksRange(config, y, stream, first, second);
-      } else {
-        encodeCastRange(config.format, y, first);
-      }
+      kernels.encodeTile(config, y, stream, layout, out);
     }
   });
   return layout.bytes;

@@ -32,21 +32,12 @@
 #include <cstddef>
 #include <cstdint>
 
-namespace ddlcomm::compress {
+#include "compress/formats.h"
 
-enum class Format : uint8_t {
-  OneBit = 1,
-  Ternary = 2,
-  TopK = 3,
-  RandomK = 4,
-  Float16 = 5,
-  BFloat16 = 6,
-};
+namespace ddlcomm::compress {
 
 constexpr uint32_t kPayloadMagic = 0x5a4c4444;  // "DDLZ"
 constexpr uint8_t kPayloadVersion = 1;
-constexpr uint8_t kFlagTwoScales = 1;
-constexpr uint8_t kFlagStochastic = 2;
 // Top-k / random-k index with uint32: at most this many elements, so that every index and the
 // element count itself fit in 32 bits (CPU and CUDA check the same bound).
 constexpr uint64_t kMaxSparseNumel = 0xffffffffull;
@@ -66,12 +57,6 @@ struct PayloadHeader {
 #pragma pack(pop)
 static_assert(sizeof(PayloadHeader) == 32, "payload header is part of the wire format");
 constexpr uint64_t kHeaderBytes = sizeof(PayloadHeader);
-
-// 1-bit and ternary: bits of one element's code, and bytes of one block's float32 scales.
-constexpr unsigned codeBits(Format format) { return format == Format::OneBit ? 1 : 2; }
-constexpr uint64_t blockScaleBytes(Format format, bool twoScales) {
-  return format == Format::OneBit && twoScales ? 8 : 4;
-}
 
 // Top-k value codes: the widths a payload may carry (0: float32 values).
 constexpr bool isValueBits(uint64_t bits) { return bits == 0 || bits == 1 || bits == 2 || bits == 4 || bits == 8; }
@@ -109,27 +94,25 @@ inline PayloadLayout payloadLayout(Format format, bool twoScales, uint64_t block
   PayloadLayout l;
   l.first = kHeaderBytes;
   uint64_t firstBytes = 0, secondBytes = 0;
-  switch (format) {
-    case Format::OneBit:
-    case Format::Ternary:
+  const FormatTraits* row = findFormat(uint8_t(format));
+  if (row == nullptr) return l;  // fits = false: an unknown format has no layout
+  switch (row->family) {
+    case Family::Blocks:
       l.nblocks = blockSize == 0 ? 0 : ceilDiv(numel, blockSize);
       firstBytes = times(l.nblocks, blockScaleBytes(format, twoScales));
-      secondBytes = ceilDiv(numel, 8 / codeBits(format));
+      secondBytes = ceilDiv(numel, 8 / row->codeBits);
       break;
-    case Format::TopK:
-    case Format::RandomK:
+    case Family::Sparse:
       firstBytes = times(k, 4);
       secondBytes = valueBits == 0 ? firstBytes : plus(valueTableBytes(valueBits), ceilDiv(times(k, valueBits), 8));
       break;
-    case Format::Float16:
-    case Format::BFloat16:
+    case Family::Cast:
       firstBytes = times(numel, 2);
       break;
   }
   l.second = plus(l.first, firstBytes);
   l.bytes = plus(l.second, secondBytes);
-  const bool sparse = format == Format::TopK || format == Format::RandomK;
-  if (valueBits != 0 && sparse) l.codes = l.second + valueTableBytes(valueBits);
+  if (valueBits != 0 && row->family == Family::Sparse) l.codes = l.second + valueTableBytes(valueBits);
   l.fits = fits;
   return l;
 }

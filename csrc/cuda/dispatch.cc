@@ -10,27 +10,70 @@
 namespace ddlcomm::gpu {
 namespace {
 
+// Each format's kernels (launchers.h), one row per row of compress::kFormats, in its order.
+struct CudaKernels {
+  compress::Format format;
+  void (*encode)(const detail::EncodeArgs& a);
+  void (*decode)(const detail::DecodeArgs& a);
+  size_t (*workspaceBytes)(const compress::Config& config, uint64_t numel);  // scratch of an encode
+};
+
+size_t noWorkspace(const compress::Config&, uint64_t) { return 0; }
+size_t ternaryWorkspace(const compress::Config& c, uint64_t numel) { return detail::ternaryWorkspaceBytes(c, numel); }
+size_t topkWorkspace(const compress::Config& c, uint64_t numel) {
+  return detail::topkWorkspaceBytes(c.approximate, numel, compress::keptEntries(c, numel),
+                                    compress::headerValueBits(c));
+}
+size_t randomkWorkspace(const compress::Config& c, uint64_t numel) {
+  return detail::randomkWorkspaceBytes(numel, compress::keptEntries(c, numel));
+}
+
+constexpr CudaKernels kCudaKernels[] = {
+    {compress::Format::OneBit, detail::encodeOneBit, detail::decodeOneBit, noWorkspace},
+    {compress::Format::Ternary, detail::encodeTernary, detail::decodeTernary, ternaryWorkspace},
+    {compress::Format::TopK, detail::encodeTopK, detail::decodeSparse, topkWorkspace},
+    {compress::Format::RandomK, detail::encodeRandomK, detail::decodeSparse, randomkWorkspace},
+    {compress::Format::Float16, detail::encodeCast, detail::decodeCast, noWorkspace},
+    {compress::Format::BFloat16, detail::encodeCast, detail::decodeCast, noWorkspace},
+};
+
+constexpr bool followsFormats() {
+  if (sizeof(kCudaKernels) / sizeof(kCudaKernels[0]) != compress::kFormatCount) return false;
+  for (size_t i = 0; i < compress::kFormatCount; ++i) {
+    if (kCudaKernels[i].format != compress::kFormats[i].format) return false;
+  }
+  return true;
+}
+static_assert(followsFormats(), "one row of CUDA kernels per row of compress::kFormats, in its order");
+
+const CudaKernels& kernelsOf(compress::Format format) {
+  const size_t index = compress::formatIndex(format);
+  DDLCOMM_CHECK(index < compress::kFormatCount, ErrorKind::InvalidArgument, "unknown compression format ",
+                int(format));
+  return kCudaKernels[index];
+}
+
 void checkConfig(const compress::Config& c, size_t numel) {
-  switch (c.format) {
-    case compress::Format::OneBit:
-    case compress::Format::Ternary:
+  const compress::FormatTraits* row = compress::findFormat(uint8_t(c.format));
+  DDLCOMM_CHECK(row != nullptr, ErrorKind::InvalidArgument, "unknown compression format ", int(c.format));
+  switch (row->family) {
+    case compress::Family::Blocks: {
+      const bool stochastic = compress::allowsFlag(c.format, compress::kFlagStochastic);
       DDLCOMM_CHECK(c.blockSize >= 1, ErrorKind::InvalidArgument, "compression blockSize must be >= 1");
-      DDLCOMM_CHECK(c.format != compress::Format::Ternary || (c.clip >= 0.f && std::isfinite(c.clip)),
-                    ErrorKind::InvalidArgument, "ternary clip must be a finite value >= 0, got ", c.clip);
-      DDLCOMM_CHECK(c.format != compress::Format::Ternary || c.stochastic || c.clip == 0.f,
-                    ErrorKind::InvalidArgument, "clip applies to stochastic ternary only");
+      DDLCOMM_CHECK(!stochastic || (c.clip >= 0.f && std::isfinite(c.clip)), ErrorKind::InvalidArgument,
+                    "ternary clip must be a finite value >= 0, got ", c.clip);
+      DDLCOMM_CHECK(!stochastic || c.stochastic || c.clip == 0.f, ErrorKind::InvalidArgument,
+                    "clip applies to stochastic ternary only");
       break;
-    case compress::Format::TopK:
-    case compress::Format::RandomK:
+    }
+    case compress::Family::Sparse:
       DDLCOMM_CHECK(numel <= compress::kMaxSparseNumel, ErrorKind::InvalidArgument,
                     "top-k / random-k payloads index with uint32: at most ", compress::kMaxSparseNumel,
                     " elements, got ", numel);
       DDLCOMM_CHECK(c.k > 0 || (c.ratio > 0.0 && c.ratio <= 1.0), ErrorKind::InvalidArgument,
                     "top-k / random-k ratio must be in (0, 1], got ", c.ratio);
       break;
-    case compress::Format::Float16:
-    case compress::Format::BFloat16: break;
-    default: fail(ErrorKind::InvalidArgument, "unknown compression format ", int(c.format));
+    case compress::Family::Cast: break;
   }
   DDLCOMM_CHECK(compress::validValueBits(c), ErrorKind::InvalidArgument,
                 "value_bits must be 32 (float32 values), or 1, 2, 4 or 8 for top-k; got ", c.valueBits);
@@ -57,9 +100,11 @@ detail::DecodeArgs decodeArgs(const compress::PayloadInfo& info, const uint8_t* 
                 ": block size 0");
   DDLCOMM_CHECK(!compress::isSparse(info.format) || info.k <= numel, ErrorKind::Protocol, what, ": ", info.k,
                 " entries for ", numel, " elements");
-  DDLCOMM_CHECK(compress::isValueBits(info.valueBits) && (info.valueBits == 0 || info.format == compress::Format::TopK),
-                ErrorKind::Protocol, what, ": invalid value bits ", info.valueBits);
-  const bool two = info.format == compress::Format::OneBit && (info.flags & compress::kFlagTwoScales);
+  DDLCOMM_CHECK(
+      compress::isValueBits(info.valueBits) && (info.valueBits == 0 || compress::takesValueCodes(info.format)),
+      ErrorKind::Protocol, what, ": invalid value bits ", info.valueBits);
+  const bool two =
+      (info.flags & compress::kFlagTwoScales) && compress::allowsFlag(info.format, compress::kFlagTwoScales);
   const compress::PayloadLayout layout =
       compress::payloadLayout(info.format, two, info.blockSize, numel, info.k, info.valueBits);
   DDLCOMM_CHECK(bytes == layout.bytes, ErrorKind::Protocol, what, ": payload has ", bytes, " bytes, its header says ",
@@ -72,15 +117,7 @@ detail::DecodeArgs decodeArgs(const compress::PayloadInfo& info, const uint8_t* 
 
 void runDecode(const detail::DecodeArgs& a) {
   if (a.numel == 0) return;
-  switch (a.format) {
-    case compress::Format::OneBit: return detail::decodeOneBit(a);
-    case compress::Format::Ternary: return detail::decodeTernary(a);
-    case compress::Format::TopK:
-    case compress::Format::RandomK: return detail::decodeSparse(a);
-    case compress::Format::Float16:
-    case compress::Format::BFloat16: return detail::decodeCast(a);
-  }
-  fail(ErrorKind::Protocol, "unknown payload format ", int(a.format));
+  kernelsOf(a.format).decode(a);
 }
 
 }  // namespace
@@ -92,14 +129,7 @@ size_t encodedBytesCuda(const compress::Config& config, size_t numel) {
 
 size_t encodeWorkspaceBytes(const compress::Config& config, DataType, size_t numel) {
   checkConfig(config, numel);
-  switch (config.format) {
-    case compress::Format::TopK:
-      return detail::topkWorkspaceBytes(config.approximate, numel, compress::keptEntries(config, numel),
-                                        compress::headerValueBits(config));
-    case compress::Format::RandomK: return detail::randomkWorkspaceBytes(numel, compress::keptEntries(config, numel));
-    case compress::Format::Ternary: return detail::ternaryWorkspaceBytes(config, numel);
-    default: return 0;
-  }
+  return kernelsOf(config.format).workspaceBytes(config, numel);
 }
 
 size_t encodeCuda(const compress::Config& config, DataType xType, const void* x, float* residual, size_t numel,
@@ -125,14 +155,7 @@ size_t encodeCuda(const compress::Config& config, DataType xType, const void* x,
   const HeaderWords header = headerWords(compress::makeHeader(config, numel));
   const detail::EncodeArgs a{config, xType,  x,      residual,  numel,          stream,
                              k,      payload, layout, header,   workspace, workspaceBytes, cudaStream};
-  switch (config.format) {
-    case compress::Format::OneBit: detail::encodeOneBit(a); break;
-    case compress::Format::Ternary: detail::encodeTernary(a); break;
-    case compress::Format::TopK: detail::encodeTopK(a); break;
-    case compress::Format::RandomK: detail::encodeRandomK(a); break;
-    case compress::Format::Float16:
-    case compress::Format::BFloat16: detail::encodeCast(a); break;
-  }
+  kernelsOf(config.format).encode(a);
   return layout.bytes;
 }
 
