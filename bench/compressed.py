@@ -45,7 +45,6 @@ COMPRESSORS = {
     "ternary": compressors.Ternary,
     "top-k 1%": lambda: compressors.TopK(ratio=0.01, approximate=True),
 }
-HOOKS = {"fp16": hooks.fp16_hook, "1-bit": hooks.onebit_hook, "ternary": hooks.ternary_hook, "top-k 1%": hooks.topk_hook}
 
 
 def report(**fields) -> None:
@@ -226,7 +225,7 @@ def ddp_bench(gloo, width: int, depth: int, iters: int, batch: int, only: Option
                ("ddlcomm default", None, None, None)]
     for name, make in [*COMPRESSORS.items(), ("bf16", compressors.BF16)]:
         state = hooks.CompressionState(None, make(), start_compress_iter=2)
-        configs.append((f"ddlcomm {name} hook", None, state, HOOKS.get(name, hooks.compressed_hook)))
+        configs.append((f"ddlcomm {name} hook", None, state, hooks.compressed_hook))
     for name, make in (("fp16", compressors.FP16), ("1-bit", compressors.OneBit)):
         state = hooks.CompressionState(None, make(), start_compress_iter=2, adaptive=True)
         configs.append((f"ddlcomm adaptive {name} hook", None, state, hooks.compressed_hook))
@@ -237,7 +236,7 @@ def ddp_bench(gloo, width: int, depth: int, iters: int, batch: int, only: Option
         if only and label in only:
             ring = dist.new_group(backend="ddlcomm", pg_options=ddlcomm.Options(allreduce_algorithm="ring"))
             state = hooks.CompressionState(ring, COMPRESSORS[name](), start_compress_iter=2)
-            configs.append((label, ring, state, HOOKS.get(name, hooks.compressed_hook)))
+            configs.append((label, ring, state, hooks.compressed_hook))
     if only:
         methods = [label for label, *_ in configs if label not in one_level] + list(one_level)
         unknown = sorted(set(only) - set(methods))

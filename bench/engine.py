@@ -149,7 +149,7 @@ def ddp_rows(groups: dict[str, dist.ProcessGroup], width: int, depth: int, batch
         comm = slowest_median(communicate, repeats)
         ddp = DistributedDataParallel(copy.deepcopy(model), process_group=group)
         ddp.register_comm_hook(hooks.CompressionState(group, compressors.OneBit(), start_compress_iter=2),
-                               hooks.onebit_hook)
+                               hooks.compressed_hook)
         ddp_step = stepper(ddp)
         for _ in range(3):  # past the hook's warm-up and DDP's bucket rebuild
             ddp_step()

@@ -30,7 +30,8 @@ import torch.distributed as dist
 
 from .wire import ring_all_reduce_bytes
 
-__all__ = ["EPS", "check_max_grad_norm", "clip_iteration", "coefficient", "exact_norm", "sketch_size", "sketched_norm"]
+__all__ = ["EPS", "NormClipping", "check_max_grad_norm", "clip_iteration", "coefficient", "exact_norm", "sketch_size",
+           "sketched_norm"]
 
 EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s
 _SEED = 0x5C1F
@@ -117,3 +118,31 @@ def clip_iteration(buffers: list[torch.Tensor], reduce_all: Callable[[], list[to
         for result in results:
             result.mul_(scale)
     return results, norm, sent
+
+
+class NormClipping:
+    """A DDP hook's ``max_grad_norm``: each iteration clipped as ``clip_grad_norm_(max_norm)``
+    would clip the average gradient (``clip_iteration``).
+
+    Args:
+        max_norm: the norm to clip to, positive and finite.
+        grad_holds_directions: whether ``.grad`` will hold update directions (a lossy compressor
+            with ``optimizer=``); else ``clip_grad_norm_`` clips as usual and this is refused.
+
+    Attributes:
+        max_norm: as given.
+        norm: the last iteration's norm of the average gradient before clipping (what
+            ``clip_grad_norm_`` returns), a tensor; None before the first.
+    """
+
+    def __init__(self, max_norm: float, grad_holds_directions: bool) -> None:
+        check_max_grad_norm(max_norm, grad_holds_directions)
+        self.max_norm = max_norm
+        self.norm: torch.Tensor | None = None
+
+    def reduce(self, buffers: list[torch.Tensor], reduce_all: Callable[[], list[torch.Tensor]], directions: bool,
+               iteration: int, group: dist.ProcessGroup | None) -> tuple[list[torch.Tensor], int]:
+        """``clip_iteration`` of one iteration's buckets: returns their clipped averages and the
+        bytes the sketch sent, and keeps the norm before clipping in ``norm``."""
+        results, self.norm, sent = clip_iteration(buffers, reduce_all, self.max_norm, directions, iteration, group)
+        return results, sent

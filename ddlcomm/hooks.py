@@ -7,9 +7,9 @@ Usage, in the style of PyTorch's ``powerSGD_hook``::
 
     opt = optim.SGD(model.parameters(), lr=0.1, momentum=0.9)   # a drop-in torch.optim.SGD
     state = hooks.CompressionState(compressor=OneBit(), optimizer=opt)
-    model.register_comm_hook(state, hooks.onebit_hook)
+    model.register_comm_hook(state, hooks.compressed_hook)
 
-Every hook returns the average over the ranks, like DDP's default hook. With an
+The hook returns the average over the ranks, like DDP's default hook. With an
 ``optimizer`` from ``ddlcomm.optim`` (SGD, Adam, AdamW) and a lossy compressor, the hook
 averages each rank's update direction (its new momentum; for Adam its normalised step)
 rather than its gradient: error feedback on the gradient, fed through momentum or Adam,
@@ -35,43 +35,38 @@ by parameter. CUDA buckets are compressed on their GPU, their residuals live the
 only payloads cross PCIe (``ddlcomm.compressed``). Non-finite gradients come out non-finite
 (so ``GradScaler`` skips the step) without poisoning the residuals. A communication failure raises its own exception
 (``DistBackendError``) from ``backward()``.
+
+``CompressionState`` holds one part per concern, each checking its own arguments (its
+docstring lists them by concern, each with the module it comes from).
 """
 
 import logging
-from typing import NamedTuple, Optional
+from typing import Any, NamedTuple, Optional
 
 import time
 
 import torch
 import torch.distributed as dist
 
-from . import clipping
 from .adaptive import Tuner
-from .compressors import BF16, FP16, Compressor, OneBit, RandomK, Ternary, TopK, has_cuda
+from .clipping import NormClipping
+from .compressors import BF16, FP16, Compressor, OneBit, has_cuda
 from .dgc import DgcCorrection
 from .compressed import native_backend, start_compressed_all_reduce, two_levels, wire_bytes
 from .ddp_memory import FeedbackMemory, ParameterKeys, Signature
 from .hook_checkpoint import HookCheckpoint
+from .hook_iterations import Iterations
 from .optim import DirectionOptimizer, averages_directions, for_compressor
 from .options import CompressionOptions, CompressionStats
 from .wire import call_stream, ring_all_reduce_bytes
 
-__all__ = [
-    "CompressionState",
-    "CompressionStats",
-    "compressed_hook",
-    "onebit_hook",
-    "ternary_hook",
-    "topk_hook",
-    "randomk_hook",
-    "fp16_hook",
-    "bf16_hook",
-]
+__all__ = ["CompressionState", "CompressionStats", "compressed_hook"]
 
 logger = logging.getLogger(__name__)
 
-class CompressionState(CompressionOptions, HookCheckpoint):
-    """State of a compressed DDP communication hook.
+
+class CompressionState(CompressionOptions):
+    """State of the compressed DDP communication hook (``compressed_hook``).
 
     Args:
         process_group: the group to reduce over (default: the world).
@@ -117,14 +112,27 @@ class CompressionState(CompressionOptions, HookCheckpoint):
             that mixes options (CPU buckets). The choice is the same on every rank and logged at
             INFO level; with ``optimizer=`` every option averages update directions.
 
-    Attributes:
+    Attributes, by concern:
+        compressor, start_compress_iter, min_compression_bytes, error_feedback, momentum: as
+            given, checked by ``ddlcomm.options.CompressionOptions`` (shared with ``ddlcomm.fsdp``).
         stats: a ``CompressionStats``: bytes sent against a plain ring all-reduce's, and
             buckets compressed and not (``stats.ratio``, ``stats.compression_ratio``).
-        iter: iterations run (the warm-up ends when it reaches ``start_compress_iter``).
-        grad_norm: with ``max_grad_norm``, the last iteration's norm of the average gradient
-            before clipping (what ``clip_grad_norm_`` returns), a tensor; else None.
+        process_group, model: as given.
+        memory: the error-feedback memory (``ddlcomm.ddp_memory.FeedbackMemory``), and
+            ``keys``, what it knows the parameters by (``ParameterKeys``).
+        optimizer: the ``ddlcomm.optim`` optimizer whose directions the hook averages
+            (``attach``, ``averages_directions``), or None.
+        dgc: with ``momentum`` or ``clip_norm``, DGC's corrections (``ddlcomm.dgc.DgcCorrection``);
+            else None.
+        clipping: with ``max_grad_norm``, a ``ddlcomm.clipping.NormClipping``; else None.
+            ``max_grad_norm`` is its norm, and ``grad_norm`` the last iteration's norm of the
+            average gradient before clipping (what ``clip_grad_norm_`` returns), a tensor; both
+            None without it.
         tuner: with ``adaptive``, the ``ddlcomm.adaptive.Tuner`` (its ``choice``); else None.
-        compressor, optimizer, model, process_group: as given.
+        iterations: the iterations (``ddlcomm.hook_iterations.Iterations``); ``iter`` is their
+            count (the warm-up ends when it reaches ``start_compress_iter``).
+        checkpoint: what saves and loads the rest (``state_dict``, ``load_state_dict``, pickling)
+            and checks a loaded state at the next bucket (``ddlcomm.hook_checkpoint.HookCheckpoint``).
 
     The first iteration logs, at INFO level, the compressor and when compression starts.
     """
@@ -145,38 +153,39 @@ class CompressionState(CompressionOptions, HookCheckpoint):
         max_grad_norm: Optional[float] = None,
         adaptive: bool = False,
     ) -> None:
+        # Each part checks its own arguments; here only what relates two of them, or the hook.
+        # The compressor, its options and statistics (CompressionOptions).
         super().__init__(compressor if compressor is not None else OneBit(), start_compress_iter,
                          min_compression_bytes, error_feedback, momentum)
         compressor = self.compressor
         if start_compress_iter < 2:
             raise ValueError("start_compress_iter must be at least 2: DDP rebuilds its buckets after iteration 1")
-        # Each concept checks its own arguments; here only what relates two of them.
+        # What the hook does to the buckets besides compressing them.
         self.dgc = DgcCorrection(momentum, clip_norm, compressor) if momentum or clip_norm is not None else None
-        if max_grad_norm is not None:
-            lossy = not isinstance(compressor, (FP16, BF16))
-            clipping.check_max_grad_norm(max_grad_norm, grad_holds_directions=optimizer is not None and lossy)
+        lossy = not isinstance(compressor, (FP16, BF16))
+        self.clipping = (NormClipping(max_grad_norm, grad_holds_directions=optimizer is not None and lossy)
+                         if max_grad_norm is not None else None)
         if adaptive and momentum:
             raise ValueError("adaptive=True chooses among exact, bfloat16 and the compressor; DGC's "
                              "momentum= masks by what the sparse compressor sent and cannot follow the switches: "
                              "use optimizer= instead")
+        self.tuner = Tuner(compressor, start_compress_iter) if adaptive else None
+        # Where it reduces, and the error-feedback memory, keyed by parameter (ddlcomm.ddp_memory).
         if model is not None and not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         self.process_group = process_group
+        self.model = model
+        self.memory = FeedbackMemory()
+        self.keys = ParameterKeys()
+        self._verified: set[tuple[Signature, str]] = set()  # (bucket, compressor) checked across ranks
+        # The optimizer whose update directions it averages.
         self.optimizer: Optional[DirectionOptimizer] = None
         if optimizer is not None:
             self.attach(optimizer)
-        self.model = model
-        self.max_grad_norm = max_grad_norm
-        self.grad_norm: Optional[torch.Tensor] = None
-        self.tuner = Tuner(compressor, start_compress_iter) if adaptive else None
-        self.iter = 0
-        self.memory = FeedbackMemory()
-        self.keys = ParameterKeys()  # what the memory knows each parameter by
-        self._verified: set[tuple[Signature, str]] = set()  # (bucket, compressor) checked across ranks
-        self._held: list = []  # this iteration's buckets so far (see _whole_iteration)
-        self._inflight: list[torch.futures.Future] = []  # this iteration's communication
-        HookCheckpoint.__init__(self)
+        self.iterations = Iterations()
+        self.checkpoint = HookCheckpoint()
 
+    # -- the optimizer whose update directions are averaged ------------------------------
     def attach(self, optimizer: torch.optim.Optimizer) -> DirectionOptimizer:
         """Sets the optimizer whose update directions the hook averages (``optimizer=``), for
         one built after the hook was registered, as frameworks do; before compression starts.
@@ -201,7 +210,60 @@ class CompressionState(CompressionOptions, HookCheckpoint):
         not rewrite. FP16 and BF16 only round, so they always average the gradient."""
         return averages_directions(self.optimizer, self.compressor)
 
-    # -- bookkeeping --------------------------------------------------------------------
+    # -- what the parts hold -------------------------------------------------------------
+    @property
+    def iter(self) -> int:
+        """Iterations run (``iterations.count``); the warm-up ends when it reaches ``start_compress_iter``."""
+        return self.iterations.count
+
+    @iter.setter
+    def iter(self, count: int) -> None:
+        self.iterations.count = count
+
+    @property
+    def max_grad_norm(self) -> Optional[float]:
+        """``clipping.max_norm``: ``max_grad_norm`` as given, or None."""
+        return None if self.clipping is None else self.clipping.max_norm
+
+    @property
+    def grad_norm(self) -> Optional[torch.Tensor]:
+        """``clipping.norm``: the last iteration's norm before clipping, or None."""
+        return None if self.clipping is None else self.clipping.norm
+
+    # -- checkpoints ---------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Everything this rank needs to resume exactly: iteration, error-feedback memory keyed
+        by parameter, the bucket layout, statistics, the adaptive choices, and the rank and world
+        size it belongs to.
+
+        Each rank saves and loads its own: the memory differs between ranks.
+        """
+        return self.checkpoint.state_dict(self)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restores what ``state_dict`` returned on this rank (tensors are copied).
+
+        Raises ValueError for a state saved by another rank or world size (checked here when
+        the process group exists, else on first use) or for another model. States from
+        versions before 3 (memory keyed by bucket index) keep their iteration and statistics;
+        their error-feedback memory restarts from zero (logged). A newer version is refused.
+        """
+        self.checkpoint.load_state_dict(self, state)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Process groups do not pickle, and the model and optimizer are saved by their owner
+        # (the hook refuses to run until they are set again); the rest does (torch.save of a
+        # whole state).
+        checkpoint = self.checkpoint.pickled(self)
+        state = {k: v for k, v in self.__dict__.items() if k not in ("process_group", "optimizer", "model")}
+        state["checkpoint"] = checkpoint
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.checkpoint.unpickled(self)
+
+    # -- bookkeeping ---------------------------------------------------------------------
     def _world(self) -> tuple[int, int]:
         group = self.process_group or dist.group.WORLD
         return dist.get_rank(group), dist.get_world_size(group)
@@ -213,15 +275,14 @@ class CompressionState(CompressionOptions, HookCheckpoint):
 def compressed_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Averages ``bucket`` over the ranks through ``state.compressor``: the gradients, or with a
     ``ddlcomm.optim`` optimizer and a lossy compressor the update directions (module docs)."""
-    state._check_attached()
-    state._check_world()
+    state.checkpoint.check_loaded(state)
     if state.iter == 0 and bucket.index() == 0:
         logger.info("ddlcomm hook: %r%s from iteration %d (the first %d uncompressed)", state.compressor,
                     " averaging update directions" if state.averages_directions else "", state.start_compress_iter,
                     state.start_compress_iter)
     if bucket.index() == 0 and state.tuner is not None:
         state.tuner.iteration_began(state.iter, state.process_group, bucket.buffer().device)
-    if state._replay_left or state.max_grad_norm is not None:
+    if state.iterations.replay_left or state.clipping is not None:
         return _whole_iteration(state, bucket)
     return _reduce(state, bucket.buffer(), bucket.parameters(), bucket.index(), bucket.is_last())
 
@@ -234,20 +295,20 @@ def _whole_iteration(state: CompressionState, bucket: dist.GradBucket) -> torch.
     a layout still different after that (another bucket_cap_mb) takes its memory parameter by
     parameter instead (FeedbackMemory)."""
     done: torch.futures.Future = torch.futures.Future()
-    state._held.append((bucket.buffer(), bucket.parameters(), done))
+    state.iterations.hold(bucket.buffer(), bucket.parameters(), done)
     if not bucket.is_last():
         return done
-    buckets, state._held = state._held, []
+    buckets = state.iterations.take_held()
     try:
         groups = [(buffer, params) for buffer, params, _ in buckets]
         views = {}
-        if state._replay_left:
+        if state.iterations.replay_left:
             current = [state._signature(params, buffer.numel(), i)[0] for i, (buffer, params) in enumerate(groups)]
             for signature, (buffer, params) in zip(current, groups):
                 if len(signature) == len(params):
                     views.update(zip(signature, zip(params, _gradients(buffer, params))))
             saved = state.memory.layout
-            state._replay_left = 0 if current == saved else state._replay_left - 1
+            state.iterations.replayed(same_layout=current == saved)
             if current != saved and sorted(k for s in saved for k in s) == sorted(views):
                 groups = [(torch.cat([views[k][1].reshape(-1) for k in signature]), [views[k][0] for k in signature])
                           for signature in saved]
@@ -273,11 +334,11 @@ def _reduce_all(state: CompressionState, groups: list[tuple[torch.Tensor, list[t
         futures = [_reduce(state, buffer, params, i, i == len(groups) - 1) for i, (buffer, params) in enumerate(groups)]
         return [fut.wait() for fut in futures]
 
-    if state.max_grad_norm is None:
+    if state.clipping is None:
         return reduce_all()
     compressed = any(_uncompressed_reason(state, b, b.numel() * b.element_size()) is None for b, _ in groups)
-    results, state.grad_norm, sent = clipping.clip_iteration([b for b, _ in groups], reduce_all, state.max_grad_norm,
-                                                             compressed, state.iter, state.process_group)
+    results, sent = state.clipping.reduce([b for b, _ in groups], reduce_all, compressed, state.iter,
+                                          state.process_group)
     state.stats.bytes_sent += sent
     return results
 
@@ -362,13 +423,9 @@ def _end_bucket(state: CompressionState, raw: torch.futures.Future, fut: torch.f
     failure raises its own exception (DistBackendError) from the hook: torch would report it
     through ``Future.then`` as a RuntimeError. DDP waits for every bucket right after the last
     one, so nothing is lost by waiting here."""
-    state._inflight.append(raw)
-    if not last:
-        return fut
-    state.iter += 1
-    inflight, state._inflight = state._inflight, []
-    for f in inflight:
-        f.wait()
+    state.iterations.sent(raw)
+    if last:
+        state.iterations.end()
     return fut
 
 
@@ -438,22 +495,3 @@ def _gradients(buffer: torch.Tensor, params: list[torch.Tensor]) -> list[torch.T
     return views
 
 
-def _typed_hook(expected: type, name: str):
-    def hook(state: CompressionState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-        if not isinstance(state.compressor, expected):
-            raise TypeError(f"{name} needs a CompressionState with a {expected.__name__} compressor, "
-                            f"got {type(state.compressor).__name__}")
-        return compressed_hook(state, bucket)
-
-    hook.__name__ = name
-    hook.__doc__ = (f"DDP hook: ``compressed_hook`` for a {expected.__name__} compressor (gradients, or with a "
-                    f"``ddlcomm.optim`` optimizer update directions, averaged with error feedback).")
-    return hook
-
-
-onebit_hook = _typed_hook(OneBit, "onebit_hook")
-ternary_hook = _typed_hook(Ternary, "ternary_hook")
-topk_hook = _typed_hook(TopK, "topk_hook")
-randomk_hook = _typed_hook(RandomK, "randomk_hook")
-fp16_hook = _typed_hook(FP16, "fp16_hook")
-bf16_hook = _typed_hook(BF16, "bf16_hook")

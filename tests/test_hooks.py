@@ -135,11 +135,11 @@ def test_dgc_momentum_restarts_where_top_k_sent(one_rank: None) -> None:
     state.iter = state.start_compress_iter
     generator = torch.Generator().manual_seed(0)
     g1, g2 = torch.randn(64, generator=generator), torch.randn(64, generator=generator)
-    hooks.topk_hook(state, _Bucket(g1.clone())).wait()
+    hooks.compressed_hook(state, _Bucket(g1.clone())).wait()
     (worker,) = state.memory.worker_residuals.values()
     sent = worker == 0
     assert 0 < int(sent.sum()) < sent.numel(), "top-k sent none or all of the entries: nothing to tell apart"
-    hooks.topk_hook(state, _Bucket(g2.clone())).wait()
+    hooks.compressed_hook(state, _Bucket(g2.clone())).wait()
     assert state.stats.compressed_buckets == 2
     (accumulated,) = state.memory.momenta.values()
     torch.testing.assert_close(accumulated, torch.where(sent, g2, momentum * g1 + g2))
@@ -153,7 +153,7 @@ def test_min_compression_bytes_is_the_smallest_bucket_compressed(one_rank: None,
     state = hooks.CompressionState(compressor=compressors.OneBit(), min_compression_bytes=floats * 4,
                                    start_compress_iter=2)
     state.iter = state.start_compress_iter
-    hooks.onebit_hook(state, _Bucket(torch.randn(floats - short))).wait()
+    hooks.compressed_hook(state, _Bucket(torch.randn(floats - short))).wait()
     counts = (state.stats.compressed_buckets, state.stats.uncompressed_buckets)
     assert counts == ((1, 0) if short == 0 else (0, 1)), counts
 

@@ -194,7 +194,7 @@ def test_loaded_state_refuses_to_run_without_its_optimizer() -> None:
         hooks.compressed_hook(again, _Bucket(params))
     # A state made without an optimizer is not affected.
     plain = pickle.loads(pickle.dumps(hooks.CompressionState()))
-    assert not plain._detached
+    assert not plain.checkpoint.detached
 
 
 def test_signatures_are_torchs() -> None:

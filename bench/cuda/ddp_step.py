@@ -38,10 +38,11 @@ def _hooks(group: dist.ProcessGroup) -> dict[str, Optional[Callable]]:
     def torch_hook(state: Callable[[], Any], hook: Callable) -> Callable:
         return lambda model: (state(), hook, torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9))
 
-    def ddlcomm_hook(compressor: compressors.Compressor, hook: Callable) -> Callable:
+    def ddlcomm_hook(compressor: compressors.Compressor) -> Callable:
         def make(model: torch.nn.Module) -> tuple[Any, Callable, torch.optim.Optimizer]:
             opt = optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
-            return hooks.CompressionState(group, compressor, start_compress_iter=2, optimizer=opt, model=model), hook, opt
+            state = hooks.CompressionState(group, compressor, start_compress_iter=2, optimizer=opt, model=model)
+            return state, hooks.compressed_hook, opt
         return make
 
     return {
@@ -49,10 +50,10 @@ def _hooks(group: dist.ProcessGroup) -> dict[str, Optional[Callable]]:
         "torch fp16_compress_hook": torch_hook(lambda: group, default_hooks.fp16_compress_hook),
         "torch PowerSGD rank 4": torch_hook(lambda: powerSGD_hook.PowerSGDState(
             group, matrix_approximation_rank=4, start_powerSGD_iter=2), powerSGD_hook.powerSGD_hook),
-        "ddlcomm fp16": ddlcomm_hook(compressors.FP16(), hooks.fp16_hook),
-        "ddlcomm 1-bit": ddlcomm_hook(compressors.OneBit(), hooks.onebit_hook),
-        "ddlcomm ternary": ddlcomm_hook(compressors.Ternary(), hooks.ternary_hook),
-        "ddlcomm top-k 1% (approx.)": ddlcomm_hook(compressors.TopK(ratio=0.01, approximate=True), hooks.topk_hook),
+        "ddlcomm fp16": ddlcomm_hook(compressors.FP16()),
+        "ddlcomm 1-bit": ddlcomm_hook(compressors.OneBit()),
+        "ddlcomm ternary": ddlcomm_hook(compressors.Ternary()),
+        "ddlcomm top-k 1% (approx.)": ddlcomm_hook(compressors.TopK(ratio=0.01, approximate=True)),
     }
 
 

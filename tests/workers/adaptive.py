@@ -192,7 +192,7 @@ def nothing_is_lost() -> None:
                 everyone = [torch.randn(m, generator=torch.Generator().manual_seed(1000 * step + 10 * r + i)) * (i + 1)
                             for r in range(n)]
                 total_in[i] += torch.stack(everyone).double().mean(0)
-                futures.append(hooks.onebit_hook(state, Bucket(grad, i, i == len(numels) - 1)))
+                futures.append(hooks.compressed_hook(state, Bucket(grad, i, i == len(numels) - 1)))
             for i, fut in enumerate(futures):
                 out = fut.wait()
                 assert _same_everywhere(out), f"step {step} bucket {i}: ranks disagree"
@@ -241,7 +241,7 @@ def trains_alike_everywhere() -> None:
                                            min_compression_bytes=0, adaptive=True,
                                            optimizer=opt if directions else None, model=model,
                                            max_grad_norm=1.0 if directions else None)
-            ddp.register_comm_hook(state, hooks.ternary_hook)
+            ddp.register_comm_hook(state, hooks.compressed_hook)
             step = 0
             while not state.tuner.settled(state.iter) or step < 14:
                 train_step(ddp, opt, x, y, step, rank)

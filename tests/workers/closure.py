@@ -7,7 +7,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from common import init, run
-from compression import COMPRESSORS, HOOKS, flat_params, small_model, synthetic
+from compression import COMPRESSORS, flat_params, small_model, synthetic
 from ddlcomm import hooks, optim
 
 
@@ -47,7 +47,7 @@ def closure_steps() -> None:
                 ddp = DistributedDataParallel(model, bucket_cap_mb=0.1)
                 state = hooks.CompressionState(None, COMPRESSORS[comp_name](), start_compress_iter=2,
                                                min_compression_bytes=0, optimizer=opt)
-                ddp.register_comm_hook(state, HOOKS[comp_name])
+                ddp.register_comm_hook(state, hooks.compressed_hook)
                 losses[style] = []
                 for step in range(6):
                     closure = _closure(ddp, opt, x, y, step, rank)

@@ -31,12 +31,6 @@ COMPRESSORS = {
     "fp16": compressors.FP16,
     "bf16": compressors.BF16,
 }
-HOOKS = {
-    "onebit": hooks.onebit_hook, "onebit2": hooks.onebit_hook, "ternary": hooks.ternary_hook,
-    "ternary_stochastic": hooks.ternary_hook,
-    "topk": hooks.topk_hook, "topk_approx": hooks.topk_hook, "topk_2bit": hooks.topk_hook, "randomk": hooks.randomk_hook,
-    "fp16": hooks.fp16_hook, "bf16": hooks.bf16_hook,
-}
 
 
 def _python_path(x: torch.Tensor, comp, wres: torch.Tensor, sres: torch.Tensor, gloo: dist.ProcessGroup,
@@ -196,7 +190,7 @@ def hook_mechanics() -> None:
         model = small_model()
         ddp = DistributedDataParallel(model, process_group=group, bucket_cap_mb=0.1)
         state = hooks.CompressionState(group, compressors.OneBit(), start_compress_iter=2, min_compression_bytes=0)
-        ddp.register_comm_hook(state, hooks.onebit_hook)
+        ddp.register_comm_hook(state, hooks.compressed_hook)
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
         for step in range(steps):
             train_step(ddp, opt, x, y, step, rank)
@@ -219,7 +213,7 @@ def hook_mechanics() -> None:
     model = small_model()
     ddp = DistributedDataParallel(model, bucket_cap_mb=0.1)
     state = hooks.CompressionState(None, compressors.FP16(), start_compress_iter=2, min_compression_bytes=0)
-    ddp.register_comm_hook(state, hooks.fp16_hook)
+    ddp.register_comm_hook(state, hooks.compressed_hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     for step in range(4):
         train_step(ddp, opt, x, y, step, rank, micro=2)
@@ -230,14 +224,6 @@ def hook_mechanics() -> None:
     for step in range(4):
         train_step(ref_ddp, ref_opt, x, y, step, rank, micro=2)
     torch.testing.assert_close(flat_params(model), flat_params(reference), rtol=2e-3, atol=2e-4)
-
-    # The typed hooks refuse a state with another compressor.
-    try:
-        hooks.topk_hook(hooks.CompressionState(compressor=compressors.OneBit()), None)
-    except TypeError:
-        pass
-    else:
-        raise AssertionError("topk_hook accepted a OneBit state")
 
 
 class _WithUnused(torch.nn.Module):
@@ -264,7 +250,7 @@ def hook_on_ddp_own_gloo_group() -> None:
         model = _WithUnused()
         ddp = DistributedDataParallel(model, process_group=group, bucket_cap_mb=0.05, find_unused_parameters=True)
         ddp.register_comm_hook(hooks.CompressionState(group, compressors.OneBit(), start_compress_iter=2,
-                                                      min_compression_bytes=0), hooks.onebit_hook)
+                                                      min_compression_bytes=0), hooks.compressed_hook)
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
         for step in range(8):
             train_step(ddp, opt, x, y, step, rank)
@@ -290,7 +276,7 @@ def uncompressed_is_logged_once() -> None:
         model = torch.nn.Linear(16, 4).to(dtype)  # 272 parameters: far below the default 64 KiB
         ddp = DistributedDataParallel(model)
         state = hooks.CompressionState(None, compressors.FP16(), start_compress_iter=2)
-        ddp.register_comm_hook(state, hooks.fp16_hook)
+        ddp.register_comm_hook(state, hooks.compressed_hook)
         for _ in range(6):
             ddp(torch.randn(8, 16, dtype=dtype)).sum().backward()
         said = [r.getMessage() for r in records if "go uncompressed" in r.getMessage()]
@@ -311,7 +297,7 @@ def warmup_boundary() -> None:
         model = small_model()
         ddp = DistributedDataParallel(model)  # one bucket: the model is far below 25 MB
         state = hooks.CompressionState(None, compressors.OneBit(), start_compress_iter=start, min_compression_bytes=0)
-        ddp.register_comm_hook(state, hooks.onebit_hook)
+        ddp.register_comm_hook(state, hooks.compressed_hook)
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
         for step in range(start + 1):
             train_step(ddp, opt, x, y, step, rank)
@@ -357,7 +343,7 @@ def direction_mode() -> None:
                 ddp = DistributedDataParallel(model, process_group=group, bucket_cap_mb=0.1)
                 state = hooks.CompressionState(group, COMPRESSORS[comp_name](), start_compress_iter=2,
                                                min_compression_bytes=0, optimizer=opt)
-                ddp.register_comm_hook(state, HOOKS[comp_name])
+                ddp.register_comm_hook(state, hooks.compressed_hook)
                 for step in range(6):
                     train_step(ddp, opt, x, y, step, rank)
                 assert state.stats.compressed_buckets > 0
@@ -390,7 +376,7 @@ def direction_mode() -> None:
         def parameters(self):
             return []
 
-    out = hooks.topk_hook(state, Bucket()).wait()
+    out = hooks.compressed_hook(state, Bucket()).wait()
     limit = clip / n ** 0.5  # every rank's contribution has this norm; the mean at most this
     assert out.norm() <= limit * (1 + 1e-3), (out.norm(), limit)
     assert out.norm() >= limit * (1 - 1e-3), "identical directions: the mean of clipped vectors keeps the norm"
@@ -429,7 +415,7 @@ def matches_plain(recipes: str = "adamw,adamw_clip,sgd_scaler_clip", compressors
             if mode != "plain":
                 state = hooks.CompressionState(None, COMPRESSORS[mode](), start_compress_iter=start,
                                                min_compression_bytes=0, optimizer=opt)
-                ddp.register_comm_hook(state, HOOKS[mode])
+                ddp.register_comm_hook(state, hooks.compressed_hook)
             scaler = torch.amp.GradScaler("cpu", init_scale=init_scale) if init_scale else None
             norms[mode] = [train_step(ddp, opt, x, y, step, rank, clip=clip, scaler=scaler) for step in range(steps)]
             if mode != "plain":
@@ -477,7 +463,7 @@ def misuse_is_refused() -> None:
         opt = getattr(optim, opt_name)(model.parameters(), lr=1e-2, **({"momentum": 0.9} if opt_name == "SGD" else {}))
         state = hooks.CompressionState(None, compressors.OneBit(), start_compress_iter=2, min_compression_bytes=0,
                                        optimizer=opt)
-        ddp.register_comm_hook(state, hooks.onebit_hook)
+        ddp.register_comm_hook(state, hooks.compressed_hook)
         scaler = torch.amp.GradScaler("cpu", init_scale=init_scale) if init_scale else None
         for step in range(2):  # warm-up: .grad holds the average gradient, both work
             train_step(ddp, opt, x, y, step, rank, clip=clip, scaler=scaler)

@@ -28,11 +28,11 @@ from torch.nn.parallel import DistributedDataParallel
 from ddlcomm import compressors, fsdp, hooks, optim
 
 SAVE_EVERY = 5
-HOOKS = {
-    "onebit": (compressors.OneBit, hooks.onebit_hook),
-    "ternary": (compressors.Ternary, hooks.ternary_hook),
-    "topk": (lambda: compressors.TopK(ratio=0.05), hooks.topk_hook),
-    "fp16": (compressors.FP16, hooks.fp16_hook),
+COMPRESSORS = {
+    "onebit": compressors.OneBit,
+    "ternary": compressors.Ternary,
+    "topk": lambda: compressors.TopK(ratio=0.05),
+    "fp16": compressors.FP16,
 }
 
 
@@ -54,15 +54,14 @@ def _training(path: str):
                 fully_shard(layer)
         fully_shard(model)
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
-        state = fsdp.compress_gradients(model, HOOKS[name][0](), start_compress_iter=2, min_compression_bytes=0,
+        state = fsdp.compress_gradients(model, COMPRESSORS[name](), start_compress_iter=2, min_compression_bytes=0,
                                         momentum=0.9)
         return model, opt, state, model
     opt = optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    make, hook = HOOKS[name]
-    state = hooks.CompressionState(None, make(), start_compress_iter=2, min_compression_bytes=0, optimizer=opt,
+    state = hooks.CompressionState(None, COMPRESSORS[name](), start_compress_iter=2, min_compression_bytes=0, optimizer=opt,
                                    model=model)
     ddp = DistributedDataParallel(model, bucket_cap_mb=0.05)
-    ddp.register_comm_hook(state, hook)
+    ddp.register_comm_hook(state, hooks.compressed_hook)
     return model, opt, state, ddp
 
 

@@ -150,7 +150,7 @@ def hook_peer_killed(backend: str) -> None:
     model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
     ddp = DistributedDataParallel(model, bucket_cap_mb=0.1)
     ddp.register_comm_hook(hooks.CompressionState(compressor=compressors.OneBit(), start_compress_iter=2,
-                                                  min_compression_bytes=0), hooks.onebit_hook)
+                                                  min_compression_bytes=0), hooks.compressed_hook)
     last_step_done = [time.monotonic()]
 
     def train() -> None:

@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 
 from common import OPS, init, make_input, op_valid, run
-from compression import COMPRESSORS, HOOKS, synthetic
+from compression import COMPRESSORS, synthetic
 from ddlcomm import hooks, optim
 from ddlcomm import fsdp as ddlcomm_fsdp
 from ddlcomm.compressed import compressed_all_reduce, server_residual_numel
@@ -145,7 +145,7 @@ def _train(device: torch.device, name: str, opt_name: str, steps: int) -> float:
     if name is not None:
         state = hooks.CompressionState(None, COMPRESSORS[name](), start_compress_iter=2, min_compression_bytes=0,
                                        optimizer=opt, model=model)
-        ddp.register_comm_hook(state, HOOKS[name])
+        ddp.register_comm_hook(state, hooks.compressed_hook)
     accuracy = _fit(device, ddp, model, opt, steps)
     if state is not None:
         assert state.stats.compressed_buckets > 0, name

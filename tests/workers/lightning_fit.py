@@ -57,7 +57,7 @@ class Net(L.LightningModule):
         if self.compress:
             self.state = hooks.CompressionState(compressor=compressors.OneBit(), optimizer=self.trainer.optimizers[0],
                                                 model=self, start_compress_iter=4, min_compression_bytes=0)
-            self.trainer.strategy.model.register_comm_hook(self.state, hooks.onebit_hook)
+            self.trainer.strategy.model.register_comm_hook(self.state, hooks.compressed_hook)
 
 
 def fit(compress: bool, torch_optimizer: bool = False) -> dict:

@@ -35,19 +35,17 @@ def _batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(16, 32, generator=g), torch.randint(0, 10, (16,), generator=g)
 
 
-# name -> (compressor, hook, optimizer factory, hook options); every kind of memory is covered:
+# name -> (compressor, optimizer factory, hook options); every kind of memory is covered:
 # worker and server residuals (quantizers), DGC momenta (top-k), Adam moments and random-k's
 # per-bucket randomness stream.
 CASES = {
-    "onebit_sgd": (compressors.OneBit, hooks.onebit_hook, lambda ps: torch.optim.SGD(ps, lr=0.05), {}),
-    "ternary_momentum": (lambda: compressors.Ternary(block_size=64), hooks.ternary_hook,
-                         lambda ps: optim.SGD(ps, lr=0.05, momentum=0.9), {}),
-    "topk_dgc": (lambda: compressors.TopK(ratio=0.05), hooks.topk_hook, lambda ps: torch.optim.SGD(ps, lr=0.05),
-                 {"momentum": 0.9}),
-    "randomk_adamw": (lambda: compressors.RandomK(ratio=0.1, seed=3), hooks.randomk_hook,
-                      lambda ps: optim.AdamW(ps, lr=3e-3), {}),
+    "onebit_sgd": (compressors.OneBit, lambda ps: torch.optim.SGD(ps, lr=0.05), {}),
+    "ternary_momentum": (lambda: compressors.Ternary(block_size=64), lambda ps: optim.SGD(ps, lr=0.05, momentum=0.9),
+                         {}),
+    "topk_dgc": (lambda: compressors.TopK(ratio=0.05), lambda ps: torch.optim.SGD(ps, lr=0.05), {"momentum": 0.9}),
+    "randomk_adamw": (lambda: compressors.RandomK(ratio=0.1, seed=3), lambda ps: optim.AdamW(ps, lr=3e-3), {}),
     # some buckets under min_compression_bytes: plain all-reduce beside compressed ones
-    "onebit_small_buckets": (compressors.OneBit, hooks.onebit_hook, lambda ps: torch.optim.SGD(ps, lr=0.05),
+    "onebit_small_buckets": (compressors.OneBit, lambda ps: torch.optim.SGD(ps, lr=0.05),
                              {"min_compression_bytes": 12_000}),
 }
 
@@ -56,7 +54,7 @@ class Job:
     """A model, its DDP wrapper, optimizer and hook state, as a training script builds them."""
 
     def __init__(self, case: str, group=None, bucket_cap_mb: float = 0.01, static_graph: bool = False) -> None:
-        make_compressor, self.hook, make_opt, options = CASES[case]
+        make_compressor, make_opt, options = CASES[case]
         self.model = _model()
         self.opt = make_opt(self.model.parameters())
         self.ddp = DistributedDataParallel(self.model, process_group=group, bucket_cap_mb=bucket_cap_mb,
@@ -65,7 +63,7 @@ class Job:
         direction = self.opt if isinstance(self.opt, optim.DirectionOptimizer) else None
         self.state = hooks.CompressionState(group, make_compressor(), model=self.model, optimizer=direction,
                                             **options)
-        self.ddp.register_comm_hook(self.state, self.hook)
+        self.ddp.register_comm_hook(self.state, hooks.compressed_hook)
         self.layouts: list[list[tuple[str, ...]]] = []
 
     def train(self, steps: int) -> None:
@@ -154,12 +152,12 @@ def pickled_state() -> None:
     resumed.opt.load_state_dict(saved["opt"])
     state = resumed.state = saved["hook"]
     resumed.ddp = DistributedDataParallel(resumed.model, bucket_cap_mb=0.01)
-    resumed.ddp.register_comm_hook(state, hooks.ternary_hook)
+    resumed.ddp.register_comm_hook(state, hooks.compressed_hook)
     e = refuses(RuntimeError, lambda: resumed.train(1), "a state pickled with optimizer= and model= ran without")
     assert "set state.optimizer" in str(e), e
     state.optimizer, state.model = resumed.opt, resumed.model
     resumed.ddp = DistributedDataParallel(resumed.model, bucket_cap_mb=0.01)  # the failed backward left DDP mid-way
-    resumed.ddp.register_comm_hook(state, hooks.ternary_hook)
+    resumed.ddp.register_comm_hook(state, hooks.compressed_hook)
     resumed.train(STEPS - SAVE_AT)
     assert torch.equal(_params(resumed.model), _params(straight.model)), "resuming a pickled state changed training"
 
@@ -193,7 +191,7 @@ def refused() -> None:
     wider.ddp = DistributedDataParallel(wider.model, bucket_cap_mb=0.01)
     wider.state = hooks.CompressionState(None, compressors.OneBit(), start_compress_iter=2, min_compression_bytes=0,
                                          model=wider.model)
-    wider.ddp.register_comm_hook(wider.state, hooks.onebit_hook)
+    wider.ddp.register_comm_hook(wider.state, hooks.compressed_hook)
     wider.opt = torch.optim.SGD(wider.model.parameters(), lr=0.05)
     wider.state.load_state_dict(torch.load(io.BytesIO(mine))["hook"])
     e = refuses(ValueError, lambda: wider.train(1), "a state of another model was used")
@@ -209,7 +207,7 @@ def refused() -> None:
     anonymous = hooks.CompressionState(None, compressors.OneBit(), start_compress_iter=2, min_compression_bytes=0)
     model = _model()
     ddp = DistributedDataParallel(model, bucket_cap_mb=0.01)
-    ddp.register_comm_hook(anonymous, hooks.onebit_hook)
+    ddp.register_comm_hook(anonymous, hooks.compressed_hook)
     for step in range(3):
         x, y = _batch(step, rank)
         torch.nn.functional.cross_entropy(ddp(x), y).backward()

@@ -166,7 +166,7 @@ def compressed_ddp(rank: int, gloo) -> None:
     for step in range(12):
         if step in (0, 8):  # a new wrapper with other buckets at step 8: the memory is remapped
             ddp = DistributedDataParallel(model, bucket_cap_mb=0.1 if step == 0 else 0.03)
-            ddp.register_comm_hook(state, hooks.ternary_hook)
+            ddp.register_comm_hook(state, hooks.compressed_hook)
         opt.zero_grad()
         loss = torch.nn.functional.mse_loss(ddp(x), y)
         loss.backward()
