@@ -93,6 +93,7 @@ RECIPES = {
     "mlp-nesterov": Recipe("MLP, SGD nesterov 0.9 wd 5e-4 lr 0.05", "mlp", "sgd", 0.05,
                            {"momentum": 0.9, "nesterov": True, "weight_decay": 5e-4}),
     "cnn-adam": Recipe("CNN with BatchNorm, Adam lr 2e-3", "cnn", "adam", 2e-3),
+    "gru-adam": Recipe("GRU char LM, Adam lr 3e-3", "gru", "adam", 3e-3),
     "mlp-accum-clip": Recipe("MLP, SGD 0.9 lr 0.05, 2 micro-batches (no_sync), clip 1.0", "mlp", "sgd", 0.05,
                              {"momentum": 0.9}, clip=1.0, micro_batches=2),
 }

@@ -7,6 +7,7 @@
 * ``lm``: a character-level transformer language model (2 layers, width 128, context 64) on
   the Python documentation that ships with CPython (``pydoc_data.topics``); the metric is
   the validation loss in nats per character.
+* ``gru``: a recurrent character model (one GRU layer, width 128) on the same text and metric.
 
 Every task trains for ``steps`` optimizer steps with a linear learning-rate warm-up over the
 first 5% of them and a cosine decay to zero, the schedule people use. ``width`` scales the
@@ -156,7 +157,23 @@ class CharTransformer(nn.Module):
         return self.head(self.norm(x))
 
 
-def lm_task(batch: int = 8, steps: int = 300, width: int = 128, context: int = 64) -> Task:
+class CharGRU(nn.Module):
+    """A recurrent character model: an embedding, one GRU layer, a linear head."""
+
+    def __init__(self, vocab: int, d: int = 128) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.gru = nn.GRU(d, d, batch_first=True)
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.head(self.gru(self.embed(idx))[0])
+
+
+def _characters(name: str, batch: int, steps: int, context: int, lr: dict[str, float],
+                model: Callable[[int], nn.Module]) -> Task:
+    """A character-level language task on CPython's documentation: `model(vocab)` predicts the
+    next character; the metric is the validation loss in nats per character."""
     import pydoc_data.topics as topics
 
     text = "\n".join(topics.topics[k] for k in sorted(topics.topics))
@@ -180,16 +197,24 @@ def lm_task(batch: int = 8, steps: int = 300, width: int = 128, context: int = 6
     def evaluate(model: nn.Module) -> float:
         return loss(model, val_x, val_y).item()
 
-    return Task("lm", "loss", steps, {"sgd": 0.2, "adamw": 6e-3},
-                lambda: CharTransformer(len(chars), d=width, heads=max(1, width // 32), context=context),
-                draw, loss, evaluate)
+    return Task(name, "loss", steps, lr, lambda: model(len(chars)), draw, loss, evaluate)
 
 
-TASKS: dict[str, Callable[..., Task]] = {"mlp": mlp_task, "cnn": cnn_task, "lm": lm_task}
+def lm_task(batch: int = 8, steps: int = 300, width: int = 128, context: int = 64) -> Task:
+    return _characters("lm", batch, steps, context, {"sgd": 0.2, "adamw": 6e-3},
+                       lambda vocab: CharTransformer(vocab, d=width, heads=max(1, width // 32), context=context))
+
+
+def gru_task(batch: int = 8, steps: int = 300, width: int = 128, context: int = 64) -> Task:
+    return _characters("gru", batch, steps, context, {"sgd": 1.0, "adamw": 3e-3},
+                       lambda vocab: CharGRU(vocab, d=width))
+
+
+TASKS: dict[str, Callable[..., Task]] = {"mlp": mlp_task, "cnn": cnn_task, "lm": lm_task, "gru": gru_task}
 
 
 def make_task(name: str, **options) -> Task:
-    """The task called ``name`` ("mlp", "cnn", "lm"), with size options passed through."""
+    """The task called ``name`` ("mlp", "cnn", "lm", "gru"), with size options passed through."""
     if name not in TASKS:
         raise ValueError(f"unknown task {name!r}; choose from {sorted(TASKS)}")
     return TASKS[name](**options)

@@ -64,8 +64,10 @@ class DiLoCo:
         inner_optimizer: the optimizer of the inner steps; ``step()`` only counts its steps.
         sync_every: inner steps between outer steps (DiLoCo's H).
         compressor: how the pseudo-gradient travels; None sends float32 (a plain all-reduce).
-        outer_lr, outer_momentum, nesterov: the outer ``torch.optim.SGD`` (DiLoCo: 0.7, 0.9,
-            Nesterov).
+        outer_lr, outer_momentum, nesterov: the outer ``torch.optim.SGD``. The defaults, 1.0
+            and 0.5 with Nesterov, held best across the recipes of docs/results/outer_steps
+            (DiLoCo's published 0.7 and 0.9 come from runs of thousands of steps, and lost
+            most on these; docs/diloco.md, "Outer learning rate and momentum").
         error_feedback: keep what the compressor left out for the next outer step.
         fragments: parts of the model that sync at staggered steps (Streaming DiLoCo; 1: the
             whole model at once).
@@ -91,7 +93,7 @@ class DiLoCo:
     """
 
     def __init__(self, model: torch.nn.Module, inner_optimizer: torch.optim.Optimizer, *, sync_every: int = 100,
-                 compressor: Optional[Compressor] = None, outer_lr: float = 0.7, outer_momentum: float = 0.9,
+                 compressor: Optional[Compressor] = None, outer_lr: float = 1.0, outer_momentum: float = 0.5,
                  nesterov: bool = True, error_feedback: bool = True, fragments: int = 1, overlap_steps: int = 0,
                  warmup_steps: int = 0, warmup_compressor: Optional[Compressor] = None,
                  process_group: Optional[dist.ProcessGroup] = None,

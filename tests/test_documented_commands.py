@@ -99,6 +99,9 @@ CASES: dict[str, Case] = {
          "--out", "{out}"), torchrun=True, files=("diloco.json", "diloco.md"), line="| DiLoCo 1-bit | "),
     # One path of one cycle still starts 4 ranks under torchrun four times (an uninterrupted
     # run, then one killed twice and resumed): about a minute on 2 cores.
+    "bench.outer_steps": Case(
+        ("--recipes", "mlp-nesterov", "--settings", "1:0.5", "--seeds", "1", "--steps", "2", "--sync-every", "1",
+         "--out", "{out}"), files=("README.md",), line="| 1 | 0.5 | "),
     "bench.elastic_soak": Case(
         ("--minutes", "0.01", "--paths", "ddp-fp16", "--json", "{out}/elastic_soak.json"),
         files=("elastic_soak.json",), line="1 passed", slow=True),

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.trainers
 WORKER = Path(__file__).parent / "workers" / "lightning_fit.py"
 
 
-def test_lightning_fits_through_the_onebit_hook_with_step_closure() -> None:
+def test_lightning_fits_through_the_1bit_compressed_hook_with_step_closure() -> None:
     """The hook registered in ``on_fit_start`` with the optimizer ``configure_optimizers``
     returned (``ddlcomm.optim.SGD``, or torch's SGD converted in place): every step after the 4-step warm-up is compressed, the
     replicas stay bitwise equal, and the accuracy is within 0.5 points of the same fit without

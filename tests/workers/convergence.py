@@ -36,6 +36,28 @@ def quality(runs: str, seeds: str = "0", sharding: str = "ddp") -> None:
         print("QUALITY " + json.dumps(out), flush=True)
 
 
+def outer_steps_quality(recipe_name: str, method: str, seed: str) -> None:
+    """DDP and ``bench.diloco``'s ``method`` with ``ddlcomm.diloco.DiLoCo``'s default outer
+    learning rate and momentum, one seed of ``recipe_name``: prints ``OUTER {"ddp": loss,
+    "diloco": loss}`` on rank 0."""
+    import inspect
+
+    from bench import diloco
+    from bench.convergence import RECIPES
+    from ddlcomm.diloco import DiLoCo
+
+    rank, _ = init(timeout_s=300)
+    torch.set_num_threads(1)
+    recipe = RECIPES[recipe_name]
+    task = make_task(recipe.task)
+    defaults = inspect.signature(DiLoCo.__init__).parameters
+    ddp = train(task, METHODS["all-reduce"], recipe.optimizer, int(seed), recipe=recipe)["metric"]
+    outer = diloco.run(task, recipe, method, int(seed), 10, defaults["outer_lr"].default,
+                       defaults["outer_momentum"].default)["metric"]
+    if rank == 0:
+        print("OUTER " + json.dumps({"ddp": ddp, "diloco": outer}), flush=True)
+
+
 def time_to_accuracy_curves(task_name: str, opt_name: str) -> None:
     """Every method of the time-to-accuracy benchmark, 14 steps of a small ``task_name``
     (compressed from step 10): prints its records as ``RESULTS [...]`` on rank 0."""
