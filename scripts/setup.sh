@@ -41,6 +41,16 @@ if ! .venv/bin/python -c "import torch, numpy, pytest, hypothesis, scikit_build_
   .venv/bin/pip install -q torch==2.13.0 numpy pytest hypothesis "scikit-build-core>=0.10" ninja cmake matplotlib scikit-learn \
     lightning==2.6.0 accelerate==1.15.0 transformers==5.24.0
 fi
+# torchft (tests/test_torchft.py, bench/torchft_diloco.py): its wheel and the packages it imports,
+# each with --no-deps, since torchft's own requirements would replace the CPU torch above.
+if ! .venv/bin/python -c "import torchft.manager" >/dev/null 2>&1; then
+  echo "setup: installing torchft and its opentelemetry packages into .venv (--no-deps: torch stays as it is)"
+  # The versions checked together (those of 2026-11); import torchft.manager needs each of them.
+  .venv/bin/pip install -q --no-deps torchft==0.2.0 opentelemetry-api==1.45.2 opentelemetry-sdk==1.45.2 \
+    opentelemetry-semantic-conventions==0.66b2 opentelemetry-proto==1.45.2 \
+    opentelemetry-exporter-otlp-proto-common==1.45.2 opentelemetry-exporter-otlp-proto-http==1.45.2 \
+    opentelemetry-exporter-otlp-common==0.66b2 opentelemetry-exporter-http-transport==0.66b2 protobuf==7.36.2
+fi
 # Editable: the checkout itself is the package (its compiled extension is found through the
 # install), so Python run in the checkout's root (the benchmarks, `python -m bench.NAME`)
 # imports it as is.
