@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -59,6 +60,29 @@ def _wait_for(predicate, timeout: float, what: str, procs: list[subprocess.Popen
         time.sleep(0.1)
 
 
+def _finish(procs: list[subprocess.Popen], out: Path, who: str) -> str:
+    """Waits (60 s in all) for every replica to exit, asserts each exited 0; returns their logs."""
+    deadline = time.monotonic() + 60
+    for p in procs:
+        try:
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            _wait_for(lambda: False, 0, f"{who} to finish", procs, out)
+    codes = [p.returncode for p in procs]
+    logs = _logs(out)
+    assert codes == [0] * len(procs), f"exit codes {codes}\n{logs}"
+    return logs
+
+
+def _stop(procs: list[subprocess.Popen], lighthouse: Any) -> None:
+    """Kills what is still running (after a failure) and the lighthouse."""
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    lighthouse.shutdown()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("compress", [False, True], ids=["exact", "ternary"])
 def test_replica_killed_and_restarted_rejoins_with_equal_weights(tmp_path: Path, compress: bool) -> None:
@@ -87,21 +111,9 @@ def test_replica_killed_and_restarted_rejoins_with_equal_weights(tmp_path: Path,
         last = max(r["step"] for i in range(REPLICAS) for rs in _records(tmp_path, i).values() for r in rs)
         (tmp_path / "stop.tmp").write_text(str(last + 10))
         (tmp_path / "stop.tmp").rename(tmp_path / "stop")
-        deadline = time.monotonic() + 60
-        for p in procs:
-            try:
-                p.wait(timeout=max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                _wait_for(lambda: False, 0, "every replica to finish", procs, tmp_path)
-        codes = [p.returncode for p in procs]
-        logs = _logs(tmp_path)
-        assert codes == [0] * REPLICAS, f"exit codes {codes}\n{logs}"
+        logs = _finish(procs, tmp_path, "every replica")
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        lighthouse.shutdown()
+        _stop(procs, lighthouse)
 
     # The survivors never restarted: one process (one pid) each, the one started first.
     for i, pid in survivors.items():
@@ -144,19 +156,9 @@ def test_group_failure_without_a_lost_replica_gets_a_new_group(tmp_path: Path) -
     procs = [_start(address, i, out, ["--replicas", "2"] + (["--abort-group-at-step", "3"] if i else []))
              for i in range(2)]
     try:
-        for p in procs:
-            try:
-                p.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                _wait_for(lambda: False, 0, "both replicas to finish", procs, out)
-        logs = _logs(out)
-        assert [p.returncode for p in procs] == [0, 0], logs
+        logs = _finish(procs, out, "both replicas")
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        lighthouse.shutdown()
+        _stop(procs, lighthouse)
     runs = [_records(out, i) for i in range(2)]
     assert all(len(r) == 1 for r in runs), runs  # one process each
     first, second = (next(iter(r.values())) for r in runs)
