@@ -26,8 +26,8 @@ __all__ = ["HookCheckpoint"]
 
 logger = logging.getLogger("ddlcomm.hooks")
 
-# 2: server residuals follow the piecewise compressed all-reduce (ddlcomm.compressed).
-# 3: memory keyed by the bucket's parameters (ddlcomm.ddp_memory), with layout, rank and world size.
+# The layout of state_dict(): memory keyed by the bucket's parameters (ddlcomm.ddp_memory), with
+# the bucket layout, rank and world size.
 _STATE_VERSION = 3
 _DETACHABLE = ("optimizer", "model")  # saved by their owners, not in a pickle of the state
 
@@ -98,8 +98,10 @@ class HookCheckpoint:
     def load_state_dict(self, state: CompressionState, saved: dict[str, Any]) -> None:
         """``CompressionState.load_state_dict(saved)``."""
         version = int(saved.get("version", 1))
-        if version > _STATE_VERSION:
-            raise ValueError(f"hook state version {version} is newer than this ddlcomm's ({_STATE_VERSION})")
+        if version != _STATE_VERSION:
+            raise ValueError(f"hook state version {version} is not this ddlcomm's ({_STATE_VERSION}): "
+                             f"{'a newer ddlcomm' if version > _STATE_VERSION else 'a development build before 0.1.0'} "
+                             f"wrote it; start from a fresh CompressionState")
         state.iter = int(saved["iter"])
         state.stats = CompressionStats(**saved.get("stats", {}))
         if state.tuner is not None and "adaptive" in saved:  # else the choices are measured again
@@ -107,10 +109,6 @@ class HookCheckpoint:
         state.memory = FeedbackMemory()
         state.iterations.loaded(saved_layout=False)
         self.saved_world = None
-        if version < 3:
-            logger.warning("ddlcomm hook: the state is from version %d, whose error-feedback memory was keyed by "
-                           "bucket index; it restarts from zero", version)
-            return
         if saved["keys"] != "process" and _key_scheme(state) != saved["keys"]:
             want = "model=" if saved["keys"] == "names" else "optimizer="
             raise ValueError(f"ddlcomm hook: the state's memory is keyed by {saved['keys']}; construct this "
