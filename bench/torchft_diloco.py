@@ -6,7 +6,9 @@ its opentelemetry packages; not a dependency of ddlcomm).
         --out docs/results/torchft_diloco.json
 
 Starts torchft's lighthouse and one process per replica (a replica group of one rank each, over
-torchft's gloo process group, as its tests run on CPUs). Every replica trains exactly as
+torchft's gloo process group, as its tests run on CPUs, or with ``--process-group ddlcomm`` over
+``ddlcomm.torchft.ProcessGroupDdlcomm``, and with ``--compressor ternary`` its pseudo-gradients
+through ddlcomm's compressed all-reduce, ``ddlcomm.torchft.CompressedAverager``). Every replica trains exactly as
 ``bench.diloco.run`` does (same model seed, per-rank batches, optimizer, schedule,
 clipping) with torchft's DiLoCo syncing every ``--sync-every`` steps through an outer Nesterov
 SGD of the same learning rate and momentum. Prints one ``RESULT {json}`` line per seed and the
@@ -26,6 +28,9 @@ import torch
 import torch.multiprocessing as mp
 
 from bench.convergence import RECIPES
+
+# --compressor: what the pseudo-gradients go through (names of bench.diloco's methods)
+COMPRESSORS = {"ternary": "Ternary", "1-bit": "OneBit"}
 from bench.tasks import lr_lambda, make_task
 
 
@@ -61,7 +66,13 @@ def replica(index: int, args: argparse.Namespace, seed: int, lighthouse: str, re
         model.load_state_dict(state["model"])
         inner.load_state_dict(state["inner"])
 
-    manager = Manager(pg=ProcessGroupGloo(timeout=timedelta(seconds=60)), min_replica_size=args.replicas,
+    if args.process_group == "ddlcomm":
+        from ddlcomm.torchft import ProcessGroupDdlcomm
+
+        pg = ProcessGroupDdlcomm(timeout=timedelta(seconds=60))
+    else:
+        pg = ProcessGroupGloo(timeout=timedelta(seconds=60))
+    manager = Manager(pg=pg, min_replica_size=args.replicas,
                       load_state_dict=load_state_dict, state_dict=state_dict, replica_id=str(index),
                       store_addr="127.0.0.1", store_port=store_port, rank=0, world_size=1,
                       lighthouse_addr=lighthouse, use_async_quorum=False, timeout=timedelta(seconds=60),
@@ -69,6 +80,11 @@ def replica(index: int, args: argparse.Namespace, seed: int, lighthouse: str, re
                       # replica 1 heals from replica 0 at the first quorum and sits out the first
                       # outer step (its pseudo-gradient zeroed, the sum still divided by 2).
                       init_sync=False)
+    if args.compressor:  # DiLoCo's pseudo-gradients through a ddlcomm compressor (ddlcomm.torchft)
+        from ddlcomm import compressors
+        from ddlcomm.torchft import CompressedAverager
+
+        CompressedAverager(manager, getattr(compressors, COMPRESSORS[args.compressor])(), model.parameters()).install()
     g = torch.Generator().manual_seed(seed * 1000 + index)  # bench.diloco's batches
     with DiLoCo(manager, [model], inner, outer, sync_every=args.sync_every):
         for _ in range(task.steps):
@@ -94,8 +110,15 @@ def main() -> None:
     parser.add_argument("--sync-every", type=int, default=10, help="inner steps between outer steps (H)")
     parser.add_argument("--outer-lr", type=float, default=0.7, help="the outer Nesterov SGD's learning rate")
     parser.add_argument("--outer-momentum", type=float, default=0.5, help="its momentum")
+    parser.add_argument("--process-group", choices=("gloo", "ddlcomm"), default="gloo",
+                        help="the replicas' process group: torchft's gloo one, or ddlcomm.torchft.ProcessGroupDdlcomm")
+    parser.add_argument("--compressor", choices=sorted(COMPRESSORS), default=None,
+                        help="average the pseudo-gradients through this ddlcomm compressor (needs --process-group "
+                             "ddlcomm); default: float32, torchft's own all-reduce")
     parser.add_argument("--out", type=Path, default=None, help="a .json file for the per-seed results")
     args = parser.parse_args()
+    if args.compressor and args.process_group != "ddlcomm":
+        parser.error("--compressor needs --process-group ddlcomm")
     try:
         from torchft._torchft import LighthouseServer
     except ImportError as e:
@@ -120,11 +143,13 @@ def main() -> None:
         records.append({"seed": seed, "metric": values[0], "replicas": values})
         print("RESULT " + json.dumps(records[-1]), flush=True)
     sd = statistics.stdev(metrics) if len(metrics) > 1 else 0.0
-    print(f"torchft DiLoCo ({args.recipe}, H={args.sync_every}, outer lr {args.outer_lr:g} momentum "
+    print(f"torchft DiLoCo over {args.process_group}{', ' + args.compressor if args.compressor else ''} "
+          f"({args.recipe}, H={args.sync_every}, outer lr {args.outer_lr:g} momentum "
           f"{args.outer_momentum:g}): {statistics.fmean(metrics):.3f} ± {sd:.3f} over {len(metrics)} seeds", flush=True)
     if args.out:
         args.out.write_text(json.dumps({"recipe": args.recipe, "replicas": args.replicas, "sync_every": args.sync_every,
                                         "outer_lr": args.outer_lr, "outer_momentum": args.outer_momentum,
+                                        "process_group": args.process_group, "compressor": args.compressor,
                                         "results": records}, indent=1))
 
 
