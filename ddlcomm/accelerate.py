@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Callable, Optional
+from typing import Optional
 
 import accelerate
 import torch
@@ -36,7 +36,6 @@ __all__ = ["register_hook"]
 
 logger = logging.getLogger(__name__)
 
-Hook = Callable[[hooks.CompressionState, dist.GradBucket], torch.futures.Future]
 _once = LogOnce(logger)  # what this module says once per process
 
 
@@ -46,7 +45,6 @@ def register_hook(
     optimizer: Optional[torch.optim.Optimizer] = None,
     compressor: Optional[Compressor] = None,
     *,
-    hook: Hook = hooks.compressed_hook,
     max_grad_norm: Optional[float] = None,
     start_compress_iter: int = 10,
     min_compression_bytes: int = 64 * 1024,
@@ -68,7 +66,7 @@ def register_hook(
             compressor and an optimizer, ``accelerator.clip_grad_norm_`` would rewrite the
             averaged update directions that ``.grad`` holds (``step()`` refuses them): pass
             the norm here instead. With FP16()/BF16() or no optimizer, clip as usual.
-        hook, start_compress_iter, min_compression_bytes, error_feedback, adaptive,
+        start_compress_iter, min_compression_bytes, error_feedback, adaptive,
             process_group: as ``ddlcomm.hooks.CompressionState`` takes them (``process_group``
             may be a ddlcomm group beside Accelerate's gloo one: docs/accelerate.md).
         checkpoint: register the per-rank state with ``accelerator.register_for_checkpointing``.
@@ -104,7 +102,7 @@ def register_hook(
                                    start_compress_iter=start_compress_iter,
                                    min_compression_bytes=min_compression_bytes, error_feedback=error_feedback,
                                    adaptive=adaptive)
-    model.register_comm_hook(state, hook)
+    model.register_comm_hook(state, hooks.compressed_hook)
     if checkpoint:
         accelerator.register_for_checkpointing(RankStates(state))
     return state

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -39,7 +39,6 @@ __all__ = ["CompressionCallback", "state_file"]
 
 logger = logging.getLogger(__name__)
 
-Hook = Callable[[hooks.CompressionState, dist.GradBucket], torch.futures.Future]
 
 
 def state_file(checkpoint: str, rank: int) -> str:
@@ -57,7 +56,7 @@ class CompressionCallback(TrainerCallback, LogOnce):
             the choice with AdamW (docs/choosing-a-compressor.md).
         resume_from: the checkpoint folder a resumed ``train()`` loads, where it is not
             ``<output_dir>/checkpoint-<step>`` (the Trainer's own name for it, taken by default).
-        hook, start_compress_iter, min_compression_bytes, error_feedback, adaptive, process_group:
+        start_compress_iter, min_compression_bytes, error_feedback, adaptive, process_group:
             as ``ddlcomm.hooks.CompressionState`` takes them.
 
     Attributes:
@@ -76,7 +75,6 @@ class CompressionCallback(TrainerCallback, LogOnce):
         compressor: Optional[Compressor] = None,
         *,
         resume_from: Optional[str] = None,
-        hook: Hook = hooks.compressed_hook,
         start_compress_iter: int = 10,
         min_compression_bytes: int = 64 * 1024,
         error_feedback: bool = True,
@@ -86,7 +84,6 @@ class CompressionCallback(TrainerCallback, LogOnce):
         self.trainer = trainer
         self.compressor = compressor
         self.resume_from = resume_from
-        self.hook = hook
         self.options: dict[str, Any] = dict(start_compress_iter=start_compress_iter,
                                             min_compression_bytes=min_compression_bytes,
                                             error_feedback=error_feedback, adaptive=adaptive)
@@ -145,7 +142,7 @@ class CompressionCallback(TrainerCallback, LogOnce):
         state = hooks.CompressionState(process_group=self.process_group, compressor=self.compressor,
                                        optimizer=optimizer, model=self.trainer.model, max_grad_norm=clip,
                                        **self.options)
-        model.register_comm_hook(state, self.hook)
+        model.register_comm_hook(state, hooks.compressed_hook)
         self._registered = model
         return state
 

@@ -27,7 +27,7 @@ Importing this module imports Lightning; ``ddlcomm`` itself never does.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import lightning.pytorch as pl
 import torch
@@ -45,7 +45,6 @@ __all__ = ["CompressionCallback", "DiLoCoCallback"]
 
 logger = logging.getLogger(__name__)
 
-Hook = Callable[[hooks.CompressionState, dist.GradBucket], torch.futures.Future]
 
 
 class CompressionCallback(pl.Callback, LogOnce):
@@ -74,7 +73,6 @@ class CompressionCallback(pl.Callback, LogOnce):
         self,
         compressor: Optional[Compressor] = None,
         *,
-        hook: Hook = hooks.compressed_hook,
         start_compress_iter: int = 10,
         min_compression_bytes: int = 64 * 1024,
         error_feedback: bool = True,
@@ -83,7 +81,6 @@ class CompressionCallback(pl.Callback, LogOnce):
     ) -> None:
         super().__init__()
         self.compressor = compressor
-        self.hook = hook
         self.options: dict[str, Any] = dict(start_compress_iter=start_compress_iter,
                                             min_compression_bytes=min_compression_bytes,
                                             error_feedback=error_feedback, adaptive=adaptive)
@@ -112,7 +109,7 @@ class CompressionCallback(pl.Callback, LogOnce):
         if self._loaded is not None:
             RankStates(state).load_hook_state(self._loaded)
         try:
-            model.register_comm_hook(state, self.hook)
+            model.register_comm_hook(state, hooks.compressed_hook)
         except RuntimeError as error:  # DDP takes one hook: DDPStrategy(ddp_comm_hook=) registered its own
             raise ValueError("ddlcomm.lightning: DDP already has a communication hook (DDPStrategy(ddp_comm_hook=) "
                              "registers one on CUDA): pass one of the two") from error

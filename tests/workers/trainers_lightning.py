@@ -62,16 +62,23 @@ def refused(page: dict, **trainer_options) -> str:
     return ""
 
 
-def without_ddp(page: dict) -> dict:
-    """One process's fit on one device: the callback says once that it cannot run."""
+def one_device_fit(page: dict, callback: L.Callback) -> tuple[list[str], int]:
+    """A fit of one process on one device with ``callback``: the warnings ddlcomm.lightning
+    logged, and the steps taken."""
     said = Said()
     logging.getLogger("ddlcomm.lightning").addHandler(said)
-    callback = CompressionCallback(Ternary())
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=3, callbacks=[callback], logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(page["Net"](), torch.utils.data.DataLoader(page["data"](), batch_size=32))
     logging.getLogger("ddlcomm.lightning").removeHandler(said)
-    return {"state": callback.state is not None, "warnings": said.messages, "steps": trainer.global_step}
+    return said.messages, trainer.global_step
+
+
+def without_ddp(page: dict) -> dict:
+    """One process's fit on one device: the callback says once that it cannot run."""
+    callback = CompressionCallback(Ternary())
+    warnings, steps = one_device_fit(page, callback)
+    return {"state": callback.state is not None, "warnings": warnings, "steps": steps}
 
 
 def adam_resume(page: dict) -> dict:
@@ -181,14 +188,9 @@ def diloco_refused(page: dict) -> str:
 
 
 def diloco_without_ddp(page: dict) -> dict:
-    said = Said()
-    logging.getLogger("ddlcomm.lightning").addHandler(said)
     callback = DiLoCoCallback(Ternary(), sync_every=2)
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=3, callbacks=[callback], logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
-    trainer.fit(page["Net"](), torch.utils.data.DataLoader(page["data"](), batch_size=32))
-    logging.getLogger("ddlcomm.lightning").removeHandler(said)
-    return {"diloco": callback.diloco is not None, "warnings": said.messages, "steps": trainer.global_step}
+    warnings, steps = one_device_fit(page, callback)
+    return {"diloco": callback.diloco is not None, "warnings": warnings, "steps": steps}
 
 
 def every_rank(flag: bool) -> bool:
