@@ -127,12 +127,7 @@ def seeded(seed: str) -> None:
     page = run_page("lightning.md", definitions_only=True)
 
     def net() -> L.LightningModule:
-        model = page["Net"]()
-        torch.manual_seed(int(seed))
-        for layer in model.net:
-            if hasattr(layer, "reset_parameters"):
-                layer.reset_parameters()
-        return model
+        return seeded_net(page, int(seed))
 
     compressed, callback, plain = net(), CompressionCallback(Ternary()), net()
     page["fit"](compressed, 4, [callback])
@@ -193,6 +188,16 @@ def diloco_without_ddp(page: dict) -> dict:
     return {"diloco": callback.diloco is not None, "warnings": warnings, "steps": steps}
 
 
+def seeded_net(page: dict, seed: int) -> L.LightningModule:
+    """The page's ``Net``, its layers initialised from ``seed`` (the same on every rank)."""
+    model = page["Net"]()
+    torch.manual_seed(seed)
+    for layer in model.net:
+        if hasattr(layer, "reset_parameters"):
+            layer.reset_parameters()
+    return model
+
+
 def every_rank(flag: bool) -> bool:
     """Whether ``flag`` holds on every rank (each rank's replica differs between syncs)."""
     held = torch.tensor([int(flag)])
@@ -228,12 +233,7 @@ def diloco_seeded(seed: str) -> None:
     page = run_page("lightning.md", definitions_only=True)
 
     def net() -> L.LightningModule:
-        model = page["Net"]()
-        torch.manual_seed(int(seed))
-        for layer in model.net:
-            if hasattr(layer, "reset_parameters"):
-                layer.reset_parameters()
-        return model
+        return seeded_net(page, int(seed))
 
     fitted = diloco_fit(page, net(), 4)
     fitted.pop("trainer"), fitted.pop("callback")
