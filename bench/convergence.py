@@ -395,6 +395,16 @@ def main() -> None:
             task.steps, task.lr = saved["steps"], saved["lr"]
             print(table(task, saved["results"]) + "\n")
         return
+    # Asks the state the run will build whether it takes the warm-up (DDP's hook needs 2
+    # iterations: its buckets are rebuilt after the first; PowerSGD's needs as many), so that a
+    # refusal is one usage line here rather than a traceback from every rank's first train().
+    try:
+        if args.sharding == "ddp" or args.recipes:
+            hooks.CompressionState(start_compress_iter=args.start_compress_iter)
+        else:
+            fsdp.FSDPCompressionState(compressors.OneBit(), args.start_compress_iter)
+    except ValueError as e:
+        parser.error(f"--start-compress-iter {args.start_compress_iter}: {e}")
     init_ranks("ddlcomm")
     torch.set_num_threads(1)
     rank = dist.get_rank()

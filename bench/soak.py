@@ -28,19 +28,35 @@ MiB = 1 << 20
 HARNESS = Path(__file__).resolve().parents[1] / "tests" / "harness.py"
 
 
-@functools.cache
-def load_harness() -> ModuleType:
-    """tests/harness.py of the checkout this module lies in, imported by its path (the worker,
-    tests/workers/soak.py, is a test; an installed wheel has neither)."""
-    if not HARNESS.is_file():
-        raise SystemExit(f"soak: {HARNESS} not found: the soak runs the test harness and "
+def load(name: str, path: Path) -> ModuleType:
+    """The module at ``path`` of the checkout this module lies in, imported by its path (the
+    harness and the worker are tests; an installed wheel has neither)."""
+    if not path.is_file():
+        raise SystemExit(f"soak: {path} not found: the soak runs the test harness and "
                          "tests/workers/soak.py of a source checkout (install it editable)")
-    spec = importlib.util.spec_from_file_location("harness", HARNESS)
+    spec = importlib.util.spec_from_file_location(name, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
-    sys.modules["harness"] = module  # before it runs: its dataclasses look their module up
+    sys.modules[name] = module  # before it runs: dataclasses look their module up
     spec.loader.exec_module(module)
     return module
+
+
+@functools.cache
+def load_harness() -> ModuleType:
+    """tests/harness.py."""
+    return load("harness", HARNESS)
+
+
+@functools.cache
+def warmup_ops() -> int:
+    """The operations of the worker's warm-up, the fewest a run can have: every kind but the
+    compressed all-reduce, then that once per compressor (tests/workers/soak.py Soak.run). The
+    RSS growth the run is judged by is measured from the warm-up's end."""
+    workers = load_harness().WORKERS
+    sys.path.insert(0, str(workers))  # as a rank runs it: it imports its neighbours by name
+    worker = load("soak_worker", workers / "soak.py")
+    return len(worker.KINDS) - 1 + len(worker.COMPRESSORS)
 
 
 def markdown(args: argparse.Namespace, results: list[Any], wall: float, passed: bool) -> str:
@@ -76,12 +92,16 @@ def markdown(args: argparse.Namespace, results: list[Any], wall: float, passed: 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--ops", type=int, default=10_000, help="random collectives to run and check")
+    parser.add_argument("--ops", type=int, default=10_000,
+                        help="random collectives to run and check, at least the warm-up (each kind, compressor once)")
     parser.add_argument("--seed", type=int, default=2026, help="seed of the random sequence (every rank draws the same)")
     parser.add_argument("--max-mib", type=float, default=64, help="largest buffer a rank passes, in MiB")
     parser.add_argument("--ranks", type=int, default=4, help="ranks to start")
     parser.add_argument("--timeout", type=float, default=4 * 3600, help="seconds before the ranks are killed")
     args = parser.parse_args()
+    if args.ops < warmup_ops():
+        parser.error(f"--ops {args.ops}: the soak runs at least {warmup_ops()} operations: its warm-up runs every "
+                     "kind and every compressor once, and RSS growth is measured from its end")
     start = time.monotonic()
     harness = load_harness()
     results = harness.launch_script(harness.WORKERS / "soak.py", args.ranks, timeout=args.timeout,

@@ -4,8 +4,9 @@ Each rank saves and loads its own state (error-feedback memory differs between r
 by parameter names or optimizer positions so that it comes back to the same parameters
 whatever DDP's bucket layout. A ``CompressionState`` (``ddlcomm.hooks``) holds a
 ``HookCheckpoint``, which reads and sets the state's public parts (``memory``, ``keys``,
-``iterations``, ``stats``, ``tuner``, ``model``, ``optimizer``, ``process_group``) and keeps
-what a load leaves to check when the hook next runs. The first iterations after a load are
+``iterations``, ``stats``, ``tuner``, ``model``, ``optimizer``, ``process_group``, and
+``rank_and_world()``, the rank and world size a state is saved under) and keeps what a load
+leaves to check when the hook next runs. The first iterations after a load are
 reduced in the saved layout (``Iterations.replay_left``).
 """
 
@@ -30,11 +31,6 @@ logger = logging.getLogger("ddlcomm.hooks")
 # the bucket layout, rank and world size.
 _STATE_VERSION = 3
 _DETACHABLE = ("optimizer", "model")  # saved by their owners, not in a pickle of the state
-
-
-def _rank_and_world(group: Optional[dist.ProcessGroup]) -> tuple[int, int]:
-    group = group or dist.group.WORLD
-    return dist.get_rank(group), dist.get_world_size(group)
 
 
 class HookCheckpoint:
@@ -70,7 +66,7 @@ class HookCheckpoint:
     def _check_world(self, state: CompressionState) -> None:
         if self.saved_world is None:
             return
-        rank, world = _rank_and_world(state.process_group)
+        rank, world = state.rank_and_world()
         saved_rank, saved_world = self.saved_world
         if (rank, world) != (saved_rank, saved_world):
             raise ValueError(f"ddlcomm hook: this state was saved by rank {saved_rank} of {saved_world} and is loaded "
@@ -83,7 +79,7 @@ class HookCheckpoint:
     def state_dict(self, state: CompressionState) -> dict[str, Any]:
         """``CompressionState.state_dict()``."""
         self._check_keys(state)
-        rank, world = _rank_and_world(state.process_group) if dist.is_initialized() else (None, None)
+        rank, world = state.rank_and_world() if dist.is_initialized() else (None, None)
         return {
             "version": _STATE_VERSION,
             "rank": rank,
@@ -130,7 +126,7 @@ class HookCheckpoint:
         kept.detached = tuple(n for n in _DETACHABLE if getattr(state, n) is not None) + self.detached
         kept.saved_world = self.saved_world
         if dist.is_initialized() and kept.saved_world is None:
-            kept.saved_world = _rank_and_world(state.process_group)
+            kept.saved_world = state.rank_and_world()
         return kept
 
     def unpickled(self, state: CompressionState) -> None:

@@ -264,7 +264,8 @@ class CompressionState(CompressionOptions):
         self.checkpoint.unpickled(self)
 
     # -- bookkeeping ---------------------------------------------------------------------
-    def _world(self) -> tuple[int, int]:
+    def rank_and_world(self) -> tuple[int, int]:
+        """This rank and the world size in ``process_group`` (the world's when None)."""
         group = self.process_group or dist.group.WORLD
         return dist.get_rank(group), dist.get_world_size(group)
 
@@ -361,7 +362,7 @@ def _reduce(state: CompressionState, buffer: torch.Tensor, params: list[torch.Te
     nbytes = buffer.numel() * buffer.element_size()
     bucket = _Bucket(buffer, params, signature, index, nbytes)
     reason = _uncompressed_reason(state, buffer, nbytes)
-    world = state._world()[1]
+    world = state.rank_and_world()[1]
     if reason is not None:
         ring = ring_all_reduce_bytes(nbytes, world)
         state.stats.count(ring, ring, compressed=False)
@@ -435,7 +436,7 @@ def _compress(state: CompressionState, bucket: _Bucket, compressor: Optional[Com
     added, as the adaptive choice sends it), in one level over hosts if ``flat`` (an adaptive
     choice on a group that takes two), its update directions with ``optimizer=``."""
     buffer, params, signature, index, nbytes = bucket
-    rank, world = state._world()
+    rank, world = state.rank_and_world()
     if state.optimizer is None and state.dgc is None and not isinstance(state.compressor, (FP16, BF16)):
         state.log_once("advice", "ddlcomm hook: compressing gradients with %r and no optimizer=: with momentum SGD "
                         "or Adam this loses accuracy; pass optimizer=ddlcomm.optim.SGD/Adam/AdamW(...) to average "

@@ -260,6 +260,27 @@ def test_documented_benchmark_runs_in_its_shortest_form(module: str, tmp_path: P
     assert not missing, f"{module} did not write {missing} into {out}\n{_tail(result)}"
 
 
+# Options below what a benchmark can run, each with the minimum its usage error must name. Both
+# are refused before any rank starts (plain python, no torchrun): one usage line, exit 2.
+BELOW_MINIMUM = {
+    "bench.soak --ops 8": (("--ops", "8", "--max-mib", "0.0625", "--ranks", "2", "--timeout", "60"),
+                           "at least 24 operations"),
+    "bench.convergence --start-compress-iter 1": (
+        ("--tasks", "mlp", "--optimizers", "sgd", "--methods", "1-bit", "--seeds", "1", "--steps", "3",
+         "--start-compress-iter", "1"), "must be at least 2"),
+}
+
+
+@pytest.mark.parametrize("name", list(BELOW_MINIMUM))
+def test_option_below_its_minimum_is_a_usage_error(name: str):
+    module, option = name.split(" ", 1)
+    args, minimum = BELOW_MINIMUM[name]
+    result = run([sys.executable, "-m", module, *args], ROOT, environment())
+    assert result.returncode == 2, _tail(result)
+    assert "Traceback" not in result.stderr + result.stdout, _tail(result)
+    assert f"error: {option}: " in result.stderr and minimum in result.stderr, _tail(result)
+
+
 # Plotting benchmarks, each with what it writes besides its figure and the figure.
 HIDDEN = {
     "bench.cost_model": (CASES["bench.cost_model"], "model.png"),

@@ -155,6 +155,17 @@ def test_min_compression_bytes_is_the_smallest_bucket_compressed(one_rank: None,
     assert counts == ((1, 0) if short == 0 else (0, 1)), counts
 
 
+def test_rank_and_world_are_the_state_groups(one_rank: None) -> None:
+    """The hook and its checkpoint take the rank and world size from the state, of its process
+    group or the world's without one: state_dict() saves them and a pickle keeps them to check."""
+    for group in (None, dist.new_group([0])):
+        state = hooks.CompressionState(process_group=group)
+        assert state.rank_and_world() == (0, 1)
+        saved = state.state_dict()
+        assert (saved["rank"], saved["world_size"]) == state.rank_and_world()
+        assert state.checkpoint.pickled(state).saved_world == state.rank_and_world()
+
+
 @pytest.mark.parametrize("compressor, optimizer, warned", [
     (compressors.OneBit(), "AdamW", True), (compressors.TopK(ratio=0.01), "Adam", True),
     (compressors.RandomK(ratio=0.1), "SGD", True), (compressors.Ternary(), "AdamW", False),
