@@ -55,3 +55,43 @@ def test_restarted_job_resumes_and_matches_an_uninterrupted_run(tmp_path: Path, 
     assert restarted.returncode == 0, log
     assert restarted.stdout.count("attempt 1: from step 10") == 4, log  # it restarted, from the checkpoint
     assert torch.equal(torch.load(result), uninterrupted), "the resumed run trained differently"
+
+
+# One rank per agent, as on two hosts: the rank on the host that fails dies; the other stays
+# healthy (it sleeps), so its agent restarts it for the other host's failure without counting a
+# restart of its own (TORCHELASTIC_RESTART_COUNT 0 there, 1 on the failed host).
+TWO_HOSTS = """\
+import os, sys, time
+from datetime import timedelta
+import torch, torch.distributed as dist
+import ddlcomm  # noqa: F401
+marker = sys.argv[1]
+first = not os.path.exists(marker)
+dist.init_process_group("ddlcomm", timeout=timedelta(seconds=30))
+t = torch.ones(3)
+dist.all_reduce(t)
+if first and dist.get_rank() == 1:
+    open(marker, "w").close()
+    os._exit(9)
+if first:
+    time.sleep(120)  # healthy until its agent restarts it
+print(f"attempt {os.environ['TORCHELASTIC_RESTART_COUNT']}: {t.tolist()}", flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_agents_that_count_restarts_differently_meet_in_the_next_attempt(tmp_path: Path) -> None:
+    script = tmp_path / "two_hosts.py"
+    script.write_text(TWO_HOSTS)
+    port = _free_port()
+    env = {**os.environ, "DDLCOMM_TRANSPORT": "tcp", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    agents = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+                                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "two",
+                                "--max-restarts", "1", "--monitor-interval", "0.1", str(script), str(tmp_path / "died")],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+              for _ in range(2)]
+    outs = [a.communicate(timeout=240)[0] for a in agents]
+    log = "\n".join(o[-3000:] for o in outs)
+    assert [a.returncode for a in agents] == [0, 0], log
+    finished = [line for o in outs for line in o.splitlines() if ": [2.0, 2.0, 2.0]" in line]
+    assert sorted(line.split(":")[0][-9:] for line in finished) == ["attempt 0", "attempt 1"], log

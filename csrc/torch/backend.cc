@@ -40,11 +40,17 @@ class StoreAdapter final : public KeyValueStore {
 
 // torchrun's agent keeps one rendezvous store for every attempt of a job (elastic restarts):
 // what an earlier attempt left there (addresses, shared-memory handles, failure records) must
-// not reach this one, so the group's keys live under the attempt's number.
-c10::intrusive_ptr<c10d::Store> attemptStore(const c10::intrusive_ptr<c10d::Store>& store) {
-  const char* attempt = envString("TORCHELASTIC_RESTART_COUNT");
-  if (!attempt || !*attempt) return store;
-  return c10::make_intrusive<c10d::PrefixStore>(std::string("ddlcomm/attempt_") + attempt, store);
+// not reach this one, so the group's keys live under the attempt's number. That number is not
+// the agent's restart count (TORCHELASTIC_RESTART_COUNT): across hosts it differs between
+// agents, since one that restarts its ranks because another host's failed does not count it.
+// Every member counts itself in instead; the members of one attempt all arrive before any of
+// the next starts, so arrival n is in attempt (n - 1) / size. A member that dies before it
+// arrives leaves its attempt short: the next one then cannot connect and says so.
+c10::intrusive_ptr<c10d::Store> attemptStore(const c10::intrusive_ptr<c10d::Store>& store, int size) {
+  const char* restarts = envString("TORCHELASTIC_RESTART_COUNT");
+  if (!restarts || !*restarts) return store;
+  const int64_t arrival = store->add("ddlcomm/arrivals_of_" + std::to_string(size), 1);
+  return c10::make_intrusive<c10d::PrefixStore>("ddlcomm/attempt_" + std::to_string((arrival - 1) / size), store);
 }
 
 std::exception_ptr toTorchException(std::exception_ptr error, const std::string& prefix) {
@@ -136,7 +142,7 @@ ProcessGroupDdlcomm::ProcessGroupDdlcomm(const c10::intrusive_ptr<c10d::Store>& 
                                          std::string groupName, const c10::intrusive_ptr<Options>& options)
     : Backend(rank, size),
       options_(options ? c10::make_intrusive<Options>(*options) : c10::make_intrusive<Options>()),
-      store_(attemptStore(store)),
+      store_(attemptStore(store, size)),
       timeoutMs_(timeout.count()) {
   describeGroup(rank, size, timeout, globalRanks, groupName);
   auto kv = std::make_shared<StoreAdapter>(store_);
