@@ -133,6 +133,14 @@ CASES: dict[str, Case] = {
         ("--rates", "1gbit", "--tasks", "lm", "--steps", "1", "--methods", "gloo fp32", "--out", "{out}"),
         files=("time_to_accuracy.json", "time_to_accuracy.md"), plots=("time_to_accuracy.png",),
         line="| gloo fp32 | ", needs="slownet"),
+    # 4 hosts; a narrow CNN, one failure in each of the two ways of recovering (torchft's
+    # rejoin, torchrun's restart of every rank): the replica restarted under torchft may come
+    # back after the others finished (then stopped after --grace, and said so).
+    "bench.slownet.run_torchft_faults": Case(
+        ("--rates", "1gbit", "--configs", "ddlcomm-ternary,elastic-ternary", "--faults", "faults", "--die-at", "2",
+         "--outer-steps", "4", "--width", "64", "--grace", "3", "--out", "{out}"),
+        files=("torchft_faults.json", "torchft_faults.md"), line="| torchrun restarts, ternary | ranks lost",
+        needs="slownet"),
     "bench.slownet.run_tcp_streams": Case(
         ("--rates", "1gbit", "--streams", "1", "--repeats", "1", "--bytes", "1000000"),
         line="1 stream(s) each way", needs="slownet"),
