@@ -40,17 +40,21 @@ class StoreAdapter final : public KeyValueStore {
 
 // torchrun's agent keeps one rendezvous store for every attempt of a job (elastic restarts):
 // what an earlier attempt left there (addresses, shared-memory handles, failure records) must
-// not reach this one, so the group's keys live under the attempt's number. That number is not
-// the agent's restart count (TORCHELASTIC_RESTART_COUNT): across hosts it differs between
-// agents, since one that restarts its ranks because another host's failed does not count it.
-// Every member counts itself in instead; the members of one attempt all arrive before any of
-// the next starts, so arrival n is in attempt (n - 1) / size. A member that dies before it
-// arrives leaves its attempt short: the next one then cannot connect and says so.
+// not reach this one, so the group's keys live under the attempt's number. With one agent
+// that is its restart count (TORCHELASTIC_RESTART_COUNT). Across hosts the agents' counts
+// differ (one that restarts its ranks because another host's failed does not count it), so
+// there every member counts itself in instead: the members of one attempt all arrive before
+// any of the next starts, so arrival n is in attempt (n - 1) / size. A member that dies before
+// it arrives leaves its attempt short, and the later attempts then fail to connect.
 c10::intrusive_ptr<c10d::Store> attemptStore(const c10::intrusive_ptr<c10d::Store>& store, int size) {
   const char* restarts = envString("TORCHELASTIC_RESTART_COUNT");
   if (!restarts || !*restarts) return store;
-  const int64_t arrival = store->add("ddlcomm/arrivals_of_" + std::to_string(size), 1);
-  return c10::make_intrusive<c10d::PrefixStore>("ddlcomm/attempt_" + std::to_string((arrival - 1) / size), store);
+  const char* agents = envString("GROUP_WORLD_SIZE");
+  std::string attempt = restarts;
+  if (!agents || std::string(agents) != "1") {
+    attempt = std::to_string((store->add("ddlcomm/arrivals_of_" + std::to_string(size), 1) - 1) / size);
+  }
+  return c10::make_intrusive<c10d::PrefixStore>("ddlcomm/attempt_" + attempt, store);
 }
 
 std::exception_ptr toTorchException(std::exception_ptr error, const std::string& prefix) {
