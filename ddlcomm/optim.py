@@ -360,7 +360,8 @@ def convert(optimizer: torch.optim.Optimizer) -> DirectionOptimizer:
 def for_compressor(optimizer: torch.optim.Optimizer, compressor: Compressor) -> DirectionOptimizer:
     """``convert(optimizer)`` for a hook through ``compressor``, saying so once: the conversion
     (at INFO level), and where the pair lost accuracy on the recipes of docs/results/recipes.md
-    (1-bit or top-k with Adam, random-k with any optimizer, where ternary kept it)."""
+    and compressors.md (1-bit or top-k with Adam, top-k with SGD on the transformer, random-k
+    with any optimizer, where ternary kept it)."""
     if not isinstance(optimizer, DirectionOptimizer):
         name = f"{type(optimizer).__module__}.{type(optimizer).__name__}"
         optimizer = convert(optimizer)
@@ -370,6 +371,10 @@ def for_compressor(optimizer: torch.optim.Optimizer, compressor: Compressor) -> 
                                            and isinstance(compressor, (OneBit, TopK))):
         _hook_logger.warning("ddlcomm hook: %r with %s lost accuracy on recipes where Ternary() kept it "
                              "(docs/results/recipes.md); consider Ternary()", compressor, type(optimizer).__name__)
+    elif isinstance(compressor, TopK):
+        _hook_logger.warning("ddlcomm hook: %r with %s kept accuracy on the classifiers but lost it on the transformer "
+                             "language model, where Ternary() kept it (docs/results/compressors.md); consider "
+                             "Ternary()", compressor, type(optimizer).__name__)
     return optimizer
 
 
