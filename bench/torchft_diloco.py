@@ -28,10 +28,30 @@ import torch
 import torch.multiprocessing as mp
 
 from bench.convergence import RECIPES
+from bench.tasks import lr_lambda, make_task
 
 # --compressor: what the pseudo-gradients go through (names of bench.diloco's methods)
 COMPRESSORS = {"ternary": "Ternary", "1-bit": "OneBit"}
-from bench.tasks import lr_lambda, make_task
+
+
+def process_group(name: str, timeout: timedelta):
+    """torchft's gloo process group, or ddlcomm's (``--process-group``)."""
+    if name == "ddlcomm":
+        from ddlcomm.torchft import ProcessGroupDdlcomm
+
+        return ProcessGroupDdlcomm(timeout=timeout)
+    from torchft.process_group import ProcessGroupGloo
+
+    return ProcessGroupGloo(timeout=timeout)
+
+
+def install_compressor(manager, name: str, model: torch.nn.Module) -> None:
+    """Sends the pseudo-gradients of ``manager``'s syncs through the ddlcomm compressor
+    ``--compressor`` names (``ddlcomm.torchft.CompressedAverager``)."""
+    from ddlcomm import compressors
+    from ddlcomm.torchft import CompressedAverager
+
+    CompressedAverager(manager, getattr(compressors, COMPRESSORS[name])(), model.parameters()).install()
 
 
 def free_port() -> int:
@@ -44,7 +64,6 @@ def replica(index: int, args: argparse.Namespace, seed: int, lighthouse: str, re
     from torch.distributed import TCPStore
     from torchft.local_sgd import DiLoCo
     from torchft.manager import Manager
-    from torchft.process_group import ProcessGroupGloo
 
     torch.set_num_threads(1)
     recipe = RECIPES[args.recipe]
@@ -66,12 +85,7 @@ def replica(index: int, args: argparse.Namespace, seed: int, lighthouse: str, re
         model.load_state_dict(state["model"])
         inner.load_state_dict(state["inner"])
 
-    if args.process_group == "ddlcomm":
-        from ddlcomm.torchft import ProcessGroupDdlcomm
-
-        pg = ProcessGroupDdlcomm(timeout=timedelta(seconds=60))
-    else:
-        pg = ProcessGroupGloo(timeout=timedelta(seconds=60))
+    pg = process_group(args.process_group, timedelta(seconds=60))
     manager = Manager(pg=pg, min_replica_size=args.replicas,
                       load_state_dict=load_state_dict, state_dict=state_dict, replica_id=str(index),
                       store_addr="127.0.0.1", store_port=store_port, rank=0, world_size=1,
@@ -80,11 +94,8 @@ def replica(index: int, args: argparse.Namespace, seed: int, lighthouse: str, re
                       # replica 1 heals from replica 0 at the first quorum and sits out the first
                       # outer step (its pseudo-gradient zeroed, the sum still divided by 2).
                       init_sync=False)
-    if args.compressor:  # DiLoCo's pseudo-gradients through a ddlcomm compressor (ddlcomm.torchft)
-        from ddlcomm import compressors
-        from ddlcomm.torchft import CompressedAverager
-
-        CompressedAverager(manager, getattr(compressors, COMPRESSORS[args.compressor])(), model.parameters()).install()
+    if args.compressor:
+        install_compressor(manager, args.compressor, model)
     g = torch.Generator().manual_seed(seed * 1000 + index)  # bench.diloco's batches
     with DiLoCo(manager, [model], inner, outer, sync_every=args.sync_every):
         for _ in range(task.steps):

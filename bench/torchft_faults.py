@@ -43,9 +43,10 @@ from typing import Callable
 
 import torch
 
-from bench.tasks import Task, lr_lambda, make_task
+from ddlcomm import compressors
 
-COMPRESSORS = {"ternary": "Ternary", "1-bit": "OneBit"}
+from bench.tasks import Task, lr_lambda, make_task
+from bench.torchft_diloco import COMPRESSORS, install_compressor, process_group
 Event = Callable[..., None]
 
 
@@ -119,7 +120,6 @@ def under_torchft(args: argparse.Namespace, event: Event) -> None:
     from torch.distributed import TCPStore
     from torchft.local_sgd import DiLoCo
     from torchft.manager import Manager
-    from torchft.process_group import ProcessGroupGloo
 
     task, model, inner, schedule, _ = build(args)
     outer = torch.optim.SGD(model.parameters(), lr=1.0, momentum=0.5, nesterov=True)
@@ -134,22 +134,14 @@ def under_torchft(args: argparse.Namespace, event: Event) -> None:
         inner.load_state_dict(state["inner"])
         outer.load_state_dict(state["outer"])
 
-    if args.process_group == "ddlcomm":
-        from ddlcomm.torchft import ProcessGroupDdlcomm
-
-        pg = ProcessGroupDdlcomm(timeout=timeout)
-    else:
-        pg = ProcessGroupGloo(timeout=timeout)
+    pg = process_group(args.process_group, timeout)
     manager = Manager(pg=pg, min_replica_size=args.min_replicas, load_state_dict=load_state_dict,
                       state_dict=state_dict, replica_id=str(args.replica), store_addr=args.address,
                       store_port=store.port, rank=0, world_size=1, lighthouse_addr=args.lighthouse,
                       hostname=args.address, use_async_quorum=False, timeout=timeout, quorum_timeout=timeout * 2,
                       connect_timeout=timeout, init_sync=False)
     if args.compressor:
-        from ddlcomm import compressors
-        from ddlcomm.torchft import CompressedAverager
-
-        CompressedAverager(manager, getattr(compressors, COMPRESSORS[args.compressor])(), model.parameters()).install()
+        install_compressor(manager, args.compressor, model)
     if args.die_at:
         allreduce = manager.allreduce
 
@@ -187,7 +179,6 @@ def elastic(args: argparse.Namespace, event: Event) -> None:
     saved (``--checkpoints``, every ``--checkpoint-every`` outer steps)."""
     import torch.distributed as dist
 
-    from ddlcomm import compressors
     from ddlcomm.diloco import DiLoCo
 
     dist.init_process_group("ddlcomm")

@@ -44,6 +44,7 @@ from pathlib import Path
 import torch
 
 from ddlcomm.slownet import SlowNet
+from ddlcomm.wire import ring_all_reduce_bytes
 
 from bench.slownet.driver import ROOT, bench_parser, require_slownet
 from bench.tasks import make_task
@@ -194,10 +195,10 @@ def summary(record: dict, clean: dict | None) -> dict:
             normal = statistics.median(took)
             stalls.append(sum(max(0.0, s - normal) for s in took))
     params = sum(p.numel() for p in make_task("cnn", width=record["width"]).model().parameters())
-    ddp = steps * h * HOSTS * 2 * (HOSTS - 1) / HOSTS * 4 * params
+    ddp = steps * h * HOSTS * ring_all_reduce_bytes(4 * params, HOSTS)
     per_fault = (record["curve"][-1][0] - clean["curve"][-1][0]) / kills if clean and kills else None
-    first = [e for e in record["events"] if e["replica"] == 0 and e["pid"] == min(
-        e["pid"] for e in record["events"] if e["replica"] == 0)]
+    pid = min((e for e in record["events"] if e["replica"] == 0 and e["kind"] == "start"), key=lambda e: e["t"])["pid"]
+    first = [e for e in record["events"] if e["pid"] == pid]  # replica 0's first process
     synced = sum(e["t"] - e["began"] for e in first if e["kind"] == "sync")
     sync_share = synced / (first[-1]["t"] - first[0]["t"])
     return {"lost": lost, "sync_share": sync_share, "stall_max": max(stalls) if stalls else None,
