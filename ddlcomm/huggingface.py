@@ -40,7 +40,6 @@ __all__ = ["CompressionCallback", "state_file"]
 logger = logging.getLogger(__name__)
 
 
-
 def state_file(checkpoint: str, rank: int) -> str:
     """Where rank ``rank`` keeps its compression state in the checkpoint folder ``checkpoint``."""
     return os.path.join(checkpoint, f"ddlcomm_compression_rank{rank}.pt")

@@ -46,7 +46,6 @@ __all__ = ["CompressionCallback", "DiLoCoCallback"]
 logger = logging.getLogger(__name__)
 
 
-
 class CompressionCallback(pl.Callback, LogOnce):
     """Registers a ``ddlcomm.hooks`` compressed hook on Lightning's DDP model (CPU and CUDA).
 
