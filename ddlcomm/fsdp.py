@@ -16,7 +16,8 @@ its worker and server residuals::
     for block in model.blocks:
         fully_shard(block)
     fully_shard(model)
-    state = fsdp.compress_gradients(model, Ternary())
+    state = fsdp.compress_gradients(model, Ternary(), momentum=0.9)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0)  # the momentum is in the communication
     ...                                                    # train as usual
     torch.save({"model": ..., "compression": state.state_dict()}, f"ckpt-{rank}.pt")
 
@@ -58,7 +59,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
 from . import _C
-from .compressors import Compressor, all_finite
+from .compressors import BF16, FP16, Compressor, all_finite
 from .compressed import (compressed_all_reduce, engine_of, host_levels_of, reduce_scatter_wire_bytes,
                          server_residual_numel, wire_bytes)
 from .moments import normalised_step, update_first, update_second
@@ -117,6 +118,7 @@ class FSDPCompressionState(CompressionOptions):
             raise ValueError(f"adam_eps must be > 0, got {adam_eps!r}")
         self.adam_betas = adam_betas
         self.adam_eps = float(adam_eps)
+        self._advise(compressor, momentum, adam_betas)
         self.replicate_group = replicate_group
         self.residuals: dict[str, torch.Tensor] = {}
         self.server_residuals: dict[str, torch.Tensor] = {}
@@ -129,6 +131,19 @@ class FSDPCompressionState(CompressionOptions):
         self._index: dict[str, int] = {}  # module name -> its position, for the randomness streams
         self._verified: set[Any] = set()  # modules (and ("replica", module)) whose agreement was checked
         self._saved_world: Optional[tuple[int, int]] = None
+
+    def _advise(self, compressor: Compressor, momentum: float, adam_betas: Optional[tuple[float, float]]) -> None:
+        """Says once where these options lost accuracy in docs/results/fsdp_training.md."""
+        if isinstance(compressor, (FP16, BF16)):
+            return  # a cast only rounds: torch's optimizer on the gradient kept accuracy
+        if adam_betas is None and not momentum:
+            self.log_once("advice", "ddlcomm.fsdp: compressing gradients with %r and neither momentum= nor "
+                          "adam_betas=: with momentum SGD or Adam this lost accuracy "
+                          "(docs/results/fsdp_training.md); move the optimizer's momentum into the communication "
+                          "with momentum= (SGD) or adam_betas= (Adam, AdamW)", compressor)
+        elif adam_betas is not None and compressor.is_sparse:
+            self.log_once("advice", "ddlcomm.fsdp: %r with adam_betas= lost accuracy where Ternary() kept it "
+                          "(docs/results/fsdp_training.md); consider Ternary()", compressor)
 
     # -- checkpoints ------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -430,10 +445,11 @@ def compress_gradients(model: torch.nn.Module, compressor: Compressor, *, start_
     reduce-scatter; ops other than SUM and AVG are refused.
     ``adam_betas``, ``adam_eps``: Adam (AdamW), moved into the communication the same way; use
     ``torch.optim.SGD(..., momentum=0, weight_decay=wd)``, which for a given direction is
-    AdamW's decoupled weight decay. Every rank keeps its own first and second moments of the
-    whole module and sends its bias-corrected step ``m / (sqrt(v) + eps)``; the average is the
-    reduce-scatter's output (DDP's ``ddlcomm.optim.AdamW`` does the same). Three float32
-    buffers of the module's unsharded size per rank.
+    AdamW's decoupled weight decay. The first moment is averaged like ``momentum``'s buffer
+    (the same on every rank); the second, of this rank's chunk alone, comes from its own
+    gradient; the output is the chunk's bias-corrected step ``m / (sqrt(v') + eps)``
+    (``ddlcomm.moments``). Two float32 buffers of the module's unsharded size per rank (the
+    first moment and the residual) and one of its chunk.
     Returns the state that holds the residuals (save its ``state_dict()`` with each rank's
     checkpoint).
     """

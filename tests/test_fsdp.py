@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import logging
+from typing import Optional
+
 import pytest
 import torch
 
@@ -94,3 +97,23 @@ def test_state_refuses_bad_options() -> None:
         fsdp.quantize_all_gather(torch.nn.Linear(2, 2))
     with pytest.raises(ValueError, match="block_size"):
         fsdp.AllGatherQuantization(block_size=0)
+
+
+@pytest.mark.parametrize("compressor, options, warned", [
+    (compressors.OneBit(), {}, "neither momentum="), (compressors.Ternary(), {}, "neither momentum="),
+    (compressors.TopK(ratio=0.01), {"adam_betas": (0.9, 0.999)}, "consider Ternary()"),
+    (compressors.RandomK(ratio=0.1), {"adam_betas": (0.9, 0.999)}, "consider Ternary()"),
+    (compressors.OneBit(), {"momentum": 0.9}, None), (compressors.OneBit(), {"adam_betas": (0.9, 0.999)}, None),
+    (compressors.TopK(ratio=0.01), {"momentum": 0.9}, None), (compressors.BF16(), {}, None),
+])
+def test_options_that_lost_accuracy_say_so(caplog: pytest.LogCaptureFixture, compressor: compressors.Compressor,
+                                           options: dict, warned: Optional[str]) -> None:
+    """Compressed gradients for an optimizer with momentum, and top-k or random-k with Adam in
+    the communication, lost accuracy in docs/results/fsdp_training.md: the state says so once
+    when made; the options that kept it say nothing."""
+    with caplog.at_level(logging.WARNING, logger="ddlcomm.fsdp"):
+        fsdp.FSDPCompressionState(compressor, **options)
+    if warned is None:
+        assert not caplog.records, caplog.text
+    else:
+        assert len(caplog.records) == 1 and warned in caplog.text, caplog.text
