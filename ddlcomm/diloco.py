@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from .compressed import compressed_all_reduce
-from .compressors import BF16, FP16, Compressor, all_finite
+from .compressors import BF16, FP16, Compressor, OneBit, TopK, all_finite
 from .fragments import Fragment, InFlight, split
 from .model_buffers import ModelBuffers
 from .optim import averages_directions
@@ -179,6 +179,11 @@ class DiLoCo:
         self._averaged = 0  # warm-up steps whose gradients the pre-hook averaged (or dropped)
         self._skipped_at = 0  # the last warm-up step no rank took
         self.skipped_warmup_steps = 0
+        if isinstance(compressor, (OneBit, TopK)):
+            logging.getLogger(__name__).warning(
+                "DiLoCo: outer steps through %r ended further above DDP's loss than through Ternary() on the "
+                "transformer of docs/results/diloco.md (top-k at 5%% too: docs/results/diloco_topk); consider "
+                "Ternary()", compressor)
         if warmup_steps:
             self._hook = inner_optimizer.register_step_pre_hook(self._average_gradients)
             if not isinstance(warmup_compressor, (type(None), FP16, BF16)) and \

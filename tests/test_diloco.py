@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
+import torch
+import torch.distributed as dist
 
 from harness import assert_all_ok, launch
 from workers import diloco, diloco_levels
+
+from ddlcomm import compressors
+from ddlcomm.diloco import DiLoCo
 
 
 @pytest.mark.parametrize("backend", ["ddlcomm", "gloo"])
@@ -53,3 +60,21 @@ def test_bad_arguments_and_non_finite_pseudo_gradients_are_refused() -> None:
 @pytest.mark.parametrize("backend", ["ddlcomm", "gloo"])
 def test_two_levels_replicas_of_two_ranks_each_sync_half(backend: str) -> None:
     assert_all_ok(launch(diloco_levels.two_levels, 4, timeout=180, args=(backend,)))
+
+
+@pytest.mark.parametrize("compressor, warned", [
+    (compressors.OneBit(), True), (compressors.TopK(ratio=0.05), True), (compressors.Ternary(), False),
+    (None, False),
+])
+def test_outer_compressors_that_lost_accuracy_say_so(caplog: pytest.LogCaptureFixture,
+                                                     compressor: compressors.Compressor, warned: bool) -> None:
+    """1-bit and top-k outer steps ended further above DDP's loss than ternary on the
+    transformer (docs/results/diloco.md, diloco_topk/): DiLoCo says so once, when made."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = torch.nn.Linear(4, 4)
+        with caplog.at_level(logging.WARNING, logger="ddlcomm.diloco"):
+            DiLoCo(model, torch.optim.AdamW(model.parameters()), compressor=compressor)
+    finally:
+        dist.destroy_process_group()
+    assert ("consider Ternary()" in caplog.text) is warned, caplog.text
