@@ -240,22 +240,25 @@ def hook_on_ddp_own_gloo_group() -> None:
     """The hook on the very gloo group DDP runs its own collectives on, with find_unused_parameters
     (DDP all-reduces its unused-parameter map there while buckets are in flight): the hook's
     messages (tagged send and recv) do not interleave with them. It trains as on a ddlcomm group,
-    the same on every rank."""
+    and as with gradient_as_bucket_view (the gradients the hook replaces by directions are then
+    views of DDP's buckets), the same on every rank."""
     rank, n = init("gloo")
     ddlcomm_group = dist.new_group(backend="ddlcomm")
     x, y = synthetic(rank)
     trained = []
-    for group in (None, ddlcomm_group):
+    for group, views in ((None, False), (ddlcomm_group, False), (None, True)):
         torch.manual_seed(0)
         model = _WithUnused()
-        ddp = DistributedDataParallel(model, process_group=group, bucket_cap_mb=0.05, find_unused_parameters=True)
+        ddp = DistributedDataParallel(model, process_group=group, bucket_cap_mb=0.05, find_unused_parameters=True,
+                                      gradient_as_bucket_view=views)
+        opt = optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
         ddp.register_comm_hook(hooks.CompressionState(group, compressors.OneBit(), start_compress_iter=2,
-                                                      min_compression_bytes=0), hooks.compressed_hook)
-        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+                                                      min_compression_bytes=0, optimizer=opt), hooks.compressed_hook)
         for step in range(8):
             train_step(ddp, opt, x, y, step, rank)
         trained.append(flat_params(model))
     assert torch.equal(trained[0], trained[1]), "the hook trained differently on DDP's gloo group"
+    assert torch.equal(trained[0], trained[2]), "the hook trained differently with gradient_as_bucket_view"
     everyone = [torch.empty_like(trained[0]) for _ in range(n)]
     dist.all_gather(everyone, trained[0])
     assert all(torch.equal(e, trained[0]) for e in everyone), "ranks hold different parameters"
