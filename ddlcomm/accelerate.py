@@ -61,7 +61,7 @@ def register_hook(
         optimizer: the prepared optimizer (Accelerate's wrapper, or the torch optimizer in it),
             attached to the hook's state; None compresses gradients (with momentum SGD or
             Adam that loses accuracy: docs/choosing-a-compressor.md).
-        compressor: a ``ddlcomm.compressors`` compressor (None: ``OneBit()``).
+        compressor: a ``ddlcomm.compressors`` compressor (None: ``Ternary()``, the hook's default).
         max_grad_norm: clip as ``clip_grad_norm_`` would on the average gradient. With a lossy
             compressor and an optimizer, ``accelerator.clip_grad_norm_`` would rewrite the
             averaged update directions that ``.grad`` holds (``step()`` refuses them): pass

@@ -50,7 +50,7 @@ import torch.distributed as dist
 
 from .adaptive import Tuner
 from .clipping import NormClipping
-from .compressors import BF16, FP16, Compressor, OneBit, has_cuda
+from .compressors import BF16, FP16, Compressor, Ternary, has_cuda
 from .dgc import DgcCorrection
 from .compressed import native_backend, start_compressed_all_reduce, two_levels, wire_bytes
 from .ddp_memory import FeedbackMemory, ParameterKeys, Signature
@@ -72,7 +72,8 @@ class CompressionState(CompressionOptions):
         process_group: the group to reduce over (default: the world).
         compressor: a ``ddlcomm.compressors`` compressor (``OneBit()``, ``Ternary()``,
             ``TopK(ratio=0.01)``, ``RandomK(...)``, ``FP16()``, ``BF16()``); None means
-            ``OneBit()``.
+            ``Ternary()``, which kept plain all-reduce's accuracy on every recipe measured with
+            SGD and Adam (docs/choosing-a-compressor.md); ``OneBit()`` sends less.
         start_compress_iter: iterations that run uncompressed first (at least 2: DDP
             rebuilds its buckets after the first iteration).
         min_compression_bytes: buckets smaller than this go uncompressed (logged once).
@@ -155,7 +156,7 @@ class CompressionState(CompressionOptions):
     ) -> None:
         # Each part checks its own arguments; here only what relates two of them, or the hook.
         # The compressor, its options and statistics (CompressionOptions).
-        super().__init__(compressor if compressor is not None else OneBit(), start_compress_iter,
+        super().__init__(compressor if compressor is not None else Ternary(), start_compress_iter,
                          min_compression_bytes, error_feedback, momentum)
         compressor = self.compressor
         if start_compress_iter < 2:

@@ -51,8 +51,8 @@ class CompressionCallback(TrainerCallback, LogOnce):
     Args:
         trainer: the ``Trainer`` this callback is added to (``trainer.add_callback(...)``): the
             callback takes its DDP model and optimizer when training begins.
-        compressor: a ``ddlcomm.compressors`` compressor (None: ``OneBit()``); ``Ternary()`` is
-            the choice with AdamW (docs/choosing-a-compressor.md).
+        compressor: a ``ddlcomm.compressors`` compressor (None: ``Ternary()``, the hook's
+            default and the choice with AdamW: docs/choosing-a-compressor.md).
         resume_from: the checkpoint folder a resumed ``train()`` loads, where it is not
             ``<output_dir>/checkpoint-<step>`` (the Trainer's own name for it, taken by default).
         start_compress_iter, min_compression_bytes, error_feedback, adaptive, process_group:

@@ -50,8 +50,8 @@ class CompressionCallback(pl.Callback, LogOnce):
     """Registers a ``ddlcomm.hooks`` compressed hook on Lightning's DDP model (CPU and CUDA).
 
     Args:
-        compressor: a ``ddlcomm.compressors`` compressor; None means ``OneBit()`` (the
-            hook's default). ``Ternary()`` is the choice with Adam (docs/choosing-a-compressor.md).
+        compressor: a ``ddlcomm.compressors`` compressor; None means ``Ternary()`` (the
+            hook's default, the choice with Adam: docs/choosing-a-compressor.md).
         hook: the DDP communication hook (default ``ddlcomm.hooks.compressed_hook``).
         start_compress_iter, min_compression_bytes, error_feedback, adaptive, process_group:
             as ``ddlcomm.hooks.CompressionState`` takes them.

@@ -266,10 +266,16 @@ def main() -> None:
                              "configurations) and add these")
     parser.add_argument("--render", default=None, metavar="JSON",
                         help="rewrite the .md beside a saved torchft_faults.json, print the table and exit")
+    parser.add_argument("--seeds", nargs="+", default=None, metavar="JSON",
+                        help="saved torchft_faults.json files of runs with other seeds: write seeds.md into --out, "
+                             "each configuration's final accuracy, stall and time lost per fault by seed, and exit")
     args = parser.parse_args()
     if args.render:
         saved = Path(args.render)
         write_report(json.loads(saved.read_text()), saved.parent)
+        return
+    if args.seeds:
+        write_seeds([Path(f) for f in args.seeds], Path(args.out))
         return
     configs = args.configs.split(",")
     unknown = [c for c in configs if c not in CONFIGS]
@@ -301,14 +307,47 @@ def main() -> None:
 
 def write_report(records: list[dict], out: Path) -> None:
     first = records[0]
+    configs = list(dict.fromkeys(r["config"] for r in records))
+    options = "" if set(configs) == set(CONFIGS) else f" --configs {','.join(configs)}"
+    options += f" --seed {first['seed']}" if first["seed"] else ""
     header = (f"# Lost replicas on an emulated network (4 hosts, one replica each)\n\n"
               f"`sudo python -m bench.slownet.run_torchft_faults --rates {','.join(dict.fromkeys(r['rate'] for r in records))}"
-              f" --out {out}` (seed {first['seed']}): the CNN of bench.tasks, width {first['width']}, Adam, "
+              f"{options} --out {out}` (seed {first['seed']}): the CNN of bench.tasks, width {first['width']}, Adam, "
               f"DiLoCo every {first['sync_every']} inner steps, {first['outer_steps']} outer steps; columns in the "
               "module's docstring.\n\n")
     text = f"{header}{report(records, 0.5)}\n\n{report(records, 1.0)}"
     (out / "torchft_faults.md").write_text(text + "\n")
     print("\n" + text, flush=True)
+
+
+def write_seeds(files: list[Path], out: Path) -> None:
+    """seeds.md: per rate and configuration, with and without faults, each seed's final
+    accuracy (mean ± sd over the seeds), survivors' largest stall and time lost per fault."""
+    rows: dict[tuple, list[tuple]] = {}
+    for f in files:
+        records = json.loads(f.read_text())
+        for r in records:
+            clean = next((c for c in records if (c["rate"], c["config"]) == (r["rate"], r["config"]) and not c["faults"]),
+                         None)
+            s = summary(r, clean)
+            rows.setdefault((r["rate"], r["name"], bool(r["faults"])), []).append((r["seed"], s))
+    lines = ["# Lost replicas on an emulated network: the seeds", "",
+             f"`python -m bench.slownet.run_torchft_faults --seeds {' '.join(map(str, files))} --out {out}` from the "
+             "runs of each seed (their folders' torchft_faults.md name the commands). By seed: final accuracy %, "
+             "survivors' largest stall (s, over both faults), time lost per fault (s).", "",
+             "| rate | configuration | faults | seeds | final accuracy %, mean ± sd | by seed: accuracy / stall / lost per fault |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for (rate, name, faults), runs in rows.items():
+        runs.sort(key=lambda run: run[0])
+        finals = [s["final"] for _, s in runs]
+        spread = f" ± {statistics.stdev(finals):.2f}" if len(finals) > 1 else ""
+        cells = "; ".join(f"{seed}: {s['final']:.2f} / " + ("-" if s["stall_max"] is None else f"{s['stall_max']:.2f}")
+                          + " / " + ("-" if s["per_fault"] is None else f"{s['per_fault']:.1f}") for seed, s in runs)
+        lines.append(f"| {rate} | {name} | {'two' if faults else 'none'} | {len(runs)} | "
+                     f"{statistics.fmean(finals):.2f}{spread} | {cells} |")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "seeds.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines), flush=True)
 
 
 if __name__ == "__main__":
