@@ -245,6 +245,9 @@ def start_compressed_all_reduce(
     Waiting on the first raises a failure as itself (``DistBackendError``); torch's
     ``Future.then``, which makes the second, would wrap it in a RuntimeError.
     """
+    if not isinstance(tensor, torch.Tensor) or not isinstance(compressor, Compressor):
+        raise TypeError(f"compressed_all_reduce takes a tensor and a ddlcomm.compressors compressor, got "
+                        f"{type(tensor).__name__} and {type(compressor).__name__}")
     if group is None and not dist.is_initialized():  # as torch's collectives say it
         raise ValueError("compressed_all_reduce: the default process group has not been initialized: call "
                          "torch.distributed.init_process_group first")

@@ -291,3 +291,12 @@ def test_compressed_all_reduce_before_init_process_group_says_so() -> None:
 
     with pytest.raises(ValueError, match="init_process_group first"):
         compressed_all_reduce(torch.ones(4), OneBit())
+
+
+def test_compressed_all_reduce_refuses_what_is_not_a_tensor_and_a_compressor() -> None:
+    from ddlcomm.compressed import compressed_all_reduce
+
+    with pytest.raises(TypeError, match="got Tensor and str"):
+        compressed_all_reduce(torch.ones(4), "one_bit")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="got list and OneBit"):
+        compressed_all_reduce([1.0, 2.0], OneBit())  # type: ignore[arg-type]
