@@ -23,6 +23,7 @@ import socket
 import statistics
 from datetime import timedelta
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.multiprocessing as mp
@@ -43,6 +44,20 @@ def process_group(name: str, timeout: timedelta):
     from torchft.process_group import ProcessGroupGloo
 
     return ProcessGroupGloo(timeout=timeout)
+
+
+def manager_state(**parts) -> tuple[Callable[[], dict], Callable[[dict], None]]:
+    """torchft ``Manager``'s ``state_dict`` and ``load_state_dict`` over ``parts``' own (what a
+    healing replica fetches from a live one), keyed by the parts' names."""
+
+    def state_dict() -> dict:
+        return {name: part.state_dict() for name, part in parts.items()}
+
+    def load_state_dict(state: dict) -> None:
+        for name, part in parts.items():
+            part.load_state_dict(state[name])
+
+    return state_dict, load_state_dict
 
 
 def install_compressor(manager, name: str, model: torch.nn.Module) -> None:
@@ -77,14 +92,7 @@ def replica(index: int, args: argparse.Namespace, seed: int, lighthouse: str, re
                             nesterov=args.outer_momentum > 0)  # as ddlcomm.diloco.DiLoCo
     store_port = free_port()
     store = TCPStore("127.0.0.1", store_port, 1, is_master=True, wait_for_workers=False)  # this replica's own
-
-    def state_dict() -> dict:
-        return {"model": model.state_dict(), "inner": inner.state_dict()}
-
-    def load_state_dict(state: dict) -> None:
-        model.load_state_dict(state["model"])
-        inner.load_state_dict(state["inner"])
-
+    state_dict, load_state_dict = manager_state(model=model, inner=inner)
     pg = process_group(args.process_group, timedelta(seconds=60))
     manager = Manager(pg=pg, min_replica_size=args.replicas,
                       load_state_dict=load_state_dict, state_dict=state_dict, replica_id=str(index),

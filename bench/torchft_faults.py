@@ -46,7 +46,8 @@ import torch
 from ddlcomm import compressors
 
 from bench.tasks import Task, lr_lambda, make_task
-from bench.torchft_diloco import COMPRESSORS, install_compressor, process_group
+from bench.torchft_diloco import COMPRESSORS, install_compressor, manager_state, process_group
+
 Event = Callable[..., None]
 
 
@@ -85,22 +86,22 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def build(args: argparse.Namespace) -> tuple[Task, torch.nn.Module, torch.optim.Optimizer, Callable[[int], float], int]:
-    """The task, the model (the same on every replica), Adam, the schedule and its length."""
+def build(args: argparse.Namespace) -> tuple[Task, torch.nn.Module, torch.optim.Optimizer, Callable[[int], float]]:
+    """The task (of ``--outer-steps`` x ``--sync-every`` steps), the model (the same on every
+    replica), Adam and the schedule."""
     torch.set_num_threads(1)
     total = args.outer_steps * args.sync_every
     task = make_task("cnn", width=args.width, batch=args.batch, steps=total)
     torch.manual_seed(args.seed)
     model = task.model()
-    return task, model, torch.optim.Adam(model.parameters(), lr=args.lr), lr_lambda(total), total
+    return task, model, torch.optim.Adam(model.parameters(), lr=args.lr), lr_lambda(total)
 
 
 def train_step(args: argparse.Namespace, task: Task, model: torch.nn.Module, inner: torch.optim.Optimizer,
                schedule: Callable[[int], float], step: int, g: torch.Generator) -> None:
     """Sets the learning rate of global inner step ``step``, computes one batch's gradient."""
-    total = args.outer_steps * args.sync_every
     for group in inner.param_groups:
-        group["lr"] = args.lr * schedule(min(step, total - 1))
+        group["lr"] = args.lr * schedule(min(step, task.steps - 1))
     inner.zero_grad()
     x, y = task.batch(g)
     task.loss(model, x, y).backward()
@@ -121,19 +122,11 @@ def under_torchft(args: argparse.Namespace, event: Event) -> None:
     from torchft.local_sgd import DiLoCo
     from torchft.manager import Manager
 
-    task, model, inner, schedule, _ = build(args)
+    task, model, inner, schedule = build(args)
     outer = torch.optim.SGD(model.parameters(), lr=1.0, momentum=0.5, nesterov=True)
     store = TCPStore(args.address, 0, 1, is_master=True, wait_for_workers=False)
     timeout = timedelta(seconds=args.timeout)
-
-    def state_dict() -> dict:
-        return {"model": model.state_dict(), "inner": inner.state_dict(), "outer": outer.state_dict()}
-
-    def load_state_dict(state: dict) -> None:
-        model.load_state_dict(state["model"])
-        inner.load_state_dict(state["inner"])
-        outer.load_state_dict(state["outer"])
-
+    state_dict, load_state_dict = manager_state(model=model, inner=inner, outer=outer)
     pg = process_group(args.process_group, timeout)
     manager = Manager(pg=pg, min_replica_size=args.min_replicas, load_state_dict=load_state_dict,
                       state_dict=state_dict, replica_id=str(args.replica), store_addr=args.address,
@@ -185,7 +178,7 @@ def elastic(args: argparse.Namespace, event: Event) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     deaths = [int(s) for s in args.die_at.split(",") if s]
-    task, model, inner, schedule, _ = build(args)
+    task, model, inner, schedule = build(args)
     compressor = getattr(compressors, COMPRESSORS[args.compressor])() if args.compressor else None
     diloco = DiLoCo(model, inner, sync_every=args.sync_every, compressor=compressor)
 
@@ -204,12 +197,12 @@ def elastic(args: argparse.Namespace, event: Event) -> None:
         train_step(args, task, model, inner, schedule, diloco.inner_steps, g)
         began = time.time()
         inner.step()
-        # Failure i once, whatever the attempt (the agents of torchrun count restarts differently)
-        failure = len(list(args.checkpoints.glob("failure*"))) if (diloco.inner_steps + 1) % args.sync_every == 0 \
-            else len(deaths)
-        if failure < len(deaths) and rank == world - 1 - failure and diloco.outer_steps + 1 == deaths[failure]:
-            (args.checkpoints / f"failure{failure}").touch()
-            os.kill(os.getpid(), signal.SIGKILL)  # the others are in the outer step's all-reduce
+        if deaths and (diloco.inner_steps + 1) % args.sync_every == 0:  # this step() syncs
+            # Failure i once, whatever the attempt (torchrun's agents count restarts differently)
+            failure = len(list(args.checkpoints.glob("failure*")))
+            if failure < len(deaths) and rank == world - 1 - failure and diloco.outer_steps + 1 == deaths[failure]:
+                (args.checkpoints / f"failure{failure}").touch()
+                os.kill(os.getpid(), signal.SIGKILL)  # the others are in the outer step's all-reduce
         diloco.step()
         if diloco.inner_steps % args.sync_every:
             continue

@@ -166,6 +166,12 @@ def test_rank_and_world_are_the_state_groups(one_rank: None) -> None:
         assert state.checkpoint.pickled(state).saved_world == state.rank_and_world()
 
 
+def test_the_default_compressor_is_ternary() -> None:
+    """Without compressor= (the trainers' callbacks pass None through) the hook takes the one
+    compressor that kept accuracy with SGD and Adam on every recipe (docs/results/recipes.md)."""
+    assert type(hooks.CompressionState().compressor) is compressors.Ternary
+
+
 @pytest.mark.parametrize("compressor, optimizer, warned", [
     (compressors.OneBit(), "AdamW", True), (compressors.TopK(ratio=0.01), "Adam", True),
     (compressors.RandomK(ratio=0.1), "SGD", True), (compressors.Ternary(), "AdamW", False),

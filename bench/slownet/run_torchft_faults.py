@@ -143,6 +143,7 @@ def run_one(net: SlowNet, rate: str, config: str, faults: list[int], args, work:
         for p in procs.values():
             if p.poll() is None:
                 p.kill()
+            p.wait()  # none left behind, running or unreaped
         if lighthouse is not None:
             lighthouse.send_signal(signal.SIGTERM)
             lighthouse.wait()
