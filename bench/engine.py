@@ -12,8 +12,11 @@ the bytes it gathers (one call each for all pieces: less than the algorithm's me
 floor). The ratio is gloo group / (ddlcomm group + gloo moving the payload): at 1 the engine
 over gloo costs what its computation costs plus what gloo takes to move its bytes. "host ms"
 is how long the caller spends in ``compressed_all_reduce`` before it has a future back (what a
-DDP hook costs the backward pass per bucket). Calls pass ``verify=False``, as the DDP hooks do
-after a bucket's first call. Each time is the median of --repeats, the slowest rank's.
+DDP hook costs the backward pass per bucket). "gloo collectives path" is the same call over
+gloo's own all-to-all and all-gather (``ddlcomm.compressed.all_reduce_over_collectives``, the
+path of CUDA tensors and nccl groups, here on the CPU tensors). Calls pass ``verify=False``, as
+the DDP hooks do after a bucket's first call. Each time is the median of --repeats, the slowest
+rank's.
 
 With ``--ddp`` it times DDP steps of an MLP (SGD) with the 1-bit hook on each group instead, against
 the same step without DDP (compute alone) and the 1-bit all-reduces of its gradient in DDP's
@@ -39,7 +42,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from ddlcomm import _C, compressors, hooks
-from ddlcomm.compressed import compressed_all_reduce, server_residual_numel
+from ddlcomm.compressed import all_reduce_over_collectives, compressed_all_reduce, server_residual_numel
 from ddlcomm.wire import all_gather_single
 
 from bench import init_ranks
@@ -109,6 +112,10 @@ def measure(name: str, numel: int, groups: dict[str, dist.ProcessGroup], repeats
             hosts.append(time.perf_counter() - start)
             fut.wait()
         row[label + " host"] = statistics.median(hosts)
+    steps = iter(range(1 << 30))
+    row["collectives"] = slowest_median(
+        lambda: all_reduce_over_collectives(grad, compressor, worker, server, groups["gloo"], True, next(steps),
+                                            False, False), repeats)
     row["move"] = slowest_median(payload_move(compressor, numel, groups["gloo"]), repeats)
     return row
 
@@ -190,14 +197,14 @@ def main() -> None:
         lines += ddp_rows(groups, args.width, args.depth, args.batch, args.repeats)
     else:
         lines += ["| compressor, gradient | ddlcomm group ms | gloo group ms | gloo moving the payload ms | ratio | "
-                  "host ms, ddlcomm / gloo |", "|---|---|---|---|---|---|"]
+                  "host ms, ddlcomm / gloo | gloo collectives path ms |", "|---|---|---|---|---|---|---|"]
     for name in ([] if args.ddp else args.compressors):
         for mb in args.sizes_mb:
             row = measure(name, int(mb * (1 << 20)) // 4, groups, args.repeats)
             ratio = row["gloo"] / (row["ddlcomm"] + row["move"])
             lines.append(f"| {name}, {mb:g} MB | {row['ddlcomm'] * 1e3:.2f} | {row['gloo'] * 1e3:.2f} | "
                          f"{row['move'] * 1e3:.2f} | {ratio:.2f} | {row['ddlcomm host'] * 1e3:.3f} / "
-                         f"{row['gloo host'] * 1e3:.3f} |")
+                         f"{row['gloo host'] * 1e3:.3f} | {row['collectives'] * 1e3:.2f} |")
             if dist.get_rank() == 0:
                 print(lines[-1], flush=True)
     if dist.get_rank() == 0 and args.out:  # a section per run: one file holds the 2- and 4-rank runs

@@ -15,9 +15,10 @@ sum with its server residual; an all-gather of those payloads gives every rank t
 Sparse formats (top-k, random-k) all-gather the (index, value) payloads and sum them in rank
 order.
 
-CUDA tensors still take the same algorithm over torch's collectives, in Python (``_fallback``):
-encoded and decoded on their GPU, on the current stream. Over NCCL the payloads stay in device
-memory. Over gloo and ddlcomm (whose collectives run on the CPU) only the payloads cross PCIe,
+CUDA tensors take the same plan over the group's own collectives, also in C++
+(``csrc/torch/collective_compressed.cc``): encoded and decoded on their GPU, on the current
+stream, one call per bucket. Over NCCL the payloads stay in device memory and nothing waits on
+the host. Over gloo and ddlcomm (whose collectives run on the CPU) only the payloads cross PCIe,
 through pinned host memory: each copy is waited for by a CUDA event, never a device
 synchronization, and what arrives is validated on the host before it goes back to the GPU. The
 result is bitwise the same as on the CPU for the deterministic formats (the CUDA kernels are
@@ -27,12 +28,11 @@ bit-exact twins of the CPU ones).
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import datetime
 import functools
 import logging
 import os
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -40,17 +40,15 @@ import torch.distributed as dist
 from . import _C
 from .compressors import Compressor, all_finite
 from .host_levels import HostLevels, host_levels
-from .wire import Agreement, Wire, accumulate, aligned, all_gather_single, decode
+from .wire import Agreement, collectives_on_gpu
 
 __all__ = [
-    "compressed_all_reduce", "engine_of", "start_compressed_all_reduce", "host_levels_of", "server_chunks",
+    "all_reduce_over_collectives", "compressed_all_reduce", "engine_of", "start_compressed_all_reduce",
+    "host_levels_of", "reduce_scatter_over_collectives", "server_chunks",
     "server_residual_numel", "native_backend", "reduce_scatter_wire_bytes", "two_levels", "wire_bytes",
 ]
 
 logger = logging.getLogger(__name__)
-
-_encode_stream = _C.ProcessGroupDdlcomm.encode_stream
-
 
 def native_backend(group: Optional[dist.ProcessGroup]) -> Optional[_C.ProcessGroupDdlcomm]:
     """The ddlcomm backend behind `group` (default: the world), or None for other backends."""
@@ -126,9 +124,6 @@ def _forget_destroyed_groups() -> None:
 atexit.register(_engines.clear)
 
 
-# The layout and the traffic come from the C++ plan the native algorithm runs (compressed_allreduce.h):
-# the Python path cannot split differently, nor the statistics count differently.
-_pieces = _C.ProcessGroupDdlcomm.compressed_allreduce_pieces  # (numel, n): [(begin, end, chunk bounds)]
 
 
 def server_chunks(numel: int, rank: int, world_size: int, group: Optional[dist.ProcessGroup] = None,
@@ -145,7 +140,7 @@ def server_chunks(numel: int, rank: int, world_size: int, group: Optional[dist.P
         levels = host_levels_of(group or dist.group.WORLD) if world_size > 1 else None
         if levels is not None and not compressor.is_sparse:
             return [tuple(c) for c in levels.plan(numel)["server_chunks"]]
-    return [(begin + bounds[rank], begin + bounds[rank + 1]) for begin, _, bounds in _pieces(numel, world_size)]
+    return [tuple(c) for c in _C.ProcessGroupDdlcomm.compressed_allreduce_server_chunks(numel, rank, world_size)]
 
 
 def host_levels_of(group: dist.ProcessGroup) -> Optional[HostLevels]:
@@ -251,12 +246,13 @@ def start_compressed_all_reduce(
     if group is None and not dist.is_initialized():  # as torch's collectives say it
         raise ValueError("compressed_all_reduce: the default process group has not been initialized: call "
                          "torch.distributed.init_process_group first")
-    wire = Wire(tensor, group)
     # Random-k sends a random sample, which can miss a non-finite entry; a non-finite gradient
     # anywhere must still make the result non-finite everywhere (GradScaler skips the step),
     # and the residuals must not take it in.
     if compressor.samples_randomly:
-        poisoned = torch.tensor([0 if all_finite(tensor) else 1], dtype=torch.uint8, device=wire.device)
+        on_gpu = tensor.is_cuda and collectives_on_gpu(group or dist.group.WORLD, tensor.device)
+        poisoned = torch.tensor([0 if all_finite(tensor) else 1], dtype=torch.uint8,
+                                device=tensor.device if on_gpu else "cpu")
         work = dist.all_reduce(poisoned, op=dist.ReduceOp.MAX, group=group, async_op=True)
         work.wait()
         if poisoned.item():
@@ -267,13 +263,14 @@ def start_compressed_all_reduce(
         if verify and engine is not native_backend(group):
             # A mismatch the engine finds in flight would leave it unusable: refused here, on every
             # rank, the group stays usable.
-            Agreement(tensor, compressor, group or dist.group.WORLD, engine.size(), True, wire.device).wait()
+            Agreement(tensor, compressor, group or dist.group.WORLD, engine.size(), True, tensor.device).wait()
         work = engine.compressed_allreduce(
             tensor, compressor.config, worker_residual, server_residual, average, int(stream), flat
         )
         raw = work.get_future()
         return raw, raw.then(lambda fut: fut.value()[0])
-    _fallback(tensor, compressor, worker_residual, server_residual, group, average, int(stream), verify, wire, flat)
+    all_reduce_over_collectives(tensor, compressor, worker_residual, server_residual, group, average, int(stream), verify,
+                                flat)
     done: torch.futures.Future = torch.futures.Future()
     done.set_result([tensor])
     return _completed(done, tensor)
@@ -285,176 +282,45 @@ def _completed(raw: torch.futures.Future, tensor: torch.Tensor) -> tuple[torch.f
     return raw, done
 
 
-def _fallback(
-    tensor: torch.Tensor,
-    compressor: Compressor,
-    worker_residual: Optional[torch.Tensor],
-    server_residual: Optional[torch.Tensor],
-    group: Optional[dist.ProcessGroup],
-    average: bool,
-    stream: int,
-    verify: bool,
-    wire: Wire,
-    one_level: bool,
-) -> None:
-    """The C++ algorithm over torch's collectives, for CUDA tensors (on any group): the same
-    bytes and sums."""
+def all_reduce_over_collectives(tensor: torch.Tensor, compressor: Compressor, worker_residual: Optional[torch.Tensor],
+                                server_residual: Optional[torch.Tensor], group: Optional[dist.ProcessGroup],
+                                average: bool, stream: int, verify: bool, flat: bool) -> None:
+    """``compressed_all_reduce``'s path for CUDA tensors and groups without CPU collectives
+    (arguments as there), blocking only where the group's backend blocks: the plan of the
+    engine over the group's own all-to-all and all-gather (c10d's backend, from C++), the same
+    bytes and sums as the engine. On CPU tensors it runs too (the tests and ``bench.engine``
+    compare it with the engine)."""
     group = group or dist.group.WORLD
-    n, r = dist.get_world_size(group), dist.get_rank(group)
-    flat = tensor.view(-1)
-    numel = flat.numel()
-    levels = host_levels_of(group) if n > 1 and not one_level else None
-    agreement = Agreement(flat, compressor, group, n, verify, wire.device)
-    if numel == 0:
-        agreement.wait()
-        return
-    scale = 1.0 / n if average else 1.0
-    if levels is not None:
-        agreement.wait()  # before the exact sum inside the host, which gloo cannot check
-        _over_hosts(flat, worker_residual, server_residual, levels,
-                    _Among(compressor, levels.across, scale, stream, None, wire, (r, n)))
-        return
-    among = _Among(compressor, group, scale, stream, agreement, wire, (r, n))
-    if compressor.is_sparse:
-        _sparse_among(flat, worker_residual, among)
-    else:
-        _pieces_among(flat, [(begin, bounds) for begin, _, bounds in _pieces(numel, n)], worker_residual,
-                      server_residual, among)
+    _C.compressed_allreduce_over_collectives(tensor, compressor.config, worker_residual, server_residual, average,
+                                             stream, *_collectives_of(tensor, compressor, group, verify, flat))
 
 
-@dataclasses.dataclass
-class _Among:
-    """What every part of one compressed all-reduce shares among the ranks it runs with.
-
-    Attributes:
-        compressor: the call's compressor.
-        group: the ranks the part runs among (the call's group, or one rank per host).
-        scale: the factor of the sum (1/n of the whole group to average).
-        stream: the call's randomness stream.
-        agreement: the check that every rank reduces the same, waited for before the first
-            payload leaves (None: already waited for).
-        wire: where the payloads travel.
-        streams: the (rank, size) that number the encodes' randomness streams: the whole
-            group's, also where ``group`` is one rank per host.
-    """
-
-    compressor: Compressor
-    group: dist.ProcessGroup
-    scale: float
-    stream: int
-    agreement: Optional[Agreement]
-    wire: Wire
-    streams: tuple[int, int]
-
-    def checked(self) -> None:
-        if self.agreement is not None:
-            self.agreement.wait()
+def reduce_scatter_over_collectives(output: torch.Tensor, input: torch.Tensor, compressor: Compressor,
+                                    worker_residual: Optional[torch.Tensor], group: dist.ProcessGroup, average: bool,
+                                    stream: int, verify: bool) -> None:
+    """``output`` = the compressed reduction of chunk ``rank`` of every rank's ``input`` over the
+    group's own collectives (``ddlcomm.fsdp``'s path for CUDA tensors and groups without CPU
+    collectives; ``engine_of(group).compressed_reduce_scatter`` is the engine's): the same bytes
+    and float32 sums, in two levels where ``host_levels_of`` takes them. `verify`: as
+    ``compressed_all_reduce``'s."""
+    _C.compressed_reduce_scatter_over_collectives(output, input, compressor.config, worker_residual, average, stream,
+                                                  *_collectives_of(input, compressor, group, verify, False))
 
 
-def _over_hosts(flat: torch.Tensor, worker_residual: Optional[torch.Tensor], server_residual: Optional[torch.Tensor],
-                levels: HostLevels, among: _Among) -> None:
-    """The native two-level plan over standard collectives: the exact sum inside the host (in
-    the tensor's dtype, by the backend's own all-reduce), each rank's shard of it compressed
-    `among` the ranks at its place on the other hosts (error feedback on that shard; the encode
-    streams of the whole group's ranks), the shards all-gathered inside the host. Every rank
-    decodes or copies the same bytes; the in-host sums may round otherwise than the native
-    ring's."""
-    plan = levels.plan(flat.numel())
-    dist.all_reduce(flat, group=levels.host)
-    if among.compressor.is_sparse:
-        bounds = plan["sparse_shards"]
-        begin, end = bounds[levels.local], bounds[levels.local + 1]
-        _sparse_among(flat[begin:end], None if worker_residual is None else worker_residual[begin:end], among)
-        _gather_in_host(flat, bounds, levels)
-        return
-    _pieces_among(flat, [(at, bounds) for _, _, _, at, bounds in plan["pieces"]], worker_residual, server_residual,
-                  among)
-    for begin, end, in_host, _, _ in plan["pieces"]:
-        _gather_in_host(flat[begin:end], in_host, levels)
+def _collectives_of(tensor: torch.Tensor, compressor: Compressor, group: dist.ProcessGroup, verify: bool,
+                    flat: bool) -> tuple[Any, ...]:
+    """The group as the collectives path takes it (group, host, across, identities, staged), after
+    the check that every rank reduces the same (before the first exchange, and before the exact
+    sums inside a host, which gloo cannot check). Payloads of a CUDA tensor over a backend whose
+    collectives run on the CPU travel through pinned host memory, where what arrives is validated."""
+    levels = host_levels_of(group) if dist.get_world_size(group) > 1 and not flat else None
+    staged = tensor.is_cuda and not collectives_on_gpu(group, tensor.device)
+    payloads = torch.device("cpu") if staged else tensor.device
+    Agreement(tensor, compressor, group, dist.get_world_size(group), verify, payloads).wait()
 
+    def backends(g: dist.ProcessGroup) -> tuple[Any, Any]:
+        return g._get_backend(tensor.device), g._get_backend(payloads)
 
-def _sparse_among(flat: torch.Tensor, worker_residual: Optional[torch.Tensor], among: _Among) -> None:
-    """A sparse format's all-reduce, in place: every rank's payload all-gathered, decoded and
-    summed in rank order."""
-    compressor, wire = among.compressor, among.wire
-    k, numel = dist.get_world_size(among.group), flat.numel()
-    me, size = among.streams
-    payload = wire.send(compressor.encode(flat, worker_residual, stream=_encode_stream(among.stream, me, 0, 0, size)))
-    everyone = wire.empty(k * payload.numel())
-    among.checked()
-    all_gather_single(everyone, payload, group=among.group)
-    acc = torch.zeros(numel, dtype=torch.float32, device=flat.device)
-    accumulate(compressor, wire.receive(everyone.view(k, -1), compressor, [numel] * k), acc, numel)
-    if among.scale != 1.0:
-        acc.mul_(among.scale)
-    flat.copy_(acc)
-
-
-def _pieces_among(flat: torch.Tensor, spans: list[tuple[int, list[int]]], worker_residual: Optional[torch.Tensor],
-                  server_residual: Optional[torch.Tensor], among: _Among) -> None:
-    """The scatter-reduce-gather of every piece; spans: (the piece's begin in `flat`, its chunk
-    bounds relative to it), one chunk per rank of ``among.group``."""
-    me = dist.get_rank(among.group)
-    residual_at = 0
-    for piece, (begin, bounds) in enumerate(spans):
-        mine = bounds[me + 1] - bounds[me]
-        part = slice(begin, begin + bounds[-1])
-        _scatter_reduce_gather(flat[part], bounds, None if worker_residual is None else worker_residual[part],
-                               None if server_residual is None else server_residual[residual_at : residual_at + mine],
-                               piece, among)
-        residual_at += mine
-
-
-def _gather_in_host(flat: torch.Tensor, bounds: list[int], levels: HostLevels) -> None:
-    """Copies every host rank's shard flat[bounds[l]:bounds[l + 1]] to the others (all-gather
-    needs equal sizes: the shards are padded to the widest)."""
-    k = len(bounds) - 1
-    widest = max(bounds[i + 1] - bounds[i] for i in range(k))
-    mine = flat[bounds[levels.local] : bounds[levels.local + 1]]
-    padded = torch.zeros(widest, dtype=flat.dtype, device=flat.device)
-    padded[: mine.numel()] = mine
-    everyone = torch.empty(k * widest, dtype=flat.dtype, device=flat.device)
-    all_gather_single(everyone, padded, group=levels.host)
-    for i, row in enumerate(everyone.view(k, widest)):
-        if i != levels.local:
-            flat[bounds[i] : bounds[i + 1]] = row[: bounds[i + 1] - bounds[i]]
-
-
-def _scatter_reduce_gather(flat: torch.Tensor, bounds: list[int], worker_residual: Optional[torch.Tensor],
-                           server_residual: Optional[torch.Tensor], piece: int, among: _Among) -> None:
-    """One piece of a quantized or cast compressed all-reduce, in place; chunk i is
-    flat[bounds[i]:bounds[i + 1]], reduced by rank i of ``among.group``."""
-    compressor, wire, group, stream = among.compressor, among.wire, among.group, among.stream
-    n, r = dist.get_world_size(group), dist.get_rank(group)
-    me, size = among.streams
-    lengths = [bounds[i + 1] - bounds[i] for i in range(n)]
-    sizes = [compressor.compressed_nbytes(length) for length in lengths]
-    # Each payload in a slot of whole 4-byte words: the CUDA decoders read it in place.
-    slots = [aligned(size) for size in sizes]
-    outgoing = torch.zeros(sum(slots), dtype=torch.uint8, device=flat.device)
-    at = 0
-    for i in range(n):
-        compressor.encode(
-            flat[bounds[i] : bounds[i + 1]],
-            None if worker_residual is None else worker_residual[bounds[i] : bounds[i + 1]],
-            stream=_encode_stream(stream, me, 0, i, size, piece),
-            out=outgoing[at : at + slots[i]],
-        )
-        at += slots[i]
-    incoming = wire.empty(n * slots[r])
-    outgoing = wire.send(outgoing)
-    among.checked()
-    dist.all_to_all_single(incoming, outgoing, [slots[r]] * n, slots, group=group)
-    acc = torch.zeros(lengths[r], dtype=torch.float32, device=flat.device)
-    accumulate(compressor, wire.receive(incoming.view(n, slots[r]), compressor, [lengths[r]] * n), acc, lengths[r])
-    if among.scale != 1.0:
-        acc.mul_(among.scale)
-    # all_gather_single needs equal sizes: chunk payloads differ by at most one element's worth.
-    widest = max(slots)
-    padded = torch.zeros(widest, dtype=torch.uint8, device=flat.device)
-    compressor.encode(acc, server_residual, stream=_encode_stream(stream, me, 1, r, size, piece), out=padded)
-    gathered = wire.empty(n * widest)
-    all_gather_single(gathered, wire.send(padded), group=group)
-    rows = wire.receive(gathered.view(n, widest), compressor, lengths)
-    for j, part in enumerate(rows):
-        decode(compressor, part[: sizes[j]], flat[bounds[j] : bounds[j + 1]])
+    if levels is None:
+        return backends(group), None, None, [], staged
+    return backends(group), backends(levels.host), backends(levels.across), levels.identities, staged

@@ -43,8 +43,8 @@ scaler would divide the (scale-free) Adam step by its scale.
 The reduce-scatter of CPU tensors is one C++ collective on any group with CPU collectives
 (``ddlcomm.compressed.engine_of``; over hosts of several ranks where the group takes two
 levels: exact inside each host, only the host sums compressed across, docs/collectives.md);
-CUDA tensors take the same algorithm over the group's all-to-all, with its bits (in two levels
-by ``host_levels_of``'s rule).
+CUDA tensors take the same plan over the group's all-to-all, also in C++, with its bits (in two
+levels by ``ddlcomm.compressed.host_levels_of``'s rule).
 ``quantize_all_gather`` (from ``ddlcomm.quantized_gather``) sends the parameter all-gathers in 8 bits.
 """
 
@@ -58,15 +58,13 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
-from . import _C
 from .compressors import BF16, FP16, Compressor, all_finite
-from .compressed import (compressed_all_reduce, engine_of, host_levels_of, reduce_scatter_wire_bytes,
+from .compressed import (compressed_all_reduce, engine_of, reduce_scatter_over_collectives, reduce_scatter_wire_bytes,
                          server_residual_numel, wire_bytes)
 from .moments import normalised_step, update_first, update_second
 from .options import CompressionOptions, CompressionStats
 from .quantized_gather import AllGatherQuantization, QuantizedAllGather, quantize_all_gather  # re-exported
-from .wire import (Agreement, Wire, accumulate, aligned, call_stream, ring_all_reduce_bytes,
-                   ring_reduce_scatter_bytes)
+from .wire import Agreement, call_stream, ring_all_reduce_bytes, ring_reduce_scatter_bytes
 
 __all__ = ["FSDPCompressionState", "CompressedReduceScatter", "compress_gradients", "AllGatherQuantization",
            "QuantizedAllGather", "quantize_all_gather"]
@@ -75,7 +73,6 @@ logger = logging.getLogger(__name__)
 
 _STATE_VERSION = 3  # 2: momentum= averages the momentum; 3: adam_betas= averages the first moment
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_encode_stream = _C.ProcessGroupDdlcomm.encode_stream
 # The state's per-module tensors, as state_dict() names them.
 _MEMORIES = ("residuals", "server_residuals", "momenta", "exp_avgs", "exp_avg_sqs", "replica_residuals",
              "replica_server_residuals")
@@ -259,55 +256,21 @@ class FSDPCompressionState(CompressionOptions):
         if self.compressor.samples_randomly and self._poisoned(flat, [group]):
             output.fill_(float("nan"))
             return
-        wire = Wire(flat, group)
-        # Every rank compresses alike: checked at a module's first call, with a clear error.
-        agreement = Agreement(flat, self.compressor, group, n, name not in self._verified, wire.device)
-        self._verified.add(name)
         residual = self._memory(self.residuals, name, flat.numel(), flat.device) if self.error_feedback else None
         stream = call_stream(calls, index)
+        # Every rank compresses alike: checked at a module's first call, with a clear error.
+        verify = name not in self._verified
+        self._verified.add(name)
+        average = op == dist.ReduceOp.AVG
         engine = engine_of(group) if not flat.is_cuda else None
         if engine is not None:  # in C++, pipelined: encoding overlaps sending
-            agreement.wait()
-            engine.compressed_reduce_scatter(output.view(-1), flat, self.compressor.config, residual,
-                                             op == dist.ReduceOp.AVG, stream).wait()
+            if verify:
+                Agreement(flat, self.compressor, group, n, True, flat.device).wait()
+            engine.compressed_reduce_scatter(output.view(-1), flat, self.compressor.config, residual, average,
+                                             stream).wait()
         else:
-            self._reduce_scatter_over(group, output, flat, residual, op, stream, wire, agreement)
+            reduce_scatter_over_collectives(output, flat, self.compressor, residual, group, average, stream, verify)
         self.stats.count(reduce_scatter_wire_bytes(self.compressor, m, n), ring, compressed=True)
-
-    def _reduce_scatter_over(self, group: dist.ProcessGroup, output: torch.Tensor, flat: torch.Tensor,
-                             residual: Optional[torch.Tensor], op: Any, stream: int, wire: Wire,
-                             agreement: Agreement) -> None:
-        """The compressed reduce-scatter over the group's all-to-all (gloo, nccl, CUDA tensors):
-        the bytes and the float32 sum of the native one, in two levels where its hosts take them
-        (``host_levels_of``): a reduce-scatter inside the host first, then among the ranks at
-        this rank's place."""
-        n, r = group.size(), group.rank()
-        m = output.numel()
-        owners, among = list(range(n)), group
-        levels = host_levels_of(group) if n > 1 else None
-        if levels is not None:  # as the native one: the host's sums of the chunks of the ranks at this place
-            hosts = levels.plan(0)["hosts"]
-            owners, among = [host[levels.local] for host in hosts], levels.across
-            by_place = torch.cat([flat[o * m:(o + 1) * m] for place in range(len(hosts[0])) for o in
-                                  (host[place] for host in hosts)])
-            agreement.wait()
-            flat = torch.empty(len(owners) * m, dtype=flat.dtype, device=flat.device)
-            dist.reduce_scatter_tensor(flat, by_place, group=levels.host)
-        k = len(owners)
-        slot = aligned(self.compressor.compressed_nbytes(m))
-        outgoing = torch.zeros(k * slot, dtype=torch.uint8, device=flat.device)
-        for i, o in enumerate(owners):
-            self.compressor.encode(flat[i * m:(i + 1) * m], None if residual is None else residual[o * m:(o + 1) * m],
-                                   stream=_encode_stream(stream, r, 0, o, n), out=outgoing[i * slot:(i + 1) * slot])
-        incoming = wire.empty(k * slot)
-        outgoing = wire.send(outgoing)
-        agreement.wait()
-        dist.all_to_all_single(incoming, outgoing, group=among)
-        acc = torch.zeros(m, dtype=torch.float32, device=flat.device)
-        accumulate(self.compressor, wire.receive(incoming.view(k, slot), self.compressor, [m] * k), acc, m)
-        if op == dist.ReduceOp.AVG:
-            acc.mul_(1.0 / n)  # float(1 / n), as the native one
-        output.view(-1).copy_(acc)
 
     def _poisoned(self, flat: torch.Tensor, groups: list[dist.ProcessGroup]) -> bool:
         """Whether any rank of ``groups`` holds a non-finite gradient (one byte all-reduced): the

@@ -39,7 +39,6 @@ class HostLevels:
         topology: the hosts, e.g. ``"2 hosts x 2 ranks"``.
         host: the subgroup of this rank's host.
         across: the subgroup of the ranks at this rank's place on every host.
-        local: this rank's place on its host.
     """
 
     def __init__(self, group: dist.ProcessGroup, identities: list[str], choice: tuple[Optional[str], bool],
@@ -51,11 +50,10 @@ class HostLevels:
         backend = dist.get_backend(group)
         self.host = _subgroup(group, plan["host_ranks"], backend)
         self.across = _subgroup(group, plan["across_ranks"], backend)
-        self.local: int = plan["host_ranks"].index(dist.get_rank(group))
 
     def plan(self, numel: int) -> dict[str, Any]:
-        """The layout of a compressed all-reduce of ``numel`` elements (pieces, server_chunks,
-        sparse_shards: ``ProcessGroupDdlcomm.compressed_allreduce_host_plan``)."""
+        """The two-level plan of a compressed all-reduce of ``numel`` elements (topology,
+        host_ranks, across_ranks and server_chunks: ``ProcessGroupDdlcomm.compressed_allreduce_host_plan``)."""
         return _plan(self.identities, dist.get_rank(self.group), numel, *self._choice)
 
 

@@ -1,61 +1,23 @@
-"""How every compressed path moves payloads over torch's collectives: where they travel (with
-the tensor, or staged through pinned host memory), the check that every rank reduces the same
-thing, and decoding what arrived. Used by ``ddlcomm.compressed`` (all-reduce, on any group),
-``ddlcomm.fsdp`` (reduce-scatter) and the benchmarks; the native ddlcomm backend does the
-same in C++."""
+"""What the compressed paths share around torch's collectives: the check that every rank
+reduces the same thing (``Agreement``), where a group's collectives run, the randomness stream
+of a bucket's call and the uncompressed traffic the statistics compare with. The payloads
+themselves move in C++ (``ddlcomm.compressed``)."""
 
 from __future__ import annotations
 
 import zlib
-from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from .compressors import Compressor
 
-__all__ = ["COMPRESSIBLE_DTYPES", "Agreement", "Wire", "accumulate", "aligned", "all_gather_single", "call_stream",
-           "collectives_on_gpu", "decode", "ring_all_reduce_bytes", "ring_reduce_scatter_bytes"]
+__all__ = ["COMPRESSIBLE_DTYPES", "Agreement", "aligned", "all_gather_single", "call_stream", "collectives_on_gpu",
+           "ring_all_reduce_bytes", "ring_reduce_scatter_bytes"]
 
 COMPRESSIBLE_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # torch 2.13 renamed all_gather_into_tensor (and deprecated the old name).
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-class Wire:
-    """Where the payloads of one compressed all-reduce travel: with the tensor when the group's
-    collectives run there (CPU tensors; CUDA tensors over NCCL), else through pinned host memory
-    (CUDA tensors over gloo or ddlcomm, whose collectives run on the CPU)."""
-
-    def __init__(self, tensor: torch.Tensor, group: Optional[dist.ProcessGroup]) -> None:
-        self.gpu = tensor.device if tensor.is_cuda else None
-        self.staged = self.gpu is not None and not collectives_on_gpu(group or dist.group.WORLD, tensor.device)
-        self.device = torch.device("cpu") if self.staged else tensor.device
-
-    def send(self, payload: torch.Tensor) -> torch.Tensor:
-        """``payload`` where the collective can send it: a pinned host copy when staged, made on
-        the current stream and waited for through an event."""
-        if not self.staged:
-            return payload
-        host = torch.empty(payload.shape, dtype=payload.dtype, pin_memory=True)
-        host.copy_(payload, non_blocking=True)
-        copied = torch.cuda.Event()
-        copied.record()
-        copied.synchronize()
-        return host
-
-    def receive(self, payloads: torch.Tensor, compressor: Compressor, numels: list[int]) -> torch.Tensor:
-        """Rows of payloads that arrived, on the tensor's device: staged ones are validated on
-        the host first (row i carries numels[i] elements; its first nbytes(i) bytes are the
-        payload), then copied to the GPU on the current stream."""
-        if not self.staged:
-            return payloads
-        for row, numel in zip(payloads, numels):
-            compressor._check_received(row[: compressor.compressed_nbytes(numel)], numel)
-        return payloads.to(self.gpu, non_blocking=True)
-
-    def empty(self, nbytes: int) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8, device=self.device, pin_memory=self.staged)
 
 
 def aligned(nbytes: int) -> int:
@@ -88,23 +50,6 @@ def collectives_on_gpu(group: dist.ProcessGroup, device: torch.device) -> bool:
     except RuntimeError:
         return False
     return "nccl" in type(getattr(backend, "wrapped_pg", backend)).__name__.lower()
-
-
-def accumulate(compressor: Compressor, payloads: torch.Tensor, acc: torch.Tensor, numel: int) -> None:
-    """acc += decode(row) for each row of payloads (of numel elements each), in row order."""
-    nbytes = compressor.compressed_nbytes(numel)
-    for part in payloads:
-        if acc.is_cuda:
-            compressor._decode_device(part[:nbytes], acc, accumulate=True)
-        else:
-            compressor.decode_accumulate(part[:nbytes], acc)
-
-
-def decode(compressor: Compressor, payload: torch.Tensor, out: torch.Tensor) -> None:
-    if out.is_cuda:
-        compressor._decode_device(payload, out, accumulate=False)
-    else:
-        compressor.decode(payload, out=out)
 
 
 class Agreement:

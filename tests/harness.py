@@ -172,7 +172,12 @@ def launch(scenario: Callable[..., Any], world_size: int, args: tuple[str, ...] 
     ranks with `args` (strings); returns per-rank results (``options``: those of
     ``launch_script``)."""
     module = scenario.__module__.rsplit(".", 1)[-1]
-    return launch_script(WORKERS / f"{module}.py", world_size, args=(scenario.__name__, *args), **options)
+    results = launch_script(WORKERS / f"{module}.py", world_size, args=(scenario.__name__, *args), **options)
+    # A rank that exits 0 without common.run's line never ran the scenario (a module without
+    # its `run()` under __main__): a failure, not a pass.
+    done = f"scenario {scenario.__name__} OK"
+    return [RankResult(r.rank, 1, r.output + f"\n(exit 0 without '{done}')", r.seconds)
+            if r.returncode == 0 and done not in r.output else r for r in results]
 
 
 def launch_script(

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from harness import assert_all_ok, launch
-from workers import convergence, sharded
+from workers import collective_paths, convergence, sharded
 
 from ddlcomm import compressors, fsdp
 
@@ -67,6 +67,19 @@ def test_ddlcomm_and_gloo_groups_train_alike() -> None:
 
 def test_native_reduce_scatter_matches_the_fallback_bitwise() -> None:
     assert_all_ok(launch(sharded.native_reduce_scatter, 3, timeout=240))
+
+
+@pytest.mark.parametrize("layered", [False, True])
+def test_reduce_scatter_paths_agree_bitwise(layered: bool) -> None:
+    """The engine on both groups and the collectives path (CUDA tensors'), flat on 3 ranks and
+    over 2 named hosts x 2 ranks."""
+    if layered:
+        hosts = {r: {"DDLCOMM_HOST_ID": f"host-{r // 2}"} for r in range(4)}
+        results = launch(collective_paths.reduce_scatter_agrees, 4, timeout=240, args=("hosts",), rank_env=hosts,
+                         env={"DDLCOMM_ALLREDUCE_ALGO": "hierarchical"})
+    else:
+        results = launch(collective_paths.reduce_scatter_agrees, 3, timeout=240)
+    assert_all_ok(results)
 
 
 def test_fsdp2_resume_is_bit_identical() -> None:

@@ -104,7 +104,7 @@ def test_compressed_all_reduce_on_cuda_matches_cpu(backend: str, ranks: int) -> 
 
 
 def test_compressed_all_reduce_on_cuda_over_two_hosts_matches_cpu() -> None:
-    """2 named hosts x 2 ranks of a ddlcomm group: CUDA tensors take the fallback's two levels,
+    """2 named hosts x 2 ranks of a ddlcomm group: CUDA tensors take the collectives path's two levels,
     CPU ones the native hierarchy; with two ranks a host both give the same bits."""
     hosts = {r: {"DDLCOMM_HOST_ID": f"host-{r // 2}"} for r in range(4)}
     assert_all_ok(launch(gpu.compressed, 4, timeout=300, args=("ddlcomm",), rank_env=hosts))

@@ -1,4 +1,4 @@
-"""Compressed all-reduce and the DDP hooks: bitwise agreement (native vs fallback, across
+"""Compressed all-reduce and the DDP hooks: bitwise agreement (every path, across
 ranks), non-finite gradients, checkpointing and no_sync. Training quality: test_convergence.py."""
 
 from __future__ import annotations
@@ -12,14 +12,20 @@ import torch.distributed as dist
 
 from ddlcomm import compressors, hooks
 from harness import assert_all_ok, launch
-from workers import compression
+from workers import collective_paths, compression
 
 
 def test_every_path_agrees_bitwise() -> None:
     # The ddlcomm group over shared memory (the default here), the gloo group over gloo's send and
-    # recv, and the Python path over gloo's collectives; test_soak runs compressed all-reduces over
+    # recv, and the collectives path (CUDA tensors') over gloo's collectives; test_soak runs compressed all-reduces over
     # every transport. Two threads per rank, so that the largest vector's chunks are split across threads.
     assert_all_ok(launch(compression.paths_agree, 4, timeout=180, env={"DDLCOMM_NUM_THREADS": "2"}))
+
+
+def test_every_path_agrees_bitwise_over_hosts() -> None:
+    hosts = {r: {"DDLCOMM_HOST_ID": f"host-{r // 2}"} for r in range(4)}
+    assert_all_ok(launch(collective_paths.hosts_agree, 4, timeout=240, rank_env=hosts,
+                         env={"DDLCOMM_ALLREDUCE_ALGO": "hierarchical"}))
 
 
 def test_every_path_agrees_bitwise_over_pieces() -> None:

@@ -38,15 +38,6 @@ DataType floatType(int code) {
   return DataType(code);
 }
 
-// What compress::inspect would report for a payload of `config` and `numel` elements.
-compress::PayloadInfo expectedInfo(const Config& config, size_t numel, size_t nbytes) {
-  const size_t expected = gpu::encodedBytesCuda(config, numel);
-  DDLCOMM_CHECK(nbytes == expected, ErrorKind::Protocol, "a ", compress::formatName(config.format), " payload of ",
-                numel, " elements has ", expected, " bytes, got ", nbytes);
-  return {config.format, compress::headerFlags(config), compress::headerBlockSize(config), uint64_t(numel),
-          compress::keptEntries(config, numel), compress::headerValueBits(config)};
-}
-
 }  // namespace
 
 void bindCudaCompression(py::module_& m) {
@@ -70,7 +61,7 @@ void bindCudaCompression(py::module_& m) {
       "decode_cuda",
       [](const Config& config, size_t numel, uintptr_t payload, size_t nbytes, int outType, uintptr_t out,
          bool accumulate, uintptr_t cudaStream) {
-        const compress::PayloadInfo info = expectedInfo(config, numel, nbytes);
+        const compress::PayloadInfo info = gpu::expectedInfo(config, numel, nbytes);
         if (accumulate) {
           gpu::decodeAccumulateCuda(info, at<const uint8_t>(payload), nbytes, at<float>(out), numel,
                                     streamAt(cudaStream));

@@ -48,7 +48,7 @@ void barrier(Communicator& comm);
 // Whether the collectives that work in two levels (exact inside hosts, compressed across: the
 // compressed all-reduce and reduce-scatter) do: forced by allreduce_algorithm=hierarchical, or
 // by auto where the topology suits it (several hosts of the same number of ranks, 2 or more).
-// The second form decides for a group of another backend (ddlcomm.compressed's fallback).
+// The second form decides for a group of another backend (the collectives path of ddlcomm.compressed).
 bool layeredByHost(const Communicator& comm);
 bool layeredByHost(AllreduceAlgorithm algorithm, const Topology& topology);
 

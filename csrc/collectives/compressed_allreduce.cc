@@ -283,15 +283,27 @@ std::vector<std::pair<size_t, size_t>> serverChunks(const Communicator& comm, co
   return serverChunks(comm.topology(), hierarchical(comm, config, flat), count, comm.rank(), comm.size());
 }
 
-std::vector<std::pair<size_t, size_t>> serverChunks(const Topology& topology, bool layered, size_t count, int r,
-                                                    int n) {
-  const std::vector<PieceSpan> spans = layered ? hostPlanOf(topology, count, r, n).across : piecesOf(count, n);
-  const int self = layered ? ring::Members::of(topology.peersAcrossHosts(), r).self : r;
+namespace {
+
+// Chunk `self` of every span, as absolute ranges.
+std::vector<std::pair<size_t, size_t>> chunksAt(const std::vector<PieceSpan>& spans, int self) {
   std::vector<std::pair<size_t, size_t>> chunks;
   for (const PieceSpan& span : spans) {
     chunks.emplace_back(span.begin + span.chunks.begin(self), span.begin + span.chunks.begin(self + 1));
   }
   return chunks;
+}
+
+}  // namespace
+
+std::vector<std::pair<size_t, size_t>> serverChunks(const Topology& topology, bool layered, size_t count, int r,
+                                                    int n) {
+  if (!layered) return flatServerChunks(count, r, n);
+  return chunksAt(hostPlanOf(topology, count, r, n).across, ring::Members::of(topology.peersAcrossHosts(), r).self);
+}
+
+std::vector<std::pair<size_t, size_t>> flatServerChunks(size_t count, int rank, int size) {
+  return chunksAt(piecesOf(count, size), rank);
 }
 
 size_t compressedAllreduceWireBytes(const compress::Config& config, size_t count, int rank, int size) {

@@ -28,13 +28,13 @@ struct CompressedAllreduceArgs {
 // Quantizers and casts reduce the vector in pieces of kPieceElements elements (the last
 // one shorter), each an independent scatter-reduce-gather over its own n chunks, so that one
 // piece's all-gather overlaps the next piece's encode. Part of what the result is: the
-// Python fallback takes its split from piecesOf. Large, because each piece waits for the slowest rank;
+// collectives path (csrc/torch/collective_compressed.cc) takes its split from piecesOf. Large, because each piece waits for the slowest rank;
 // still more than one for a 100 MB gradient, so that pieces overlap (measured in
 // docs/results/README.md, "Compressed all-reduce choices").
 constexpr size_t kPieceElements = size_t(1) << 24;
 
 // Randomness stream of one encode: distinct per call stream, rank, phase (0 worker,
-// 1 server), chunk and piece. The Python fallback over other backends calls this one.
+// 1 server), chunk and piece. The collectives path of CUDA tensors calls this one.
 uint64_t encodeStream(uint64_t callStream, int rank, int phase, int chunk, int size, uint64_t piece);
 
 // One piece of the vector: its first element, and its n chunks relative to it.
@@ -44,7 +44,7 @@ struct PieceSpan {
 };
 
 // The pieces of `count` elements over `size` ranks, in order. The one layout: the native
-// algorithm, the Python fallback and the statistics (through _C) all take it from here.
+// algorithm, the collectives path and the statistics (through _C) all take it from here.
 std::vector<PieceSpan> piecesOf(size_t count, int size);
 
 // Length of the server residual of `rank`: its chunk of every piece, in piece order.
@@ -63,6 +63,8 @@ std::vector<std::pair<size_t, size_t>> serverChunks(const Communicator& comm, co
 // The same for a plan given by its hosts: the hierarchical one where `layered`, else the flat one.
 std::vector<std::pair<size_t, size_t>> serverChunks(const Topology& topology, bool layered, size_t count, int rank,
                                                     int size);
+// The flat plan's: chunk `rank` of every piece.
+std::vector<std::pair<size_t, size_t>> flatServerChunks(size_t count, int rank, int size);
 
 // The hierarchical plan: every rank's chunk of a piece keeps its length in the flat plan (so
 // does its server residual), but the chunks are placed so that those of the ranks at one place

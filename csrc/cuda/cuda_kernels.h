@@ -35,6 +35,11 @@ size_t encodeCuda(const compress::Config& config, DataType xType, const void* x,
                   uint64_t stream, uint8_t* payload, size_t capacity, void* workspace, size_t workspaceBytes,
                   cudaStream_t cudaStream);
 
+// What compress::inspect would report for a payload of `config` and `numel` elements, checked
+// against its size `bytes` (Protocol otherwise): the decoders' description of a payload
+// whose header is in device memory, where the host cannot read it.
+compress::PayloadInfo expectedInfo(const compress::Config& config, size_t numel, size_t bytes);
+
 // out[numel] (float32, float16, bfloat16) = decode(payload). `info` comes from
 // compress::inspect run on the host over a copy of the same bytes (the device trusts it, but
 // still never reads or writes outside payload[bytes] / out[numel]).

@@ -127,6 +127,14 @@ size_t encodedBytesCuda(const compress::Config& config, size_t numel) {
   return compress::payloadLayout(config, numel).bytes;
 }
 
+compress::PayloadInfo expectedInfo(const compress::Config& config, size_t numel, size_t bytes) {
+  const size_t expected = encodedBytesCuda(config, numel);
+  DDLCOMM_CHECK(bytes == expected, ErrorKind::Protocol, "a ", compress::formatName(config.format), " payload of ",
+                numel, " elements has ", expected, " bytes, got ", bytes);
+  return {config.format, compress::headerFlags(config), compress::headerBlockSize(config), uint64_t(numel),
+          compress::keptEntries(config, numel), compress::headerValueBits(config)};
+}
+
 size_t encodeWorkspaceBytes(const compress::Config& config, DataType, size_t numel) {
   checkConfig(config, numel);
   return kernelsOf(config.format).workspaceBytes(config, numel);

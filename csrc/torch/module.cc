@@ -15,6 +15,7 @@
 #include "collectives/compressed_reduce_scatter.h"
 #include "common/error.h"
 #include "torch/backend.h"
+#include "torch/collective_compressed.h"
 #include "transport/host.h"
 #include "transport/topology.h"
 
@@ -22,6 +23,8 @@ namespace py = pybind11;
 using ddlcomm::torch_glue::ProcessGroupDdlcomm;
 using Options = ProcessGroupDdlcomm::Options;
 using SpinMicros = std::map<std::string, int64_t>;
+// A set of ranks' backends: for the tensor's device, for the payloads (csrc/torch/collective_compressed.h).
+using Level = std::pair<c10::intrusive_ptr<c10d::Backend>, c10::intrusive_ptr<c10d::Backend>>;
 
 namespace {
 
@@ -42,12 +45,6 @@ std::vector<std::tuple<size_t, size_t, std::vector<size_t>>> pieces(size_t count
     out.emplace_back(span.begin, span.begin + span.chunks.total, std::move(bounds));
   }
   return out;
-}
-
-std::vector<size_t> boundsOf(const ddlcomm::ring::Chunks& chunks) {
-  std::vector<size_t> bounds;
-  for (int i = 0; i <= chunks.n; ++i) bounds.push_back(chunks.begin(i));
-  return bounds;
 }
 
 // Options are checked where they are written, so a bad value fails there rather than at init.
@@ -71,7 +68,7 @@ std::optional<std::string> checkedAlgorithm(std::optional<std::string> name) {
 }
 
 // The two-level plan of a compressed all-reduce of `numel` elements over a group of another
-// backend (ddlcomm.compressed's fallback), from every rank's host identity, the algorithm (a
+// backend (ddlcomm.host_levels' subgroups, the statistics), from every rank's host identity, the algorithm (a
 // ddlcomm group's own, else DDLCOMM_ALLREDUCE_ALGO) and whether the group's collectives inside
 // a host are fast: None where the flat plan runs. The same rule and layout as the
 // native algorithm's (layeredByHost, hostPlanOf), so the residuals mean the same on both.
@@ -94,24 +91,22 @@ py::object hostPlan(const std::vector<std::string>& identities, int rank, size_t
     throw py::value_error("the hierarchical all-reduce (DDLCOMM_ALLREDUCE_ALGO) needs the same number of ranks on "
                           "every host; this group has " + topology.describe());
   }
-  py::list pieces;
-  const ddlcomm::HostPlan plan = ddlcomm::hostPlanOf(topology, numel, rank, size);
-  const std::vector<ddlcomm::PieceSpan> flat = ddlcomm::piecesOf(numel, size);
-  for (size_t k = 0; k < flat.size(); ++k) {
-    pieces.append(py::make_tuple(flat[k].begin, flat[k].begin + flat[k].chunks.total, boundsOf(plan.inHost[k]),
-                                 plan.across[k].begin, boundsOf(plan.across[k].chunks)));
-  }
   py::dict out;
   out["topology"] = topology.describe();
   out["host_ranks"] = topology.hostRanks();
   out["across_ranks"] = topology.peersAcrossHosts();
-  std::vector<std::vector<int>> hosts;
-  for (int h = 0; h < topology.hosts(); ++h) hosts.push_back(topology.ranksOfHost(h));
-  out["hosts"] = hosts;
-  out["pieces"] = pieces;
   out["server_chunks"] = ddlcomm::serverChunks(topology, true, numel, rank, size);
-  out["sparse_shards"] = boundsOf(ddlcomm::ring::Chunks{numel, int(topology.hostRanks().size())});
   return out;
+}
+
+ddlcomm::torch_glue::CollectiveGroup collectiveGroup(const Level& group, const std::optional<Level>& host,
+                                                     const std::optional<Level>& across,
+                                                     std::vector<std::string> identities, bool staged) {
+  auto level = [](const Level& l) { return ddlcomm::torch_glue::CollectiveLevel{l.first, l.second}; };
+  ddlcomm::torch_glue::CollectiveGroup g{level(group), std::nullopt, std::nullopt, std::move(identities), staged};
+  if (host) g.host = level(*host);
+  if (across) g.across = level(*across);
+  return g;
 }
 
 constexpr const char* kOptionsDoc = R"(pg_options of a ddlcomm group (also ddlcomm.Options)::
@@ -276,12 +271,19 @@ PYBIND11_MODULE(_C, m) {
                   "The two-level plan of a compressed all-reduce over a group of another backend, from every "
                   "rank's host_identity() and `algorithm` (a ddlcomm group's, winning over DDLCOMM_ALLREDUCE_ALGO; auto takes "
                   "two levels only where `fast_inside`: the group's collectives inside a host are fast), or None for the flat plan: a dict of the "
-                  "topology's description, host_ranks, across_ranks, hosts (every host's ranks), pieces ((begin, end, the host ranks' "
-                  "shard bounds relative to begin, this rank's shard's begin, its chunk bounds per host relative "
-                  "to that), server_chunks and sparse_shards (the sparse formats' shard bounds).")
+                  "topology's description, host_ranks, across_ranks (the subgroups' ranks) and server_chunks.")
       .def_static("compressed_allreduce_pieces", &pieces, py::arg("numel"), py::arg("size"),
                   "The pieces of a quantized or cast compressed all-reduce: (begin, end, chunk bounds relative "
-                  "to begin) each; chunk i of a piece goes to rank i.")
+                  "to begin) each; chunk i of a piece goes to rank i (the benchmarks' payload sizes).")
+      .def_static(
+          "compressed_allreduce_server_chunks",
+          [](size_t numel, int rank, int size) {
+            checkRank(rank, size);
+            return ddlcomm::flatServerChunks(numel, rank, size);
+          },
+          py::arg("numel"), py::arg("rank"), py::arg("size"),
+          "The [begin, end) ranges `rank` re-encodes in a compressed all-reduce of `numel` elements over "
+          "`size` ranks in one level (its chunk of every piece), in its server residual's order.")
       .def(
           "compressed_server_chunks",
           [](ProcessGroupDdlcomm& pg, const ddlcomm::compress::Config& config, size_t numel, bool flat) {
@@ -320,6 +322,34 @@ PYBIND11_MODULE(_C, m) {
           },
           py::arg("config"), py::arg("numel"), py::arg("size"),
           "Payload bytes each rank sends in one compressed reduce-scatter of `numel` output elements.");
+  m.def(
+      "compressed_allreduce_over_collectives",
+      [](at::Tensor tensor, const ddlcomm::compress::Config& config, std::optional<at::Tensor> workerResidual,
+         std::optional<at::Tensor> serverResidual, bool average, uint64_t stream, Level group,
+         std::optional<Level> host, std::optional<Level> across, std::vector<std::string> identities, bool staged) {
+        ddlcomm::torch_glue::compressedAllreduceOverCollectives(
+            collectiveGroup(group, host, across, std::move(identities), staged), {config, std::move(tensor), std::move(workerResidual), std::move(serverResidual), average, stream});
+      },
+      py::arg("tensor"), py::arg("config"), py::arg("worker_residual"), py::arg("server_residual"),
+      py::arg("average"), py::arg("stream"), py::arg("group"), py::arg("host"), py::arg("across"),
+      py::arg("identities"), py::arg("staged"), py::call_guard<py::gil_scoped_release>(),
+      "The compressed all-reduce over c10d collectives, for tensors on any device (ddlcomm.compressed's path "
+      "for CUDA tensors): group, host and across are (backend of the tensor's device, backend of the "
+      "payloads); host and across (with identities, every rank's host_identity()) for two levels over hosts; "
+      "staged: the payloads cross to pinned host memory. Blocking on the host only where a backend is.");
+  m.def(
+      "compressed_reduce_scatter_over_collectives",
+      [](at::Tensor output, at::Tensor input, const ddlcomm::compress::Config& config,
+         std::optional<at::Tensor> workerResidual, bool average, uint64_t stream, Level group,
+         std::optional<Level> host, std::optional<Level> across, std::vector<std::string> identities, bool staged) {
+        ddlcomm::torch_glue::compressedReduceScatterOverCollectives(
+            collectiveGroup(group, host, across, std::move(identities), staged), {config, std::move(output), std::move(input), std::move(workerResidual), average, stream});
+      },
+      py::arg("output"), py::arg("input"), py::arg("config"), py::arg("worker_residual"), py::arg("average"),
+      py::arg("stream"), py::arg("group"), py::arg("host"), py::arg("across"), py::arg("identities"),
+      py::arg("staged"), py::call_guard<py::gil_scoped_release>(),
+      "The compressed reduce-scatter over c10d collectives (ddlcomm.fsdp's path for CUDA tensors); the "
+      "groups as compressed_allreduce_over_collectives.");
   ddlcomm::bindings::bindCompression(m);
   ddlcomm::bindings::bindCudaCompression(m);
   ddlcomm::bindings::bindTransport(m);

@@ -16,7 +16,6 @@ from common import init, run
 from ddlcomm import ProcessGroupDdlcomm, compressors, hooks, optim
 from ddlcomm import compressed
 from ddlcomm.compressed import compressed_all_reduce, engine_of, native_backend, server_residual_numel
-from ddlcomm.wire import Wire
 from ddlcomm.host_levels import host_levels
 
 COMPRESSORS = {
@@ -33,27 +32,27 @@ COMPRESSORS = {
 }
 
 
-def _python_path(x: torch.Tensor, comp, wres: torch.Tensor, sres: torch.Tensor, gloo: dist.ProcessGroup,
-                 stream: int) -> torch.Tensor:
-    """The algorithm over torch's collectives, as CUDA tensors and nccl groups take it, on CPU tensors."""
-    compressed._fallback(x, comp, wres, sres, gloo, True, stream, True, Wire(x, gloo), False)
+def _collectives_path(x: torch.Tensor, comp, wres: torch.Tensor, sres: torch.Tensor, gloo: dist.ProcessGroup,
+                      stream: int) -> torch.Tensor:
+    """The plan over the group's own collectives, as CUDA tensors and nccl groups take it, on CPU tensors."""
+    compressed.all_reduce_over_collectives(x, comp, wres, sres, gloo, True, stream, True, False)
     return x
 
 
-def _assert_paths_agree(name: str, numel: int, gloo: dist.ProcessGroup, stream: int) -> None:
+def assert_paths_agree(name: str, numel: int, gloo: dist.ProcessGroup, stream: int) -> None:
     """One compressed all-reduce on the ddlcomm group (its transport), one on `gloo` (the same C++
-    over gloo's send and recv) and one over gloo's collectives in Python (CUDA tensors' path),
+    over gloo's send and recv) and one over gloo's collectives (CUDA tensors' path),
     from the same inputs and residuals: the same result and residuals, and the same on every rank."""
     rank, n = dist.get_rank(), dist.get_world_size()
     comp = COMPRESSORS[name]()
     results = []
-    for path in ("ddlcomm", "gloo", "python"):
+    for path in ("ddlcomm", "gloo", "collectives"):
         x = torch.randn(numel, generator=torch.Generator().manual_seed(rank * 7 + numel))
         wres = torch.randn(numel, generator=torch.Generator().manual_seed(99 + rank)) * 0.1
         sres = torch.randn(server_residual_numel(numel, rank, n),
                            generator=torch.Generator().manual_seed(55 + rank)) * 0.1
-        if path == "python":
-            out = _python_path(x, comp, wres, sres, gloo, stream)
+        if path == "collectives":
+            out = _collectives_path(x, comp, wres, sres, gloo, stream)
         else:
             out = compressed_all_reduce(x, comp, wres, sres, group=gloo if path == "gloo" else None,
                                         stream=stream).wait()
@@ -68,7 +67,7 @@ def _assert_paths_agree(name: str, numel: int, gloo: dist.ProcessGroup, stream: 
 
 
 def paths_agree() -> None:
-    """The ddlcomm group, the gloo group and the Python path give the same bits, and ddlcomm's
+    """The ddlcomm group, the gloo group and the collectives path give the same bits, and ddlcomm's
     own calls raise no deprecation warning."""
     warnings.simplefilter("error", FutureWarning)
     warnings.simplefilter("error", DeprecationWarning)
@@ -89,16 +88,16 @@ def paths_agree() -> None:
         # variants of one share its threading
         large = (8_400_003,) if name in ("onebit", "ternary", "topk_2bit", "bf16") else ()
         for numel in (1, 5, 1000, 70_001) + large:
-            _assert_paths_agree(name, numel, gloo, stream=11)
+            assert_paths_agree(name, numel, gloo, stream=11)
 
 
 def pieces_agree() -> None:
     """A vector longer than one piece (the second one short): the pipeline over its pieces on
-    both groups and the Python path's plain loop over them give the same bits, on every rank."""
+    both groups and the collectives path's loop over them give the same bits, on every rank."""
     init()
     gloo = dist.new_group(backend="gloo")
     for name in ("onebit", "ternary", "bf16"):
-        _assert_paths_agree(name, ProcessGroupDdlcomm.piece_elements + 70_001, gloo, stream=4)
+        assert_paths_agree(name, ProcessGroupDdlcomm.piece_elements + 70_001, gloo, stream=4)
 
 
 def non_finite() -> None:
@@ -318,7 +317,7 @@ def debug_wrapper() -> None:
     wrapped = dist.group.WORLD._get_backend(torch.device("cpu"))
     assert not isinstance(wrapped, ProcessGroupDdlcomm), "the debug mode did not wrap the backend: nothing tested"
     assert isinstance(native_backend(None), ProcessGroupDdlcomm)
-    _assert_paths_agree("onebit", 70_001, dist.new_group(backend="gloo"), stream=3)
+    assert_paths_agree("onebit", 70_001, dist.new_group(backend="gloo"), stream=3)
 
 
 def direction_mode() -> None:

@@ -1,0 +1,392 @@
+// The compressed all-reduce over c10d collectives (collective_compressed.h). Encodes, decodes
+// and device copies go on the current stream of the tensor's device. On the device no decoder
+// reads or writes outside its payload and output whatever the bytes, but a corrupt payload is
+// detected only where payloads pass through host memory (CPU tensors, staged CUDA tensors).
+#include "torch/collective_compressed.h"
+
+#include <c10/core/DeviceGuard.h>
+#include <c10/core/Event.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
+
+#include <algorithm>
+
+#include "collectives/compressed_allreduce.h"
+#include "common/error.h"
+#include "torch/tensor_args.h"
+#include "transport/topology.h"
+
+#ifdef DDLCOMM_WITH_CUDA
+#include "cuda/cuda_kernels.h"
+#endif
+
+namespace ddlcomm::torch_glue {
+namespace {
+
+size_t aligned(size_t bytes) { return (bytes + 3) / 4 * 4; }
+
+at::Tensor bytesOn(c10::Device device, size_t n, bool pinned = false) {
+  return at::empty({int64_t(n)}, at::TensorOptions().dtype(at::kByte).device(device).pinned_memory(pinned));
+}
+
+c10::Stream currentStream(c10::Device device) { return c10::impl::VirtualGuardImpl(device.type()).getStream(device); }
+
+// Encodes and decodes on the tensors' device (CPU kernels, or CUDA kernels on the current
+// stream). Payload tensors are uint8, 4-byte aligned.
+class Codec {
+ public:
+  Codec(const compress::Config& config, c10::Device device) : config_(config), device_(device) {}
+
+  const compress::Config& config() const { return config_; }
+  size_t bytes(size_t numel) const { return compress::encodedBytes(config_, numel); }
+
+  void encode(const at::Tensor& x, const at::Tensor* residual, uint64_t stream, const at::Tensor& payload) const {
+    const size_t numel = size_t(x.numel()), capacity = size_t(payload.numel());
+    float* r = residual ? residual->data_ptr<float>() : nullptr;
+    if (device_.is_cpu()) {
+      const size_t written = compress::encode(config_, toDataType(x), x.data_ptr(), r, numel, stream,
+                                              payload.data_ptr<uint8_t>(), capacity);
+      DDLCOMM_CHECK(written == bytes(numel), ErrorKind::Protocol, "payload of ", written, " bytes, expected ",
+                    bytes(numel));
+      return;
+    }
+#ifdef DDLCOMM_WITH_CUDA
+    const c10::DeviceGuard guard(device_);
+    const size_t scratch = gpu::encodeWorkspaceBytes(config_, toDataType(x), numel);
+    // From torch's caching allocator, on the current stream: reused, never synchronized.
+    const at::Tensor workspace = scratch ? bytesOn(device_, scratch) : at::Tensor();
+    gpu::encodeCuda(config_, toDataType(x), x.data_ptr(), r, numel, stream, payload.data_ptr<uint8_t>(), capacity,
+                    scratch ? workspace.data_ptr() : nullptr, scratch, cudaStream());
+#else
+    fail(ErrorKind::UnsupportedType, "ddlcomm was built without CUDA kernels: cannot compress a tensor on ", device_);
+#endif
+  }
+
+  // out (its device, float32 where accumulate) = or += decode(the first `n` bytes of payload).
+  void decode(const at::Tensor& payload, size_t n, const at::Tensor& out, bool accumulate) const {
+    const size_t numel = size_t(out.numel());
+    const uint8_t* p = payload.data_ptr<uint8_t>();
+    if (device_.is_cpu()) {
+      compress::checkPayloadConfig(p, n, config_);
+      if (accumulate) {
+        compress::decodeAccumulate(p, n, out.data_ptr<float>(), numel);
+      } else {
+        compress::decode(p, n, toDataType(out), out.data_ptr(), numel);
+      }
+      return;
+    }
+#ifdef DDLCOMM_WITH_CUDA
+    const c10::DeviceGuard guard(device_);
+    const compress::PayloadInfo info = gpu::expectedInfo(config_, numel, n);
+    if (accumulate) {
+      gpu::decodeAccumulateCuda(info, p, n, out.data_ptr<float>(), numel, cudaStream());
+    } else {
+      gpu::decodeCuda(info, p, n, toDataType(out), out.data_ptr(), numel, cudaStream());
+    }
+#else
+    (void)accumulate;
+    fail(ErrorKind::UnsupportedType, "ddlcomm was built without CUDA kernels: cannot decode into a tensor on ", device_);
+#endif
+  }
+
+ private:
+#ifdef DDLCOMM_WITH_CUDA
+  cudaStream_t cudaStream() const { return static_cast<cudaStream_t>(currentStream(device_).native_handle()); }
+#endif
+  compress::Config config_;
+  c10::Device device_;
+};
+
+// Where the payloads travel: with the tensor, or (staged) through pinned host memory.
+class Wire {
+ public:
+  Wire(const compress::Config& config, c10::Device device, bool staged)
+      : config_(config), device_(device), staged_(staged) {}
+
+  at::Tensor empty(size_t n) const { return staged_ ? bytesOn(at::kCPU, n, true) : bytesOn(device_, n); }
+
+  // `payload` where the collective can send it: a pinned host copy when staged, made on the
+  // current stream and waited for through an event (never a device synchronization).
+  at::Tensor send(const at::Tensor& payload) const {
+    if (!staged_) return payload;
+    at::Tensor host = bytesOn(at::kCPU, size_t(payload.numel()), true);
+    host.copy_(payload, /*non_blocking=*/true);
+    c10::Event copied(device_.type());
+    copied.record(currentStream(device_));
+    copied.synchronize();
+    return host;
+  }
+
+  // Rows that arrived, on the tensor's device. Staged rows are validated on the host first:
+  // row j's first bytes[j] bytes must be a payload of this config carrying numels[j] elements.
+  at::Tensor receive(const at::Tensor& rows, const std::vector<size_t>& bytes, const std::vector<size_t>& numels) const {
+    if (!staged_) return rows;
+    for (size_t j = 0; j < bytes.size(); ++j) {
+      const uint8_t* p = rows[int64_t(j)].data_ptr<uint8_t>();
+      compress::checkPayloadConfig(p, bytes[j], config_);
+      const uint64_t carried = compress::inspect(p, bytes[j]).numel;
+      DDLCOMM_CHECK(carried == numels[j], ErrorKind::Protocol, "rank ", j, "'s payload carries ", carried,
+                    " elements, ", numels[j], " were expected");
+    }
+    return rows.to(device_, /*non_blocking=*/true);
+  }
+
+ private:
+  compress::Config config_;
+  c10::Device device_;
+  bool staged_;
+};
+
+// What every part of one call shares among the ranks it runs with (the group, or one rank
+// per host): the encodes' randomness streams are numbered by the whole group's rank and size.
+struct Among {
+  const Codec& codec;
+  const Wire& wire;
+  c10d::Backend& payloads;
+  float scale;
+  uint64_t stream;
+  int me, size;
+};
+
+void wait(const c10::intrusive_ptr<c10d::Work>& work) { work->wait(); }
+
+void allGather(c10d::Backend& backend, at::Tensor out, at::Tensor in) { wait(backend._allgather_base(out, in)); }
+
+at::Tensor slice(const at::Tensor& t, size_t begin, size_t end) { return t.slice(0, int64_t(begin), int64_t(end)); }
+
+at::Tensor accumulator(size_t numel, c10::Device device) {
+  return at::zeros({int64_t(numel)}, at::TensorOptions().dtype(at::kFloat).device(device));
+}
+
+// A sparse format: every rank's payload all-gathered, decoded and summed in rank order.
+void sparseAmong(const at::Tensor& flat, const at::Tensor* residual, const Among& a) {
+  const int k = a.payloads.getSize();
+  const size_t numel = size_t(flat.numel()), bytes = a.codec.bytes(numel), slot = aligned(bytes);
+  at::Tensor payload = at::zeros({int64_t(slot)}, flat.options().dtype(at::kByte));
+  a.codec.encode(flat, residual, encodeStream(a.stream, a.me, 0, 0, a.size, 0), payload);
+  at::Tensor everyone = a.wire.empty(size_t(k) * slot);
+  allGather(a.payloads, everyone, a.wire.send(payload));
+  const at::Tensor rows =
+      a.wire.receive(everyone.view({k, int64_t(slot)}), std::vector<size_t>(size_t(k), bytes),
+                     std::vector<size_t>(size_t(k), numel));
+  at::Tensor acc = accumulator(numel, flat.device());
+  for (int j = 0; j < k; ++j) a.codec.decode(rows[j], bytes, acc, true);
+  if (a.scale != 1.f) acc.mul_(a.scale);
+  flat.copy_(acc);
+}
+
+// One piece of a quantized or cast format, in place: chunk i (flat[bounds[i], bounds[i+1]))
+// reduced by rank i among the ranks, its sum re-encoded with the server residual and
+// all-gathered.
+void scatterReduceGather(const at::Tensor& flat, const ring::Chunks& chunks, const at::Tensor* worker,
+                         const at::Tensor* server, uint64_t piece, const Among& a) {
+  const int n = a.payloads.getSize(), r = a.payloads.getRank();
+  std::vector<size_t> lengths, sizes, slots, offsets{0};
+  for (int i = 0; i < n; ++i) {
+    lengths.push_back(chunks.length(i));
+    sizes.push_back(a.codec.bytes(lengths.back()));
+    slots.push_back(aligned(sizes.back()));  // whole 4-byte words: the CUDA decoders read in place
+    offsets.push_back(offsets.back() + slots.back());
+  }
+  at::Tensor outgoing = at::zeros({int64_t(offsets.back())}, flat.options().dtype(at::kByte));
+  for (int i = 0; i < n; ++i) {
+    const at::Tensor residual = worker ? slice(*worker, chunks.begin(i), chunks.begin(i + 1)) : at::Tensor();
+    a.codec.encode(slice(flat, chunks.begin(i), chunks.begin(i + 1)), worker ? &residual : nullptr,
+                   encodeStream(a.stream, a.me, 0, i, a.size, piece), slice(outgoing, offsets[size_t(i)], offsets[size_t(i) + 1]));
+  }
+  const size_t mine = slots[size_t(r)];
+  at::Tensor incoming = a.wire.empty(size_t(n) * mine);
+  at::Tensor sent = a.wire.send(outgoing);
+  std::vector<int64_t> received(static_cast<size_t>(n), static_cast<int64_t>(mine));
+  std::vector<int64_t> sending(slots.begin(), slots.end());
+  wait(a.payloads.alltoall_base(incoming, sent, received, sending));
+  at::Tensor acc = accumulator(lengths[size_t(r)], flat.device());
+  const at::Tensor workers = a.wire.receive(incoming.view({n, int64_t(mine)}), std::vector<size_t>(size_t(n), sizes[size_t(r)]),
+                                            std::vector<size_t>(size_t(n), lengths[size_t(r)]));
+  for (int j = 0; j < n; ++j) a.codec.decode(workers[j], sizes[size_t(r)], acc, true);
+  if (a.scale != 1.f) acc.mul_(a.scale);
+  // The all-gather needs equal sizes: chunk payloads differ by at most one element's worth.
+  const size_t widest = *std::max_element(slots.begin(), slots.end());
+  at::Tensor padded = at::zeros({int64_t(widest)}, flat.options().dtype(at::kByte));
+  a.codec.encode(acc, server, encodeStream(a.stream, a.me, 1, r, a.size, piece), padded);
+  at::Tensor gathered = a.wire.empty(size_t(n) * widest);
+  allGather(a.payloads, gathered, a.wire.send(padded));
+  const at::Tensor rows = a.wire.receive(gathered.view({n, int64_t(widest)}), sizes, lengths);
+  for (int j = 0; j < n; ++j) a.codec.decode(rows[j], sizes[size_t(j)], slice(flat, chunks.begin(j), chunks.begin(j + 1)), false);
+}
+
+// Every piece of `spans` (offsets into flat, one chunk per rank among the ranks); the server
+// residual holds this rank's chunk of each, in order.
+void piecesAmong(const at::Tensor& flat, const std::vector<PieceSpan>& spans, const at::Tensor* worker,
+                 const at::Tensor* server, const Among& a) {
+  const int r = a.payloads.getRank();
+  size_t residualAt = 0;
+  for (size_t k = 0; k < spans.size(); ++k) {
+    const PieceSpan& span = spans[k];
+    const size_t mine = span.chunks.length(r);
+    const at::Tensor w = worker ? slice(*worker, span.begin, span.begin + span.chunks.total) : at::Tensor();
+    const at::Tensor s = server ? slice(*server, residualAt, residualAt + mine) : at::Tensor();
+    scatterReduceGather(slice(flat, span.begin, span.begin + span.chunks.total), span.chunks, worker ? &w : nullptr,
+                        server ? &s : nullptr, k, a);
+    residualAt += mine;
+  }
+}
+
+// Copies every host rank's shard (flat[chunks.begin(l), chunks.begin(l+1))) to the others; the
+// all-gather needs equal sizes, so the shards are padded to the widest.
+void gatherInHost(const at::Tensor& flat, const ring::Chunks& chunks, int local, c10d::Backend& host) {
+  const int k = chunks.n;
+  size_t widest = 0;
+  for (int l = 0; l < k; ++l) widest = std::max(widest, chunks.length(l));
+  at::Tensor padded = at::zeros({int64_t(widest)}, flat.options());
+  slice(padded, 0, chunks.length(local)).copy_(slice(flat, chunks.begin(local), chunks.begin(local + 1)));
+  at::Tensor everyone = at::empty({int64_t(size_t(k) * widest)}, flat.options());
+  allGather(host, everyone, padded);
+  const at::Tensor rows = everyone.view({k, int64_t(widest)});
+  for (int l = 0; l < k; ++l) {
+    if (l != local) slice(flat, chunks.begin(l), chunks.begin(l + 1)).copy_(slice(rows[l], 0, chunks.length(l)));
+  }
+}
+
+void checkResidual(const std::optional<at::Tensor>& r, const at::Tensor& tensor, size_t numel, const char* which) {
+  if (!r) return;
+  TORCH_CHECK_TYPE(r->scalar_type() == at::kFloat, "ddlcomm: the ", which, " must be torch.float32, got ",
+                   dtypeName(r->scalar_type()));
+  TORCH_CHECK_VALUE(r->device() == tensor.device(), "ddlcomm: the ", which, " is on ", r->device(),
+                    ", the tensor on ", tensor.device());
+  TORCH_CHECK_VALUE(r->is_contiguous() && size_t(r->numel()) == numel, "ddlcomm: the ", which,
+                    " must be a contiguous float32 tensor of ", numel, " elements, got ", r->numel());
+}
+
+// Exact inside the host (the host's all-reduce in the tensor's dtype), each rank's shard of
+// the host sum compressed among the ranks at its place on the other hosts, the shards
+// all-gathered inside the host: the engine's hierarchical plan (hostPlanOf), so the server
+// residual means the same. The in-host sums may round otherwise than the engine's ring.
+void overHosts(const CollectiveGroup& g, const at::Tensor& flat, const at::Tensor* worker, const at::Tensor* server,
+               const Among& across) {
+  const int rank = g.group.values->getRank(), size = g.group.values->getSize();
+  const Topology topology = Topology::ofHosts(g.identities, rank);
+  const std::vector<int>& hostRanks = topology.hostRanks();
+  const int local = int(std::find(hostRanks.begin(), hostRanks.end(), rank) - hostRanks.begin());
+  const size_t numel = size_t(flat.numel());
+  std::vector<at::Tensor> whole{flat};
+  c10d::AllreduceOptions sum;
+  sum.reduceOp = c10d::ReduceOp::SUM;
+  wait(g.host->values->allreduce(whole, sum));
+  if (compress::isSparse(across.codec.config().format)) {
+    const ring::Chunks shards{numel, int(hostRanks.size())};
+    const size_t begin = shards.begin(local), end = shards.begin(local + 1);
+    const at::Tensor w = worker ? slice(*worker, begin, end) : at::Tensor();
+    sparseAmong(slice(flat, begin, end), worker ? &w : nullptr, across);
+    gatherInHost(flat, shards, local, *g.host->values);
+    return;
+  }
+  const HostPlan plan = hostPlanOf(topology, numel, rank, size);
+  piecesAmong(flat, plan.across, worker, server, across);
+  const std::vector<PieceSpan> pieces = piecesOf(numel, size);
+  for (size_t k = 0; k < pieces.size(); ++k) {
+    gatherInHost(slice(flat, pieces[k].begin, pieces[k].begin + pieces[k].chunks.total), plan.inHost[k], local,
+                 *g.host->values);
+  }
+}
+
+void checkCompressible(const at::Tensor& t, const char* op) {
+  TORCH_CHECK_TYPE(t.scalar_type() == at::kFloat || t.scalar_type() == at::kHalf || t.scalar_type() == at::kBFloat16,
+                   "ddlcomm ", op, " needs a torch.float32, torch.float16 or torch.bfloat16 tensor, got ",
+                   dtypeName(t.scalar_type()));
+  TORCH_CHECK_VALUE(t.layout() == at::kStrided, "ddlcomm ", op, " needs a dense tensor");
+}
+
+}  // namespace
+
+void compressedAllreduceOverCollectives(const CollectiveGroup& g, const CollectiveAllreduceArgs& args) {
+  const at::Tensor& tensor = args.tensor;
+  checkCompressible(tensor, "compressed allreduce");
+  TORCH_CHECK_VALUE(g.host.has_value() == g.across.has_value(), "ddlcomm: two levels need both the host's and the "
+                    "across-hosts' collectives");
+  const int rank = g.group.values->getRank(), size = g.group.values->getSize();
+  const size_t numel = size_t(tensor.numel());
+  checkResidual(args.workerResidual, tensor, numel, "worker residual");
+  checkResidual(args.serverResidual, tensor, serverResidualLength(numel, rank, size), "server residual");
+  if (numel == 0) return;
+  const c10::Device device = tensor.device();
+  const Codec codec(args.config, device);
+  const Wire wire(args.config, device, g.staged);
+  const float scale = args.average ? 1.f / float(size) : 1.f;
+  at::Tensor flat = tensor.is_contiguous() ? tensor.view({-1}) : tensor.contiguous().view({-1});
+  const at::Tensor* worker = args.workerResidual ? &*args.workerResidual : nullptr;
+  const at::Tensor* server = args.serverResidual ? &*args.serverResidual : nullptr;
+  if (g.host) {
+    overHosts(g, flat, worker, server, Among{codec, wire, *g.across->payloads, scale, args.stream, rank, size});
+  } else {
+    const Among among{codec, wire, *g.group.payloads, scale, args.stream, rank, size};
+    if (compress::isSparse(args.config.format)) {
+      sparseAmong(flat, worker, among);
+    } else {
+      piecesAmong(flat, piecesOf(numel, size), worker, server, among);
+    }
+  }
+  if (!tensor.is_contiguous()) tensor.copy_(flat.view(tensor.sizes()));
+}
+
+
+
+void compressedReduceScatterOverCollectives(const CollectiveGroup& g, const CollectiveReduceScatterArgs& args) {
+  checkCompressible(args.output, "compressed reduce-scatter");
+  TORCH_CHECK_TYPE(args.input.scalar_type() == args.output.scalar_type(), "ddlcomm compressed reduce-scatter: input ",
+                   dtypeName(args.input.scalar_type()), " and output ", dtypeName(args.output.scalar_type()), " differ");
+  const int rank = g.group.values->getRank(), n = g.group.values->getSize();
+  const size_t m = size_t(args.output.numel());
+  TORCH_CHECK_VALUE(size_t(args.input.numel()) == size_t(n) * m, "ddlcomm compressed reduce-scatter: input of ",
+                    args.input.numel(), " elements for an output of ", m, " on ", n, " ranks");
+  checkResidual(args.workerResidual, args.input, size_t(n) * m, "worker residual");
+  const c10::Device device = args.input.device();
+  const Codec codec(args.config, device);
+  const Wire wire(args.config, device, g.staged);
+  at::Tensor flat = args.input.contiguous().view({-1});
+  std::vector<int> owners;  // whose chunk each chunk of `flat` is
+  c10d::Backend* among = g.group.payloads.get();
+  if (g.host) {
+    // The host's sums of the chunks of the ranks at each place on every host, place by place:
+    // this rank receives those of the ranks at its own place, which it then reduces among.
+    const Topology topology = Topology::ofHosts(g.identities, rank);
+    const std::vector<int>& hostRanks = topology.hostRanks();
+    const size_t local = size_t(std::find(hostRanks.begin(), hostRanks.end(), rank) - hostRanks.begin());
+    std::vector<at::Tensor> byPlace;
+    for (size_t place = 0; place < hostRanks.size(); ++place) {
+      for (int h = 0; h < topology.hosts(); ++h) {
+        const size_t o = size_t(topology.ranksOfHost(h)[place]);
+        byPlace.push_back(slice(flat, o * m, (o + 1) * m));
+        if (place == local) owners.push_back(int(o));
+      }
+    }
+    at::Tensor input = at::cat(byPlace);
+    flat = at::empty({int64_t(owners.size() * m)}, flat.options());
+    c10d::ReduceScatterOptions sum;
+    sum.reduceOp = c10d::ReduceOp::SUM;
+    wait(g.host->values->_reduce_scatter_base(flat, input, sum));
+    among = g.across->payloads.get();
+  } else {
+    for (int o = 0; o < n; ++o) owners.push_back(o);
+  }
+  const int k = int(owners.size());
+  const size_t bytes = codec.bytes(m), slot = aligned(bytes);
+  at::Tensor outgoing = at::zeros({int64_t(size_t(k) * slot)}, flat.options().dtype(at::kByte));
+  for (int i = 0; i < k; ++i) {
+    const size_t o = size_t(owners[size_t(i)]);
+    const at::Tensor residual = args.workerResidual ? slice(*args.workerResidual, o * m, (o + 1) * m) : at::Tensor();
+    codec.encode(slice(flat, size_t(i) * m, size_t(i + 1) * m), args.workerResidual ? &residual : nullptr,
+                 encodeStream(args.stream, rank, 0, int(o), n, 0), slice(outgoing, size_t(i) * slot, size_t(i + 1) * slot));
+  }
+  at::Tensor incoming = wire.empty(size_t(k) * slot);
+  at::Tensor sent = wire.send(outgoing);
+  std::vector<int64_t> even;  // empty: equal splits
+  wait(among->alltoall_base(incoming, sent, even, even));
+  const at::Tensor rows = wire.receive(incoming.view({k, int64_t(slot)}), std::vector<size_t>(size_t(k), bytes),
+                                       std::vector<size_t>(size_t(k), m));
+  at::Tensor acc = accumulator(m, device);
+  for (int j = 0; j < k; ++j) codec.decode(rows[j], bytes, acc, true);
+  if (args.average) acc.mul_(1.f / float(n));
+  args.output.copy_(acc.view(args.output.sizes()));
+}
+
+}  // namespace ddlcomm::torch_glue
