@@ -53,6 +53,12 @@ def test_fsdp_reduce_scatter_raises_distbackenderror_when_a_peer_dies(backend: s
     assert_all_ok([r for r in results if r.rank != 1])
 
 
+def test_collectives_path_raises_when_a_peer_dies() -> None:
+    results = launch(faults.collectives_peer_killed, 3, timeout=90)
+    assert results[1].returncode == -signal.SIGKILL, results[1].output
+    assert_all_ok([r for r in results if r.rank != 1])
+
+
 # Every moment over tcp and shm; a kill during traffic over the others.
 KILLS = [(t, when) for t in ("tcp", "shm") for when in ("before", "during", "after")] + [
     (t, "during") for t in transports() if t not in ("tcp", "shm")]

@@ -147,9 +147,23 @@ struct Among {
   int me, size;
 };
 
-void wait(const c10::intrusive_ptr<c10d::Work>& work) { work->wait(); }
+// A failed exchange raises DistBackendError on every rank, as the engine's do, naming this rank
+// and what the backend said (gloo names the peer by its address).
+void wait(const c10d::Backend& backend, const c10::intrusive_ptr<c10d::Work>& work) {
+  try {
+    work->wait();
+  } catch (const c10::DistBackendError&) {
+    throw;
+  } catch (const std::exception& e) {
+    C10_THROW_ERROR(DistBackendError, c10::str("[ddlcomm rank ", backend.getRank(), "/", backend.getSize(),
+                                               "] a compressed collective's exchange over ", backend.getBackendName(),
+                                               " failed: ", e.what()));
+  }
+}
 
-void allGather(c10d::Backend& backend, at::Tensor out, at::Tensor in) { wait(backend._allgather_base(out, in)); }
+void allGather(c10d::Backend& backend, at::Tensor out, at::Tensor in) {
+  wait(backend, backend._allgather_base(out, in));
+}
 
 at::Tensor slice(const at::Tensor& t, size_t begin, size_t end) { return t.slice(0, int64_t(begin), int64_t(end)); }
 
@@ -198,7 +212,7 @@ void scatterReduceGather(const at::Tensor& flat, const ring::Chunks& chunks, con
   at::Tensor sent = a.wire.send(outgoing);
   std::vector<int64_t> received(static_cast<size_t>(n), static_cast<int64_t>(mine));
   std::vector<int64_t> sending(slots.begin(), slots.end());
-  wait(a.payloads.alltoall_base(incoming, sent, received, sending));
+  wait(a.payloads, a.payloads.alltoall_base(incoming, sent, received, sending));
   at::Tensor acc = accumulator(lengths[size_t(r)], flat.device());
   const at::Tensor workers = a.wire.receive(incoming.view({n, int64_t(mine)}), std::vector<size_t>(size_t(n), sizes[size_t(r)]),
                                             std::vector<size_t>(size_t(n), lengths[size_t(r)]));
@@ -271,7 +285,7 @@ void overHosts(const CollectiveGroup& g, const at::Tensor& flat, const at::Tenso
   std::vector<at::Tensor> whole{flat};
   c10d::AllreduceOptions sum;
   sum.reduceOp = c10d::ReduceOp::SUM;
-  wait(g.host->values->allreduce(whole, sum));
+  wait(*g.host->values, g.host->values->allreduce(whole, sum));
   if (compress::isSparse(across.codec.config().format)) {
     const ring::Chunks shards{numel, int(hostRanks.size())};
     const size_t begin = shards.begin(local), end = shards.begin(local + 1);
@@ -363,7 +377,7 @@ void compressedReduceScatterOverCollectives(const CollectiveGroup& g, const Coll
     flat = at::empty({int64_t(owners.size() * m)}, flat.options());
     c10d::ReduceScatterOptions sum;
     sum.reduceOp = c10d::ReduceOp::SUM;
-    wait(g.host->values->_reduce_scatter_base(flat, input, sum));
+    wait(*g.host->values, g.host->values->_reduce_scatter_base(flat, input, sum));
     among = g.across->payloads.get();
   } else {
     for (int o = 0; o < n; ++o) owners.push_back(o);
@@ -380,7 +394,7 @@ void compressedReduceScatterOverCollectives(const CollectiveGroup& g, const Coll
   at::Tensor incoming = wire.empty(size_t(k) * slot);
   at::Tensor sent = wire.send(outgoing);
   std::vector<int64_t> even;  // empty: equal splits
-  wait(among->alltoall_base(incoming, sent, even, even));
+  wait(*among, among->alltoall_base(incoming, sent, even, even));
   const at::Tensor rows = wire.receive(incoming.view({k, int64_t(slot)}), std::vector<size_t>(size_t(k), bytes),
                                        std::vector<size_t>(size_t(k), m));
   at::Tensor acc = accumulator(m, device);

@@ -120,20 +120,25 @@ def compressor_mismatch(kind: str) -> None:
 
 
 def compressed_mismatch_on_gloo() -> None:
-    """On a gloo group (the fallback over standard collectives), ranks that reduce different
-    sizes or compressors get a ValueError naming both, on every rank; gloo would otherwise
-    abort the process on the mismatched payloads."""
+    """On a gloo group (the engine over gloo's send and recv, and the collectives path of CUDA
+    tensors over its all-to-all), ranks that reduce different sizes or compressors get a
+    ValueError naming both, on every rank; gloo would otherwise abort the process on the
+    mismatched payloads."""
     from ddlcomm import compressors
-    from ddlcomm.compressed import compressed_all_reduce
+    from ddlcomm.compressed import all_reduce_over_collectives, compressed_all_reduce
 
     rank, n = init(timeout_s=30)
     gloo = dist.new_group(backend="gloo")
-    for numel, comp in ((1000 + rank, compressors.OneBit()), (1000, compressors.TopK(ratio=0.1 * (rank + 1)))):
-        text = expect(ValueError, lambda: compressed_all_reduce(torch.ones(numel), comp, group=gloo).wait(),
-                      "ranks disagree", f"rank {rank}")
-        print(f"rank {rank}: {text}")
-    out = compressed_all_reduce(torch.ones(1000), compressors.OneBit(), group=gloo).wait()
-    assert torch.equal(out, torch.ones(1000)), "the group is unusable after a refused call"
+    paths = {"engine": lambda x, comp: compressed_all_reduce(x, comp, group=gloo).wait(),
+             "collectives": lambda x, comp: all_reduce_over_collectives(x, comp, None, None, gloo, True, 0, True,
+                                                                        False)}
+    for name, reduce in paths.items():
+        for numel, comp in ((1000 + rank, compressors.OneBit()), (1000, compressors.TopK(ratio=0.1 * (rank + 1)))):
+            text = expect(ValueError, lambda: reduce(torch.ones(numel), comp), "ranks disagree", f"rank {rank}")
+            print(f"rank {rank} ({name}): {text}")
+        x = torch.ones(1000)
+        reduce(x, compressors.OneBit())
+        assert torch.equal(x, torch.ones(1000)), f"{name}: the group is unusable after a refused call"
 
 
 def hook_peer_killed(backend: str) -> None:
@@ -183,6 +188,33 @@ def reduce_scatter_peer_killed(backend: str) -> None:
             last_call_done[0] = time.monotonic()
 
     _expect_peer_failure(timeout, reduce_scatters, since=lambda: last_call_done[0])
+
+
+def collectives_peer_killed() -> None:
+    """A rank dies between compressed all-reduces of the collectives path (CUDA tensors' path,
+    here on CPU tensors over a gloo group): every survivor raises gloo's DistBackendError well
+    within the group's timeout instead of hanging. gloo names the peer by its address, not its
+    rank (ddlcomm's own groups name the rank: peer_killed)."""
+    from ddlcomm import compressors
+    from ddlcomm.compressed import all_reduce_over_collectives
+
+    timeout = PEER_FAILURE_TIMEOUT * 4
+    rank, n = init(timeout_s=timeout)
+    gloo = dist.new_group(backend="gloo", timeout=__import__("datetime").timedelta(seconds=timeout))
+    grad = torch.randn(1_000_000)
+    start = [time.monotonic()]
+
+    def reduces() -> None:
+        for step in range(1000):
+            if rank == 1 and step == 5:
+                _sigkill_self()
+            all_reduce_over_collectives(grad, compressors.OneBit(), None, None, gloo, True, step, False, False)
+            start[0] = time.monotonic()
+
+    text = expect(dist.DistBackendError, reduces)
+    elapsed = time.monotonic() - start[0]
+    print(f"rank {rank} raised after {elapsed:.2f} s: {text.splitlines()[0][:300]}", flush=True)
+    assert elapsed < timeout / 2, f"took {elapsed:.2f} s against a {timeout} s timeout: {text}"
 
 
 def _sigkill_self() -> None:
