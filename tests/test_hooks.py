@@ -28,6 +28,10 @@ def test_every_path_agrees_bitwise_over_hosts() -> None:
                          env={"DDLCOMM_ALLREDUCE_ALGO": "hierarchical"}))
 
 
+def test_every_path_agrees_bitwise_in_half_precision_and_on_strided_tensors() -> None:
+    assert_all_ok(launch(collective_paths.dtypes_agree, 3, timeout=180))
+
+
 def test_every_path_agrees_bitwise_over_pieces() -> None:
     assert_all_ok(launch(compression.pieces_agree, 4, timeout=240))
 

@@ -27,6 +27,19 @@ def hosts_agree() -> None:
     assert_paths_agree("ternary", ProcessGroupDdlcomm.piece_elements + 70_001, gloo, stream=5)
 
 
+def dtypes_agree() -> None:
+    """float16 and bfloat16 tensors, and a tensor that is a strided view (reduced in place): the
+    three paths give the same bits."""
+    init()
+    gloo = dist.new_group(backend="gloo")
+    for dtype in (torch.float16, torch.bfloat16):
+        for name in ("onebit", "ternary", "topk", "fp16"):
+            for numel in (7, 70_001):
+                assert_paths_agree(name, numel, gloo, stream=13, dtype=dtype)
+    for name in ("ternary", "topk"):
+        assert_paths_agree(name, 1000, gloo, stream=14, strided=True)
+
+
 def reduce_scatter_agrees(layered: str = "") -> None:
     """The compressed reduce-scatter on the ddlcomm group, over gloo's send and recv (the
     engine) and over gloo's all-to-all (the collectives path): the same output and residual

@@ -39,15 +39,18 @@ def _collectives_path(x: torch.Tensor, comp, wres: torch.Tensor, sres: torch.Ten
     return x
 
 
-def assert_paths_agree(name: str, numel: int, gloo: dist.ProcessGroup, stream: int) -> None:
+def assert_paths_agree(name: str, numel: int, gloo: dist.ProcessGroup, stream: int,
+                       dtype: torch.dtype = torch.float32, strided: bool = False) -> None:
     """One compressed all-reduce on the ddlcomm group (its transport), one on `gloo` (the same C++
     over gloo's send and recv) and one over gloo's collectives (CUDA tensors' path),
-    from the same inputs and residuals: the same result and residuals, and the same on every rank."""
+    from the same inputs and residuals: the same result and residuals, and the same on every rank.
+    `strided`: the tensor is every other element of a larger one (reduced in place all the same)."""
     rank, n = dist.get_rank(), dist.get_world_size()
     comp = COMPRESSORS[name]()
     results = []
     for path in ("ddlcomm", "gloo", "collectives"):
-        x = torch.randn(numel, generator=torch.Generator().manual_seed(rank * 7 + numel))
+        x = torch.randn(numel * (2 if strided else 1), generator=torch.Generator().manual_seed(rank * 7 + numel))
+        x = x.to(dtype)[::2] if strided else x.to(dtype)
         wres = torch.randn(numel, generator=torch.Generator().manual_seed(99 + rank)) * 0.1
         sres = torch.randn(server_residual_numel(numel, rank, n),
                            generator=torch.Generator().manual_seed(55 + rank)) * 0.1
@@ -60,7 +63,8 @@ def assert_paths_agree(name: str, numel: int, gloo: dist.ProcessGroup, stream: i
     (_, first), rest = results[0], results[1:]
     for path, other in rest:
         for a, b, what in zip(first, other, ("result", "worker residual", "server residual")):
-            assert torch.equal(a, b), f"{name} x{numel}: the ddlcomm group's and the {path} path's {what} differ"
+            assert torch.equal(a, b), \
+                f"{name} {dtype} x{numel}: the ddlcomm group's and the {path} path's {what} differ"
     everyone = [torch.empty_like(first[0]) for _ in range(n)]
     dist.all_gather(everyone, first[0], group=gloo)
     assert all(torch.equal(e, first[0]) for e in everyone), f"{name} x{numel}: ranks hold different results"
