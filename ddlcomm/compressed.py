@@ -50,6 +50,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+
 def native_backend(group: Optional[dist.ProcessGroup]) -> Optional[_C.ProcessGroupDdlcomm]:
     """The ddlcomm backend behind `group` (default: the world), or None for other backends."""
     group = group or dist.group.WORLD
@@ -122,8 +123,6 @@ def _forget_destroyed_groups() -> None:
 
 # Joined while the interpreter is whole, not in its teardown.
 atexit.register(_engines.clear)
-
-
 
 
 def server_chunks(numel: int, rank: int, world_size: int, group: Optional[dist.ProcessGroup] = None,
