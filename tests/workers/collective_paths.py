@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from common import init, run
-from compression import assert_paths_agree
+from compression import COMPRESSORS, assert_paths_agree
 from ddlcomm import ProcessGroupDdlcomm, compressed, compressors
 
 
@@ -38,6 +38,40 @@ def dtypes_agree() -> None:
                 assert_paths_agree(name, numel, gloo, stream=13, dtype=dtype)
     for name in ("ternary", "topk"):
         assert_paths_agree(name, 1000, gloo, stream=14, strided=True)
+
+
+def over_ddlcomm_agrees() -> None:
+    """The collectives path over a ddlcomm group's own collectives (its alltoall_base,
+    _allgather_base and _reduce_scatter_base, as a ddlcomm group's CUDA tensors take them with
+    staged payloads) against the engine on the same group: the same bits."""
+    rank, n = init()
+    for name in ("onebit", "ternary_stochastic", "topk", "bf16"):
+        comp = COMPRESSORS[name]()
+        outs = []
+        for path in ("engine", "collectives"):
+            x = torch.randn(70_001, generator=torch.Generator().manual_seed(rank))
+            wres = torch.zeros(70_001)
+            sres = torch.zeros(compressed.server_residual_numel(70_001, rank, n))
+            if path == "engine":
+                compressed.compressed_all_reduce(x, comp, wres, sres, stream=3).wait()
+            else:
+                compressed.all_reduce_over_collectives(x, comp, wres, sres, None, True, 3, True, False)
+            outs.append((x, wres, sres))
+        for a, b, what in zip(*outs, ("result", "worker residual", "server residual")):
+            assert torch.equal(a, b), f"{name}: the collectives path's {what} differs from the engine's"
+    m = 1000
+    x = torch.randn(n * m, generator=torch.Generator().manual_seed(rank))
+    results = []
+    for path in ("engine", "collectives"):
+        out, res = torch.empty(m), torch.zeros(n * m)
+        if path == "engine":
+            compressed.engine_of(None).compressed_reduce_scatter(out, x, compressors.OneBit().config, res, True,
+                                                                 5).wait()
+        else:
+            compressed.reduce_scatter_over_collectives(out, x, compressors.OneBit(), res, dist.group.WORLD, True, 5,
+                                                       True)
+        results.append((out, res))
+    assert all(torch.equal(a, b) for a, b in zip(*results)), "reduce-scatter: the paths differ"
 
 
 def reduce_scatter_agrees(layered: str = "") -> None:
