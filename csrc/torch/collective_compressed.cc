@@ -30,6 +30,10 @@ at::Tensor bytesOn(c10::Device device, size_t n, bool pinned = false) {
 
 c10::Stream currentStream(c10::Device device) { return c10::impl::VirtualGuardImpl(device.type()).getStream(device); }
 
+// Buffers that travel are left uninitialized: the bytes that pad a payload to its slot (or a
+// shard to the widest) are sent but never read, and a fill would cost a kernel launch per
+// buffer on a GPU.
+
 // Encodes and decodes on the tensors' device (CPU kernels, or CUDA kernels on the current
 // stream). Payload tensors are uint8, 4-byte aligned.
 class Codec {
@@ -175,7 +179,7 @@ at::Tensor accumulator(size_t numel, c10::Device device) {
 void sparseAmong(const at::Tensor& flat, const at::Tensor* residual, const Among& a) {
   const int k = a.payloads.getSize();
   const size_t numel = size_t(flat.numel()), bytes = a.codec.bytes(numel), slot = aligned(bytes);
-  at::Tensor payload = at::zeros({int64_t(slot)}, flat.options().dtype(at::kByte));
+  at::Tensor payload = at::empty({int64_t(slot)}, flat.options().dtype(at::kByte));
   a.codec.encode(flat, residual, encodeStream(a.stream, a.me, 0, 0, a.size, 0), payload);
   at::Tensor everyone = a.wire.empty(size_t(k) * slot);
   allGather(a.payloads, everyone, a.wire.send(payload));
@@ -201,7 +205,7 @@ void scatterReduceGather(const at::Tensor& flat, const ring::Chunks& chunks, con
     slots.push_back(aligned(sizes.back()));  // whole 4-byte words: the CUDA decoders read in place
     offsets.push_back(offsets.back() + slots.back());
   }
-  at::Tensor outgoing = at::zeros({int64_t(offsets.back())}, flat.options().dtype(at::kByte));
+  at::Tensor outgoing = at::empty({int64_t(offsets.back())}, flat.options().dtype(at::kByte));
   for (int i = 0; i < n; ++i) {
     const at::Tensor residual = worker ? slice(*worker, chunks.begin(i), chunks.begin(i + 1)) : at::Tensor();
     a.codec.encode(slice(flat, chunks.begin(i), chunks.begin(i + 1)), worker ? &residual : nullptr,
@@ -220,7 +224,7 @@ void scatterReduceGather(const at::Tensor& flat, const ring::Chunks& chunks, con
   if (a.scale != 1.f) acc.mul_(a.scale);
   // The all-gather needs equal sizes: chunk payloads differ by at most one element's worth.
   const size_t widest = *std::max_element(slots.begin(), slots.end());
-  at::Tensor padded = at::zeros({int64_t(widest)}, flat.options().dtype(at::kByte));
+  at::Tensor padded = at::empty({int64_t(widest)}, flat.options().dtype(at::kByte));
   a.codec.encode(acc, server, encodeStream(a.stream, a.me, 1, r, a.size, piece), padded);
   at::Tensor gathered = a.wire.empty(size_t(n) * widest);
   allGather(a.payloads, gathered, a.wire.send(padded));
@@ -251,7 +255,7 @@ void gatherInHost(const at::Tensor& flat, const ring::Chunks& chunks, int local,
   const int k = chunks.n;
   size_t widest = 0;
   for (int l = 0; l < k; ++l) widest = std::max(widest, chunks.length(l));
-  at::Tensor padded = at::zeros({int64_t(widest)}, flat.options());
+  at::Tensor padded = at::empty({int64_t(widest)}, flat.options());
   slice(padded, 0, chunks.length(local)).copy_(slice(flat, chunks.begin(local), chunks.begin(local + 1)));
   at::Tensor everyone = at::empty({int64_t(size_t(k) * widest)}, flat.options());
   allGather(host, everyone, padded);
@@ -384,7 +388,7 @@ void compressedReduceScatterOverCollectives(const CollectiveGroup& g, const Coll
   }
   const int k = int(owners.size());
   const size_t bytes = codec.bytes(m), slot = aligned(bytes);
-  at::Tensor outgoing = at::zeros({int64_t(size_t(k) * slot)}, flat.options().dtype(at::kByte));
+  at::Tensor outgoing = at::empty({int64_t(size_t(k) * slot)}, flat.options().dtype(at::kByte));
   for (int i = 0; i < k; ++i) {
     const size_t o = size_t(owners[size_t(i)]);
     const at::Tensor residual = args.workerResidual ? slice(*args.workerResidual, o * m, (o + 1) * m) : at::Tensor();
