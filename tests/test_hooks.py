@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ddlcomm import compressors, hooks
+from ddlcomm import compressed, compressors, hooks
 from harness import assert_all_ok, launch
 from workers import collective_paths, compression
 
@@ -106,13 +106,33 @@ def test_native_backend_is_found_under_the_debug_wrapper() -> None:
 
 @pytest.fixture
 def one_rank() -> Iterator[None]:
-    """A world of one gloo rank in this process: the hooks run their fallback (compressing as
-    on many ranks) without starting any."""
+    """A world of one gloo rank in this process: the hooks compress as on many ranks (over gloo's
+    send and recv) without starting any."""
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         yield
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("call, error, words", [
+    (lambda: compressed.all_reduce_over_collectives(torch.ones(8, dtype=torch.int32), compressors.OneBit(), None,
+                                                    None, None, True, 0, False, False), TypeError, "torch.int32"),
+    (lambda: compressed.all_reduce_over_collectives(torch.ones(8), compressors.OneBit(), torch.zeros(7), None, None,
+                                                    True, 0, False, False), ValueError, "8 elements, got 7"),
+    (lambda: compressed.all_reduce_over_collectives(torch.ones(8), compressors.OneBit(), None,
+                                                    torch.zeros(8, dtype=torch.float16), None, True, 0, False, False),
+     TypeError, "server residual must be torch.float32"),
+    (lambda: compressed.reduce_scatter_over_collectives(torch.empty(3), torch.ones(4), compressors.OneBit(), None,
+                                                        dist.group.WORLD, True, 0, False),
+     ValueError, "input of 4 elements for an output of 3 on 1 ranks"),
+    (lambda: compressed.reduce_scatter_over_collectives(torch.empty(4), torch.ones(4, dtype=torch.float16),
+                                                        compressors.OneBit(), None, dist.group.WORLD, True, 0, False),
+     TypeError, "input torch.float16 and output torch.float32 differ"),
+])
+def test_the_collectives_path_refuses_bad_arguments(one_rank: None, call, error: type, words: str) -> None:
+    with pytest.raises(error, match=words):
+        call()
 
 
 class _Bucket:
