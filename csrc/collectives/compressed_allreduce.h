@@ -28,8 +28,9 @@ struct CompressedAllreduceArgs {
 // Quantizers and casts reduce the vector in pieces of kPieceElements elements (the last
 // one shorter), each an independent scatter-reduce-gather over its own n chunks, so that one
 // piece's all-gather overlaps the next piece's encode. Part of what the result is: the
-// collectives path (csrc/torch/collective_compressed.cc) takes its split from piecesOf. Large, because each piece waits for the slowest rank;
-// still more than one for a 100 MB gradient, so that pieces overlap (measured in
+// collectives path (csrc/torch/collective_compressed.cc) takes its split from piecesOf.
+// Large, because each piece waits for the slowest rank; still more than one for a 100 MB
+// gradient, so that pieces overlap (measured in
 // docs/results/README.md, "Compressed all-reduce choices").
 constexpr size_t kPieceElements = size_t(1) << 24;
 

@@ -88,7 +88,8 @@ class Codec {
     }
 #else
     (void)accumulate;
-    fail(ErrorKind::UnsupportedType, "ddlcomm was built without CUDA kernels: cannot decode into a tensor on ", device_);
+    fail(ErrorKind::UnsupportedType, "ddlcomm was built without CUDA kernels: cannot decode into a tensor on ",
+         device_);
 #endif
   }
 
@@ -122,7 +123,8 @@ class Wire {
 
   // Rows that arrived, on the tensor's device. Staged rows are validated on the host first:
   // row j's first bytes[j] bytes must be a payload of this config carrying numels[j] elements.
-  at::Tensor receive(const at::Tensor& rows, const std::vector<size_t>& bytes, const std::vector<size_t>& numels) const {
+  at::Tensor receive(const at::Tensor& rows, const std::vector<size_t>& bytes,
+                     const std::vector<size_t>& numels) const {
     if (!staged_) return rows;
     for (size_t j = 0; j < bytes.size(); ++j) {
       const uint8_t* p = rows[int64_t(j)].data_ptr<uint8_t>();
@@ -209,7 +211,8 @@ void scatterReduceGather(const at::Tensor& flat, const ring::Chunks& chunks, con
   for (int i = 0; i < n; ++i) {
     const at::Tensor residual = worker ? slice(*worker, chunks.begin(i), chunks.begin(i + 1)) : at::Tensor();
     a.codec.encode(slice(flat, chunks.begin(i), chunks.begin(i + 1)), worker ? &residual : nullptr,
-                   encodeStream(a.stream, a.me, 0, i, a.size, piece), slice(outgoing, offsets[size_t(i)], offsets[size_t(i) + 1]));
+                   encodeStream(a.stream, a.me, 0, i, a.size, piece),
+                   slice(outgoing, offsets[size_t(i)], offsets[size_t(i) + 1]));
   }
   const size_t mine = slots[size_t(r)];
   at::Tensor incoming = a.wire.empty(size_t(n) * mine);
@@ -218,7 +221,8 @@ void scatterReduceGather(const at::Tensor& flat, const ring::Chunks& chunks, con
   std::vector<int64_t> sending(slots.begin(), slots.end());
   wait(a.payloads, a.payloads.alltoall_base(incoming, sent, received, sending));
   at::Tensor acc = accumulator(lengths[size_t(r)], flat.device());
-  const at::Tensor workers = a.wire.receive(incoming.view({n, int64_t(mine)}), std::vector<size_t>(size_t(n), sizes[size_t(r)]),
+  const at::Tensor workers = a.wire.receive(incoming.view({n, int64_t(mine)}),
+                                            std::vector<size_t>(size_t(n), sizes[size_t(r)]),
                                             std::vector<size_t>(size_t(n), lengths[size_t(r)]));
   for (int j = 0; j < n; ++j) a.codec.decode(workers[j], sizes[size_t(r)], acc, true);
   if (a.scale != 1.f) acc.mul_(a.scale);
@@ -229,7 +233,9 @@ void scatterReduceGather(const at::Tensor& flat, const ring::Chunks& chunks, con
   at::Tensor gathered = a.wire.empty(size_t(n) * widest);
   allGather(a.payloads, gathered, a.wire.send(padded));
   const at::Tensor rows = a.wire.receive(gathered.view({n, int64_t(widest)}), sizes, lengths);
-  for (int j = 0; j < n; ++j) a.codec.decode(rows[j], sizes[size_t(j)], slice(flat, chunks.begin(j), chunks.begin(j + 1)), false);
+  for (int j = 0; j < n; ++j) {
+    a.codec.decode(rows[j], sizes[size_t(j)], slice(flat, chunks.begin(j), chunks.begin(j + 1)), false);
+  }
 }
 
 // Every piece of `spans` (offsets into flat, one chunk per rank among the ranks); the server
@@ -351,7 +357,8 @@ void compressedAllreduceOverCollectives(const CollectiveGroup& g, const Collecti
 void compressedReduceScatterOverCollectives(const CollectiveGroup& g, const CollectiveReduceScatterArgs& args) {
   checkCompressible(args.output, "compressed reduce-scatter");
   TORCH_CHECK_TYPE(args.input.scalar_type() == args.output.scalar_type(), "ddlcomm compressed reduce-scatter: input ",
-                   dtypeName(args.input.scalar_type()), " and output ", dtypeName(args.output.scalar_type()), " differ");
+                   dtypeName(args.input.scalar_type()), " and output ", dtypeName(args.output.scalar_type()),
+                   " differ");
   const int rank = g.group.values->getRank(), n = g.group.values->getSize();
   const size_t m = size_t(args.output.numel());
   TORCH_CHECK_VALUE(size_t(args.input.numel()) == size_t(n) * m, "ddlcomm compressed reduce-scatter: input of ",
@@ -393,7 +400,8 @@ void compressedReduceScatterOverCollectives(const CollectiveGroup& g, const Coll
     const size_t o = size_t(owners[size_t(i)]);
     const at::Tensor residual = args.workerResidual ? slice(*args.workerResidual, o * m, (o + 1) * m) : at::Tensor();
     codec.encode(slice(flat, size_t(i) * m, size_t(i + 1) * m), args.workerResidual ? &residual : nullptr,
-                 encodeStream(args.stream, rank, 0, int(o), n, 0), slice(outgoing, size_t(i) * slot, size_t(i + 1) * slot));
+                 encodeStream(args.stream, rank, 0, int(o), n, 0),
+                 slice(outgoing, size_t(i) * slot, size_t(i + 1) * slot));
   }
   at::Tensor incoming = wire.empty(size_t(k) * slot);
   at::Tensor sent = wire.send(outgoing);
