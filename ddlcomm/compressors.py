@@ -44,7 +44,8 @@ from . import _C
 
 # What `from ddlcomm.compressors import *` binds. inspect() is public but left out: a star import
 # would shadow the standard library's inspect module (import it by name).
-__all__ = ["Compressor", "OneBit", "Ternary", "TopK", "RandomK", "FP16", "BF16", "all_finite", "has_cuda"]
+__all__ = ["Compressor", "OneBit", "Ternary", "TopK", "RandomK", "FP16", "BF16", "all_finite", "device_finite",
+           "has_cuda"]
 
 _native = _C.compress
 # The table of formats (csrc/compress/formats.h): each subclass names its row.
@@ -316,6 +317,13 @@ class Compressor:
 
     def _describe(self) -> str:
         return ""
+
+
+def device_finite(tensor: torch.Tensor) -> Optional[torch.Tensor]:
+    """For a GPU tensor, whether every element is finite as a 0-dim bool tensor on its device,
+    for code that masks with it rather than reading it (``all_finite`` would wait for the GPU);
+    None on the CPU, where ``all_finite`` costs one pass and no wait."""
+    return torch.isfinite(tensor).all() if tensor.is_cuda else None
 
 
 def all_finite(tensor: torch.Tensor) -> bool:

@@ -54,7 +54,7 @@ from typing import Any, Optional
 
 import torch
 
-from .compressors import BF16, FP16, Compressor, OneBit, RandomK, TopK, all_finite
+from .compressors import BF16, FP16, Compressor, OneBit, RandomK, TopK, all_finite, device_finite
 from .moments import normalised_step, update_first, update_second
 
 __all__ = ["SGD", "Adam", "AdamW", "DirectionOptimizer", "averages_directions", "convert", "for_compressor"]
@@ -283,16 +283,26 @@ class _AdamDirections(DirectionOptimizer):
             grad.neg_()
         if group["weight_decay"] and not group["decoupled_weight_decay"]:
             grad.add_(param, alpha=group["weight_decay"])
-        if not all_finite(grad):
-            # Leave the moments alone; the non-finite gradient goes out as it is, so the average
-            # is non-finite on every rank (GradScaler skips the step).
+        # A non-finite gradient leaves the moments alone and goes out as it is, so the average is
+        # non-finite on every rank (GradScaler skips the step). On a GPU that is decided on the
+        # device: reading it on the host would wait for the GPU once per parameter.
+        finite = device_finite(grad)
+        if finite is None and not all_finite(grad):
             return
-        update_first(state["exp_avg"], grad, beta1)
-        second = update_second(state["exp_avg_sq"], grad, beta2)
+        exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+        if finite is None:
+            update_first(exp_avg, grad, beta1)
+            update_second(exp_avg_sq, grad, beta2)
+        else:
+            torch.where(finite, update_first(exp_avg.clone(), grad, beta1), exp_avg, out=exp_avg)
+            torch.where(finite, update_second(exp_avg_sq.clone(), grad, beta2), exp_avg_sq, out=exp_avg_sq)
+        second = exp_avg_sq
         if group["amsgrad"]:
             second = torch.maximum(state["max_exp_avg_sq"], second, out=state["max_exp_avg_sq"])
-        normalised_step(state["exp_avg"], second, float(state["step"]) + 1, beta1, beta2, group["eps"], ranks,
-                        out=grad)
+        step = normalised_step(exp_avg, second, float(state["step"]) + 1, beta1, beta2, group["eps"], ranks,
+                               out=grad if finite is None else None)
+        if finite is not None:
+            torch.where(finite, step, grad, out=grad)
 
     def _apply(self, param, direction, group):
         self.state[param]["step"] += 1

@@ -94,6 +94,35 @@ def test_non_finite_gradient_leaves_adam_moments_alone() -> None:
     assert all(torch.equal(opt.state[params[0]][k], v) for k, v in before.items())
 
 
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int32)
+
+
+@pytest.mark.parametrize("name,options", [case for case in CASES if case[0] != "SGD"])
+def test_adam_directions_masked_on_the_device_are_the_hosts_bits(monkeypatch: pytest.MonkeyPatch, name: str,
+                                                                 options: dict) -> None:
+    """On a GPU, Adam's directions mask a non-finite gradient on the device (device_finite)
+    instead of reading on the host whether it is finite. Forced here on CPU tensors: the same
+    directions and moments, bit for bit, over steps with finite gradients and one with a NaN."""
+    runs = []
+    for on_device in (False, True):
+        if on_device:
+            monkeypatch.setattr(optim, "device_finite", lambda t: torch.isfinite(t).all())
+        params = _params()
+        opt = getattr(optim, name)(params, **options)
+        directions = []
+        for step in range(4):
+            grads = _grads(step)
+            if step == 2:
+                grads[0][1, 1] = float("nan")
+            opt.local_directions(params, grads, ranks=2)
+            directions += grads
+        runs.append((directions, [v for p in params for v in opt.state[p].values() if v.dim()]))
+    for ours, theirs in zip(*runs):
+        assert all(torch.equal(_bits(a), _bits(b)) for a, b in zip(ours, theirs))
+    assert not torch.isfinite(runs[1][0][4]).all()  # step 2's first direction went out non-finite
+
+
 @pytest.mark.parametrize("rewrite", ["clip_grad_norm_", "unscale"])
 def test_step_refuses_a_rewritten_direction(rewrite: str) -> None:
     """clip_grad_norm_ or GradScaler.unscale_ between the hook's average and step() would scale
