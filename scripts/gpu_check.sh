@@ -7,7 +7,8 @@
 # CUDA benchmark (with the 25 MB bucket on its own) and the plain-torch comparison.
 # Logs go to $1 (default ./gpu-results): summary.txt (every step with its exit status),
 # env.txt, build.log, test.log, memcheck.log, bench.log, bench.csv, bucket.log, torch.log,
-# extension.log, pytest.log, ddp_step.log, ddp_step.json. Every step has a time limit.
+# extension.log, pytest.log, ddp_step.log, ddp_step.json (and _adamw: the same step with
+# AdamW). Every step has a time limit.
 #
 #   scripts/gpu_check.sh [results-dir]        CUDA_ARCH=90 (default) picks the architecture
 #   GPU_CHECK_SKIP="test memcheck" scripts/gpu_check.sh     leaves those steps out
@@ -88,6 +89,9 @@ if [ -n "$EXTENSION" ]; then
       -p no:cacheprovider ${GPU_CHECK_PYTEST_ARGS:-} '$ROOT/tests/test_gpu.py'"
     skipped ddp_step || step ddp_step 200 ddp_step.log bash -c "cd '$ROOT' && PYTHONUNBUFFERED=1 python3 -m \
       bench.cuda.ddp_step --json '$RESULTS/ddp_step.json'"
+    # The same with AdamW: the hooks average Adam's directions (ddlcomm.optim.AdamW).
+    skipped ddp_step || step ddp_step_adamw 200 ddp_step_adamw.log bash -c "cd '$ROOT' && PYTHONUNBUFFERED=1 \
+      python3 -m bench.cuda.ddp_step --optimizer adamw --json '$RESULTS/ddp_step_adamw.json'"
   else
     FAILED=1
   fi
@@ -124,4 +128,5 @@ echo "== pytest =="
 grep -E "ACCURACY|passed|failed|Error|error" "$RESULTS/pytest.log" 2>/dev/null | tail -30
 echo "== DDP step =="
 tail -12 "$RESULTS/ddp_step.log" 2>/dev/null
+tail -12 "$RESULTS/ddp_step_adamw.log" 2>/dev/null
 exit $FAILED

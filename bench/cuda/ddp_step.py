@@ -9,7 +9,8 @@ nothing, so the table isolates what a hook adds to a step on the GPU (encode, er
 decode, and the hook's own bookkeeping). Under ``torchrun --nproc-per-node N`` it runs on N
 ranks (nccl: one GPU per rank). The model is an MLP of ``layers`` square Linear layers
 (``width`` x ``width``), float32 parameters, TF32 matmuls, 25 MB buckets, SGD with momentum 0.9
-(ddlcomm's hooks with ``optimizer=ddlcomm.optim.SGD``, as documented).
+(ddlcomm's hooks with ``optimizer=ddlcomm.optim.SGD``, as documented), or with ``--optimizer
+adamw`` AdamW (ddlcomm's hooks with ``ddlcomm.optim.AdamW``).
 """
 
 from __future__ import annotations
@@ -32,15 +33,24 @@ from ddlcomm import compressors, hooks, optim
 from bench import init_ranks
 
 
-def _hooks(group: dist.ProcessGroup) -> dict[str, Optional[Callable]]:
+def optimizer(name: str, params: Any, ours: bool) -> torch.optim.Optimizer:
+    """`name`'s optimizer (sgd: momentum 0.9; adamw: betas (0.9, 0.95), weight decay 0.1), torch's
+    or ddlcomm.optim's (whose directions the hooks average)."""
+    module = optim if ours else torch.optim
+    if name == "adamw":
+        return module.AdamW(params, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
+    return module.SGD(params, lr=1e-4, momentum=0.9)
+
+
+def _hooks(group: dist.ProcessGroup, opt_name: str) -> dict[str, Optional[Callable]]:
     """Name -> make(model) -> (state, hook, optimizer) for DDP.register_comm_hook; None: DDP's
-    own all-reduce with torch's SGD. ddlcomm's hooks run as documented, with optimizer=."""
+    own all-reduce with torch's optimizer. ddlcomm's hooks run as documented, with optimizer=."""
     def torch_hook(state: Callable[[], Any], hook: Callable) -> Callable:
-        return lambda model: (state(), hook, torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9))
+        return lambda model: (state(), hook, optimizer(opt_name, model.parameters(), False))
 
     def ddlcomm_hook(compressor: compressors.Compressor) -> Callable:
         def make(model: torch.nn.Module) -> tuple[Any, Callable, torch.optim.Optimizer]:
-            opt = optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
+            opt = optimizer(opt_name, model.parameters(), True)
             state = hooks.CompressionState(group, compressor, start_compress_iter=2, optimizer=opt, model=model)
             return state, hooks.compressed_hook, opt
         return make
@@ -68,7 +78,7 @@ def _step_times(args: argparse.Namespace, device: torch.device, make: Optional[C
     model = torch.nn.Sequential(*layers).to(device)
     ddp = DistributedDataParallel(model, device_ids=[device.index], bucket_cap_mb=25)
     if make is None:
-        opt = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
+        opt = optimizer(args.optimizer, model.parameters(), False)
     else:
         state, hook, opt = make(model)
         ddp.register_comm_hook(state, hook)
@@ -111,6 +121,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=2048, help="per-rank batch")
     parser.add_argument("--warmup", type=int, default=8, help="untimed steps first (the hooks compress from the third)")
     parser.add_argument("--steps", type=int, default=30, help="timed steps per method")
+    parser.add_argument("--optimizer", choices=["sgd", "adamw"], default="sgd",
+                        help="every method's optimizer: SGD with momentum 0.9, or AdamW (0.9, 0.95), weight decay 0.1")
     parser.add_argument("--json", help="also write the rows here")
     parser.add_argument("--profile", metavar="HOOK", help="instead, torch.profiler's table for HOOK's steps "
                         "(a name from the table, e.g. 'ddlcomm 1-bit')")
@@ -124,11 +136,11 @@ def main() -> None:
     torch.cuda.set_device(device)
     params = args.layers * (args.width * args.width + args.width)
     if args.profile:
-        _profile(args, device, _hooks(dist.group.WORLD)[args.profile])
+        _profile(args, device, _hooks(dist.group.WORLD, args.optimizer)[args.profile])
         dist.destroy_process_group()
         return
     rows = []
-    for name, make in _hooks(dist.group.WORLD).items():
+    for name, make in _hooks(dist.group.WORLD, args.optimizer).items():
         times = _step_times(args, device, make)
         rows.append({"hook": name, "median_ms": statistics.median(times), "min_ms": min(times)})
     if rank == 0:
@@ -136,6 +148,7 @@ def main() -> None:
         print(f"DDP step, {torch.cuda.get_device_name(device)}, {args.backend} x{n}, torch {torch.__version__}: "
               f"{args.layers} x Linear({args.width}) = {params / 1e6:.0f} M parameters "
               f"({params * 4 / 2**20:.0f} MiB of float32 gradients), batch {args.batch}, 25 MB buckets, "
+              f"{args.optimizer}, "
               f"median of {args.steps} steps after {args.warmup}")
         print(f"{'hook':<30}{'ms/step':>10}{'min ms':>10}{'vs all-reduce':>15}")
         for row in rows:
