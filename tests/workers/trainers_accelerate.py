@@ -11,7 +11,6 @@ order: what the test's margin was derived from).
 
 from __future__ import annotations
 
-import sys
 
 import torch
 import torch.distributed as dist
@@ -89,4 +88,6 @@ def seeded(seed: str) -> None:
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
-    globals()[sys.argv[1]](*sys.argv[2:])  # the function tests/harness.py's launch names
+    from common import run
+
+    run()  # the function tests/harness.py's launch names

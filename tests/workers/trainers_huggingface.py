@@ -11,7 +11,6 @@ page's uninterrupted training; ``seed N``: the compressed and the plain training
 from __future__ import annotations
 
 import os
-import sys
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here may reach the Hub
 
@@ -102,4 +101,6 @@ def seeded(seed: str) -> None:
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
-    globals()[sys.argv[1]](*sys.argv[2:])  # the function tests/harness.py's launch names
+    from common import run
+
+    run()  # the function tests/harness.py's launch names

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 
 import lightning as L
 import torch
@@ -244,4 +243,6 @@ def diloco_seeded(seed: str) -> None:
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
-    globals()[sys.argv[1]](*sys.argv[2:])  # the function tests/harness.py's launch names
+    from common import run
+
+    run()  # the function tests/harness.py's launch names
