@@ -51,6 +51,37 @@ def test_gpu_payloads_are_the_cpu_payloads(name: str, dtype: torch.dtype) -> Non
     assert torch.equal(acc.cpu(), c.decode_accumulate(cpu_payload, torch.ones(x.numel())))
 
 
+@pytest.mark.parametrize("name", ["Adam", "AdamW"])
+def test_adam_directions_on_cuda_decide_finiteness_on_the_device(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+    """On CUDA gradients Adam's directions mask a non-finite gradient on the device: the same
+    directions and moments as the host's decision (forced by device_finite -> None), a NaN
+    step included, and no host synchronization while they are computed."""
+    from ddlcomm import optim
+
+    runs = []
+    for on_device in (True, False):
+        if not on_device:
+            monkeypatch.setattr(optim, "device_finite", lambda t: None)
+        g = torch.Generator().manual_seed(3)
+        params = [torch.nn.Parameter(torch.randn(1000, 10, generator=g).cuda())]
+        opt = getattr(optim, name)(params, lr=1e-3, weight_decay=0.1)
+        directions = []
+        for step in range(3):
+            grad = torch.randn(1000, 10, generator=g).cuda()
+            if step == 1:
+                grad[5, 5] = float("nan")
+            if on_device:
+                torch.cuda.set_sync_debug_mode("error")  # a host synchronization raises
+            try:
+                opt.local_directions(params, [grad], ranks=2)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            directions.append(grad.cpu())
+        runs.append((directions, [v.cpu() for v in opt.state[params[0]].values() if v.dim()]))
+    for ours, theirs in zip(*runs):
+        assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(ours, theirs))
+
+
 def test_gpu_calls_run_on_the_current_stream() -> None:
     """An encode on a side stream sees what that stream wrote before it, without a sync."""
     c = compressors.OneBit()
