@@ -43,7 +43,8 @@ from .host_levels import HostLevels, host_levels
 from .wire import Agreement, collectives_on_gpu
 
 __all__ = [
-    "all_reduce_over_collectives", "compressed_all_reduce", "engine_of", "start_compressed_all_reduce",
+    "all_reduce_over_collectives", "compressed_all_reduce", "compressed_reduce_scatter", "engine_of",
+    "start_compressed_all_reduce",
     "host_levels_of", "reduce_scatter_over_collectives", "server_chunks",
     "server_residual_numel", "native_backend", "reduce_scatter_wire_bytes", "two_levels", "wire_bytes",
 ]
@@ -249,9 +250,8 @@ def start_compressed_all_reduce(
     # anywhere must still make the result non-finite everywhere (GradScaler skips the step),
     # and the residuals must not take it in.
     if compressor.samples_randomly:
-        on_gpu = tensor.is_cuda and collectives_on_gpu(group or dist.group.WORLD, tensor.device)
         poisoned = torch.tensor([0 if all_finite(tensor) else 1], dtype=torch.uint8,
-                                device=tensor.device if on_gpu else "cpu")
+                                device=_collectives_device(tensor, group or dist.group.WORLD))
         work = dist.all_reduce(poisoned, op=dist.ReduceOp.MAX, group=group, async_op=True)
         work.wait()
         if poisoned.item():
@@ -268,8 +268,8 @@ def start_compressed_all_reduce(
         )
         raw = work.get_future()
         return raw, raw.then(lambda fut: fut.value()[0])
-    all_reduce_over_collectives(tensor, compressor, worker_residual, server_residual, group, average, int(stream), verify,
-                                flat)
+    all_reduce_over_collectives(tensor, compressor, worker_residual, server_residual, group, average, int(stream),
+                                verify, flat)
     done: torch.futures.Future = torch.futures.Future()
     done.set_result([tensor])
     return _completed(done, tensor)
@@ -294,12 +294,30 @@ def all_reduce_over_collectives(tensor: torch.Tensor, compressor: Compressor, wo
                                              stream, *_collectives_of(tensor, compressor, group, verify, flat))
 
 
+def compressed_reduce_scatter(output: torch.Tensor, input: torch.Tensor, compressor: Compressor,
+                              worker_residual: Optional[torch.Tensor], group: dist.ProcessGroup, average: bool,
+                              stream: int, verify: bool = True) -> None:
+    """``output`` = the compressed reduction of chunk ``rank`` of every rank's ``input``
+    (``ddlcomm.fsdp``'s reduce-scatter), blocking: on the group's engine for CPU tensors
+    (pipelined: encoding overlaps sending), else over the group's collectives
+    (``reduce_scatter_over_collectives``). `verify`: first check that every rank reduces alike,
+    on every group (a ValueError on every rank if not)."""
+    engine = engine_of(group) if not input.is_cuda else None
+    if engine is None:
+        reduce_scatter_over_collectives(output, input, compressor, worker_residual, group, average, stream, verify)
+        return
+    if verify:
+        Agreement(input, compressor, group, engine.size(), True, input.device).wait()
+    engine.compressed_reduce_scatter(output.view(-1), input, compressor.config, worker_residual, average,
+                                     stream).wait()
+
+
 def reduce_scatter_over_collectives(output: torch.Tensor, input: torch.Tensor, compressor: Compressor,
                                     worker_residual: Optional[torch.Tensor], group: dist.ProcessGroup, average: bool,
                                     stream: int, verify: bool) -> None:
     """``output`` = the compressed reduction of chunk ``rank`` of every rank's ``input`` over the
-    group's own collectives (``ddlcomm.fsdp``'s path for CUDA tensors and groups without CPU
-    collectives; ``engine_of(group).compressed_reduce_scatter`` is the engine's): the same bytes
+    group's own collectives (``compressed_reduce_scatter``'s path for CUDA tensors and groups
+    without CPU collectives; ``engine_of(group).compressed_reduce_scatter`` is the engine's): the same bytes
     and float32 sums, in two levels where ``host_levels_of`` takes them. `verify`: as
     ``compressed_all_reduce``'s."""
     _C.compressed_reduce_scatter_over_collectives(output, input, compressor.config, worker_residual, average, stream,
@@ -313,8 +331,8 @@ def _collectives_of(tensor: torch.Tensor, compressor: Compressor, group: dist.Pr
     sums inside a host, which gloo cannot check). Payloads of a CUDA tensor over a backend whose
     collectives run on the CPU travel through pinned host memory, where what arrives is validated."""
     levels = host_levels_of(group) if dist.get_world_size(group) > 1 and not flat else None
-    staged = tensor.is_cuda and not collectives_on_gpu(group, tensor.device)
-    payloads = torch.device("cpu") if staged else tensor.device
+    payloads = _collectives_device(tensor, group)
+    staged = payloads != tensor.device
     Agreement(tensor, compressor, group, dist.get_world_size(group), verify, payloads).wait()
 
     def backends(g: dist.ProcessGroup) -> tuple[Any, Any]:
@@ -323,3 +341,9 @@ def _collectives_of(tensor: torch.Tensor, compressor: Compressor, group: dist.Pr
     if levels is None:
         return backends(group), None, None, [], staged
     return backends(group), backends(levels.host), backends(levels.across), levels.identities, staged
+
+
+def _collectives_device(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.device:
+    """Where `group`'s collectives of `tensor`'s payloads run: on its GPU over NCCL, else on the
+    CPU (gloo and ddlcomm stage CUDA tensors through host memory)."""
+    return tensor.device if not tensor.is_cuda or collectives_on_gpu(group, tensor.device) else torch.device("cpu")

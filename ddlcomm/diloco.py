@@ -52,6 +52,8 @@ from .wire import ring_all_reduce_bytes
 
 __all__ = ["DiLoCo"]
 
+logger = logging.getLogger(__name__)
+
 _STATE_VERSION = 3  # 2: fragments, overlap_steps and the syncs in flight; 3: their buffers
 
 
@@ -180,7 +182,7 @@ class DiLoCo:
         self._skipped_at = 0  # the last warm-up step no rank took
         self.skipped_warmup_steps = 0
         if isinstance(compressor, (OneBit, TopK)):
-            logging.getLogger(__name__).warning(
+            logger.warning(
                 "DiLoCo: outer steps through %r ended further above DDP's loss than through Ternary() on the "
                 "transformer of docs/results/diloco.md (top-k at 5%% too: docs/results/diloco_topk); consider "
                 "Ternary()", compressor)
@@ -188,7 +190,7 @@ class DiLoCo:
             self._hook = inner_optimizer.register_step_pre_hook(self._average_gradients)
             if not isinstance(warmup_compressor, (type(None), FP16, BF16)) and \
                     not averages_directions(inner_optimizer, warmup_compressor):
-                logging.getLogger(__name__).warning(
+                logger.warning(
                     "DiLoCo: a warm-up through %r with a torch optimizer compresses gradients, which momentum and "
                     "Adam amplify (docs/diloco.md, \"The CNN: a warm-up, then outer steps\"); use a "
                     "ddlcomm.optim optimizer, whose update directions it then averages", warmup_compressor)
@@ -293,7 +295,7 @@ class DiLoCo:
             dist.all_reduce(average, group=self._group())
             self._buffers.set(average.div_(dist.get_world_size(self._group())))
         if self.skipped_warmup_steps == 1:
-            logging.getLogger(__name__).warning(
+            logger.warning(
                 "DiLoCo: warm-up step %d taken by no rank: rank(s) %s did not run inner_optimizer.step() (a GradScaler "
                 "that found inf skips it); the others dropped its gradients (logged once)", step,
                 ", ".join(map(str, ranks)))

@@ -59,12 +59,12 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
 from .compressors import BF16, FP16, Compressor, all_finite
-from .compressed import (compressed_all_reduce, engine_of, reduce_scatter_over_collectives, reduce_scatter_wire_bytes,
+from .compressed import (compressed_all_reduce, compressed_reduce_scatter, reduce_scatter_wire_bytes,
                          server_residual_numel, wire_bytes)
 from .moments import normalised_step, update_first, update_second
 from .options import CompressionOptions, CompressionStats
 from .quantized_gather import AllGatherQuantization, QuantizedAllGather, quantize_all_gather  # re-exported
-from .wire import Agreement, call_stream, ring_all_reduce_bytes, ring_reduce_scatter_bytes
+from .wire import call_stream, ring_all_reduce_bytes, ring_reduce_scatter_bytes
 
 __all__ = ["FSDPCompressionState", "CompressedReduceScatter", "compress_gradients", "AllGatherQuantization",
            "QuantizedAllGather", "quantize_all_gather"]
@@ -262,14 +262,7 @@ class FSDPCompressionState(CompressionOptions):
         verify = name not in self._verified
         self._verified.add(name)
         average = op == dist.ReduceOp.AVG
-        engine = engine_of(group) if not flat.is_cuda else None
-        if engine is not None:  # in C++, pipelined: encoding overlaps sending
-            if verify:
-                Agreement(flat, self.compressor, group, n, True, flat.device).wait()
-            engine.compressed_reduce_scatter(output.view(-1), flat, self.compressor.config, residual, average,
-                                             stream).wait()
-        else:
-            reduce_scatter_over_collectives(output, flat, self.compressor, residual, group, average, stream, verify)
+        compressed_reduce_scatter(output, flat, self.compressor, residual, group, average, stream, verify)
         self.stats.count(reduce_scatter_wire_bytes(self.compressor, m, n), ring, compressed=True)
 
     def _poisoned(self, flat: torch.Tensor, groups: list[dist.ProcessGroup]) -> bool:

@@ -166,6 +166,12 @@ class RankResult:
     seconds: float
 
 
+def named_hosts(hosts: int = 2, per_host: int = 2) -> dict[int, dict[str, str]]:
+    """A ``rank_env`` that places ``hosts * per_host`` ranks on named hosts (``DDLCOMM_HOST_ID``):
+    rank r on host r // per_host."""
+    return {r: {"DDLCOMM_HOST_ID": f"host-{r // per_host}"} for r in range(hosts * per_host)}
+
+
 def launch(scenario: Callable[..., Any], world_size: int, args: tuple[str, ...] = (), **options: Any
            ) -> list[RankResult]:
     """Runs `scenario`, a function of a tests/workers module (the per-rank body), on `world_size`

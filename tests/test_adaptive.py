@@ -11,7 +11,7 @@ from typing import Callable
 import pytest
 
 from ddlcomm.compressors import OneBit
-from harness import assert_all_ok, launch, launch_script
+from harness import assert_all_ok, launch, launch_script, named_hosts
 from workers import adaptive
 
 
@@ -41,8 +41,7 @@ def test_paired_benchmark_reports_ratios_over_two_hosts() -> None:
     import bench.adaptive_paired as paired
 
     methods = ["fixed 1-bit hook", "fixed 1-bit hook (one level)", "adaptive 1-bit hook"]
-    hosts = {r: {"DDLCOMM_HOST_ID": f"host-{r // 2}"} for r in range(4)}
-    results = launch_script(Path(paired.__file__), 4, timeout=240, rank_env=hosts,
+    results = launch_script(Path(paired.__file__), 4, timeout=240, rank_env=named_hosts(),
                             args=("--width", "256", "--depth", "1", "--rounds", "3", "--methods", ",".join(methods)))
     assert_all_ok(results)
     records = [json.loads(line[len("RESULT "):]) for line in results[0].output.splitlines()

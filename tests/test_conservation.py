@@ -12,7 +12,7 @@ import torch
 
 from ddlcomm import ProcessGroupDdlcomm
 from ddlcomm.compressors import RandomK, Ternary
-from harness import assert_all_ok, launch
+from harness import assert_all_ok, launch, named_hosts
 from workers import conservation
 
 
@@ -23,8 +23,7 @@ def test_conservation_and_per_rank_randomness_on_ddlcomm_and_gloo_groups() -> No
 def test_conservation_over_two_hosts_of_two_ranks() -> None:
     """The hierarchical compressed all-reduce (exact inside a host, compressed across), forced
     for the gloo group (under auto only ddlcomm and nccl groups take it)."""
-    hosts = {r: {"DDLCOMM_HOST_ID": f"host-{r // 2}"} for r in range(4)}
-    assert_all_ok(launch(conservation.hierarchical, 4, timeout=180, rank_env=hosts,
+    assert_all_ok(launch(conservation.hierarchical, 4, timeout=180, rank_env=named_hosts(),
                          env={"DDLCOMM_ALLREDUCE_ALGO": "hierarchical"}))
 
 

@@ -8,7 +8,7 @@ from typing import Optional
 import pytest
 import torch
 
-from harness import assert_all_ok, launch
+from harness import assert_all_ok, launch, named_hosts
 from workers import collective_paths, convergence, sharded
 
 from ddlcomm import compressors, fsdp
@@ -23,9 +23,8 @@ def test_compressed_reduce_scatter_loses_nothing(backend: str, ranks: int) -> No
 def test_compressed_reduce_scatter_over_two_hosts_of_two_ranks(backend: str) -> None:
     """Exact inside each host, compressed across (natively, and over gloo's collectives, where
     the hierarchy is forced): still nothing lost, the residuals where the native plan keeps them."""
-    hosts = {r: {"DDLCOMM_HOST_ID": f"host-{r // 2}"} for r in range(4)}
     env = {"DDLCOMM_ALLREDUCE_ALGO": "hierarchical"} if backend == "gloo" else {}
-    assert_all_ok(launch(sharded.reduce_scatter_math, 4, timeout=120, args=(backend, "2x2"), rank_env=hosts,
+    assert_all_ok(launch(sharded.reduce_scatter_math, 4, timeout=120, args=(backend, "2x2"), rank_env=named_hosts(),
                          env=env))
 
 
@@ -74,8 +73,8 @@ def test_reduce_scatter_paths_agree_bitwise(layered: bool) -> None:
     """The engine on both groups and the collectives path (CUDA tensors'), flat on 3 ranks and
     over 2 named hosts x 2 ranks."""
     if layered:
-        hosts = {r: {"DDLCOMM_HOST_ID": f"host-{r // 2}"} for r in range(4)}
-        results = launch(collective_paths.reduce_scatter_agrees, 4, timeout=240, args=("hosts",), rank_env=hosts,
+        results = launch(collective_paths.reduce_scatter_agrees, 4, timeout=240, args=("hosts",),
+                         rank_env=named_hosts(),
                          env={"DDLCOMM_ALLREDUCE_ALGO": "hierarchical"})
     else:
         results = launch(collective_paths.reduce_scatter_agrees, 3, timeout=240)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness import assert_all_ok, launch
+from harness import assert_all_ok, launch, named_hosts
 from workers import gpu
 
 from ddlcomm import compressors
@@ -137,8 +137,7 @@ def test_compressed_all_reduce_on_cuda_matches_cpu(backend: str, ranks: int) -> 
 def test_compressed_all_reduce_on_cuda_over_two_hosts_matches_cpu() -> None:
     """2 named hosts x 2 ranks of a ddlcomm group: CUDA tensors take the collectives path's two levels,
     CPU ones the native hierarchy; with two ranks a host both give the same bits."""
-    hosts = {r: {"DDLCOMM_HOST_ID": f"host-{r // 2}"} for r in range(4)}
-    assert_all_ok(launch(gpu.compressed, 4, timeout=300, args=("ddlcomm",), rank_env=hosts))
+    assert_all_ok(launch(gpu.compressed, 4, timeout=300, args=("ddlcomm",), rank_env=named_hosts()))
 
 
 @pytest.mark.parametrize("backend,ranks", GROUPS)

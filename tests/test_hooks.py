@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from ddlcomm import compressed, compressors, hooks
-from harness import assert_all_ok, launch
+from harness import assert_all_ok, launch, named_hosts
 from workers import collective_paths, compression
 
 
@@ -23,8 +23,7 @@ def test_every_path_agrees_bitwise() -> None:
 
 
 def test_every_path_agrees_bitwise_over_hosts() -> None:
-    hosts = {r: {"DDLCOMM_HOST_ID": f"host-{r // 2}"} for r in range(4)}
-    assert_all_ok(launch(collective_paths.hosts_agree, 4, timeout=240, rank_env=hosts,
+    assert_all_ok(launch(collective_paths.hosts_agree, 4, timeout=240, rank_env=named_hosts(),
                          env={"DDLCOMM_ALLREDUCE_ALGO": "hierarchical"}))
 
 
@@ -68,8 +67,7 @@ def test_direction_mode_native_fallback_and_replicas_agree(ranks: int) -> None:
 def test_direction_mode_over_two_hosts() -> None:
     """2 hosts x 2 ranks, the hierarchy forced: the hooks over the gloo group take two levels
     too (exact inside a host)."""
-    hosts = {r: {"DDLCOMM_HOST_ID": f"host-{r // 2}"} for r in range(4)}
-    assert_all_ok(launch(compression.direction_mode, 4, timeout=300, rank_env=hosts,
+    assert_all_ok(launch(compression.direction_mode, 4, timeout=300, rank_env=named_hosts(),
                          env={"DDLCOMM_ALLREDUCE_ALGO": "hierarchical"}))
 
 

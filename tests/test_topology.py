@@ -10,19 +10,19 @@ import shutil
 import pytest
 
 import ddlcomm
-from harness import assert_all_ok, launch
+from harness import assert_all_ok, launch, named_hosts
 from workers import topology
 
 
 def test_hierarchical_all_reduce_over_two_hosts_of_two_ranks() -> None:
-    hosts = {r: {"DDLCOMM_HOST_ID": f"host-{r // 2}"} for r in range(4)}
+    hosts = named_hosts()
     assert_all_ok(launch(topology.hierarchical, 4, timeout=180, rank_env=hosts))
 
 
 @pytest.mark.parametrize("hosts, per_host", [(8, 1), (4, 2)])
 def test_hierarchical_all_reduce_over_more_hosts(hosts: int, per_host: int) -> None:
     """8 hosts: halving-doubling across them (3 steps each way where a ring takes 7); 4: a ring."""
-    ranks = {r: {"DDLCOMM_HOST_ID": f"host-{r // per_host}"} for r in range(hosts * per_host)}
+    ranks = named_hosts(hosts, per_host)
     assert_all_ok(launch(topology.many_hosts, hosts * per_host, timeout=240, rank_env=ranks,
                          args=(f"{hosts} hosts x {per_host} rank{'s' if per_host > 1 else ''}",)))
 

@@ -246,20 +246,15 @@ int64_t ProcessGroupDdlcomm::serverResidualNumel(int64_t numel) const {
 }
 
 namespace {
-void checkCompressible(const at::Tensor& t, const char* op) {
+// The engine takes CPU tensors (CUDA ones take ddlcomm.compressed's collectives path).
+void checkCompressibleOnCpu(const at::Tensor& t, const char* op) {
   checkTensor(t, op);
-  TORCH_CHECK_TYPE(t.scalar_type() == at::kFloat || t.scalar_type() == at::kHalf || t.scalar_type() == at::kBFloat16,
-                   "ddlcomm ", op, " needs a torch.float32, torch.float16 or torch.bfloat16 tensor, got ",
-                   dtypeName(t.scalar_type()));
+  checkCompressible(t, op);
 }
 
-void checkResidual(const std::optional<at::Tensor>& r, int64_t numel, const char* which) {
-  if (!r) return;
-  checkTensor(*r, which);
-  TORCH_CHECK_TYPE(r->scalar_type() == at::kFloat, "ddlcomm: the ", which, " must be torch.float32, got ",
-                   dtypeName(r->scalar_type()));
-  TORCH_CHECK_VALUE(r->is_contiguous() && r->numel() == numel, "ddlcomm: the ", which,
-                    " must be a contiguous float32 tensor of ", numel, " elements, got ", r->numel());
+void checkResidualOnCpu(const std::optional<at::Tensor>& r, int64_t numel, const char* which) {
+  if (r) checkTensor(*r, which);
+  checkResidual(r, numel, which, at::kCPU);
 }
 }  // namespace
 
@@ -268,9 +263,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDdlcomm::compressedAllreduce(at::Tens
                                                                         std::optional<at::Tensor> workerResidual,
                                                                         std::optional<at::Tensor> serverResidual,
                                                                         bool average, uint64_t stream, bool flat) {
-  checkCompressible(tensor, "compressed allreduce");
-  checkResidual(workerResidual, tensor.numel(), "worker residual");
-  checkResidual(serverResidual, serverResidualNumel(tensor.numel()), "server residual");
+  checkCompressibleOnCpu(tensor, "compressed allreduce");
+  checkResidualOnCpu(workerResidual, tensor.numel(), "worker residual");
+  checkResidualOnCpu(serverResidual, serverResidualNumel(tensor.numel()), "server residual");
   const DataType dtype = toDataType(tensor);
   return enqueue(c10d::OpType::ALLREDUCE, {tensor},
                  [tensor, config, workerResidual, serverResidual, average, stream, flat, dtype](Communicator& comm) mutable {
@@ -295,13 +290,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDdlcomm::compressedReduceScatter(at::
                                                                             const compress::Config& config,
                                                                             std::optional<at::Tensor> workerResidual,
                                                                             bool average, uint64_t stream) {
-  checkCompressible(output, "compressed reduce-scatter");
-  checkCompressible(input, "compressed reduce-scatter");
-  TORCH_CHECK_TYPE(input.scalar_type() == output.scalar_type(), "ddlcomm compressed reduce-scatter: input ",
-                   dtypeName(input.scalar_type()), " and output ", dtypeName(output.scalar_type()), " differ");
-  TORCH_CHECK_VALUE(input.numel() == output.numel() * size_, "ddlcomm compressed reduce-scatter: input of ",
-                    input.numel(), " elements for an output of ", output.numel(), " on ", size_, " ranks");
-  checkResidual(workerResidual, input.numel(), "worker residual");
+  checkCompressibleOnCpu(output, "compressed reduce-scatter");
+  checkCompressibleOnCpu(input, "compressed reduce-scatter");
+  checkReduceScatterShapes(output, input, size_);
+  checkResidualOnCpu(workerResidual, input.numel(), "worker residual");
   const DataType dtype = toDataType(output);
   return enqueue(c10d::OpType::REDUCE_SCATTER, {output},
                  [output, input, config, workerResidual, average, stream, dtype](Communicator& comm) mutable {

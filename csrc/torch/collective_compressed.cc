@@ -271,16 +271,6 @@ void gatherInHost(const at::Tensor& flat, const ring::Chunks& chunks, int local,
   }
 }
 
-void checkResidual(const std::optional<at::Tensor>& r, const at::Tensor& tensor, size_t numel, const char* which) {
-  if (!r) return;
-  TORCH_CHECK_TYPE(r->scalar_type() == at::kFloat, "ddlcomm: the ", which, " must be torch.float32, got ",
-                   dtypeName(r->scalar_type()));
-  TORCH_CHECK_VALUE(r->device() == tensor.device(), "ddlcomm: the ", which, " is on ", r->device(),
-                    ", the tensor on ", tensor.device());
-  TORCH_CHECK_VALUE(r->is_contiguous() && size_t(r->numel()) == numel, "ddlcomm: the ", which,
-                    " must be a contiguous float32 tensor of ", numel, " elements, got ", r->numel());
-}
-
 // Exact inside the host (the host's all-reduce in the tensor's dtype), each rank's shard of
 // the host sum compressed among the ranks at its place on the other hosts, the shards
 // all-gathered inside the host: the engine's hierarchical plan (hostPlanOf), so the server
@@ -313,13 +303,6 @@ void overHosts(const CollectiveGroup& g, const at::Tensor& flat, const at::Tenso
   }
 }
 
-void checkCompressible(const at::Tensor& t, const char* op) {
-  TORCH_CHECK_TYPE(t.scalar_type() == at::kFloat || t.scalar_type() == at::kHalf || t.scalar_type() == at::kBFloat16,
-                   "ddlcomm ", op, " needs a torch.float32, torch.float16 or torch.bfloat16 tensor, got ",
-                   dtypeName(t.scalar_type()));
-  TORCH_CHECK_VALUE(t.layout() == at::kStrided, "ddlcomm ", op, " needs a dense tensor");
-}
-
 }  // namespace
 
 void compressedAllreduceOverCollectives(const CollectiveGroup& g, const CollectiveAllreduceArgs& args) {
@@ -329,8 +312,9 @@ void compressedAllreduceOverCollectives(const CollectiveGroup& g, const Collecti
                     "across-hosts' collectives");
   const int rank = g.group.values->getRank(), size = g.group.values->getSize();
   const size_t numel = size_t(tensor.numel());
-  checkResidual(args.workerResidual, tensor, numel, "worker residual");
-  checkResidual(args.serverResidual, tensor, serverResidualLength(numel, rank, size), "server residual");
+  checkResidual(args.workerResidual, int64_t(numel), "worker residual", tensor.device());
+  checkResidual(args.serverResidual, int64_t(serverResidualLength(numel, rank, size)), "server residual",
+                tensor.device());
   if (numel == 0) return;
   const c10::Device device = tensor.device();
   const Codec codec(args.config, device);
@@ -352,18 +336,12 @@ void compressedAllreduceOverCollectives(const CollectiveGroup& g, const Collecti
   if (!tensor.is_contiguous()) tensor.copy_(flat.view(tensor.sizes()));
 }
 
-
-
 void compressedReduceScatterOverCollectives(const CollectiveGroup& g, const CollectiveReduceScatterArgs& args) {
   checkCompressible(args.output, "compressed reduce-scatter");
-  TORCH_CHECK_TYPE(args.input.scalar_type() == args.output.scalar_type(), "ddlcomm compressed reduce-scatter: input ",
-                   dtypeName(args.input.scalar_type()), " and output ", dtypeName(args.output.scalar_type()),
-                   " differ");
   const int rank = g.group.values->getRank(), n = g.group.values->getSize();
+  checkReduceScatterShapes(args.output, args.input, n);
   const size_t m = size_t(args.output.numel());
-  TORCH_CHECK_VALUE(size_t(args.input.numel()) == size_t(n) * m, "ddlcomm compressed reduce-scatter: input of ",
-                    args.input.numel(), " elements for an output of ", m, " on ", n, " ranks");
-  checkResidual(args.workerResidual, args.input, size_t(n) * m, "worker residual");
+  checkResidual(args.workerResidual, args.input.numel(), "worker residual", args.input.device());
   const c10::Device device = args.input.device();
   const Codec codec(args.config, device);
   const Wire wire(args.config, device, g.staged);

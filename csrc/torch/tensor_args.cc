@@ -90,6 +90,29 @@ at::Tensor single(std::vector<at::Tensor>& tensors, const char* op) {
   return tensors[0];
 }
 
+void checkCompressible(const at::Tensor& t, const char* op) {
+  TORCH_CHECK_TYPE(t.scalar_type() == at::kFloat || t.scalar_type() == at::kHalf || t.scalar_type() == at::kBFloat16,
+                   "ddlcomm ", op, " needs a torch.float32, torch.float16 or torch.bfloat16 tensor, got ",
+                   dtypeName(t.scalar_type()));
+  TORCH_CHECK_VALUE(t.layout() == at::kStrided, "ddlcomm ", op, " needs a dense tensor");
+}
+
+void checkResidual(const std::optional<at::Tensor>& r, int64_t numel, const char* which, c10::Device device) {
+  if (!r) return;
+  TORCH_CHECK_TYPE(r->scalar_type() == at::kFloat, "ddlcomm: the ", which, " must be torch.float32, got ",
+                   dtypeName(r->scalar_type()));
+  TORCH_CHECK_VALUE(r->device() == device, "ddlcomm: the ", which, " is on ", r->device(), ", the tensor on ", device);
+  TORCH_CHECK_VALUE(r->layout() == at::kStrided && r->is_contiguous() && r->numel() == numel, "ddlcomm: the ", which,
+                    " must be a contiguous float32 tensor of ", numel, " elements, got ", r->numel());
+}
+
+void checkReduceScatterShapes(const at::Tensor& output, const at::Tensor& input, int size) {
+  TORCH_CHECK_TYPE(input.scalar_type() == output.scalar_type(), "ddlcomm compressed reduce-scatter: input ",
+                   dtypeName(input.scalar_type()), " and output ", dtypeName(output.scalar_type()), " differ");
+  TORCH_CHECK_VALUE(input.numel() == output.numel() * size, "ddlcomm compressed reduce-scatter: input of ",
+                    input.numel(), " elements for an output of ", output.numel(), " on ", size, " ranks");
+}
+
 void checkSameType(const at::Tensor& a, const at::Tensor& b, const char* op) {
   TORCH_CHECK_TYPE(a.scalar_type() == b.scalar_type(), "ddlcomm ", op, ": input dtype ", dtypeName(a.scalar_type()),
                    " differs from output dtype ", dtypeName(b.scalar_type()));

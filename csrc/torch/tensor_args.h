@@ -6,6 +6,7 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/Types.hpp>
 
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -26,6 +27,13 @@ void checkTensor(const at::Tensor& t, const char* role);
 // The one tensor of a single-tensor operation, checked.
 at::Tensor single(std::vector<at::Tensor>& tensors, const char* op);
 void checkSameType(const at::Tensor& a, const at::Tensor& b, const char* op);
+// The compressed collectives' arguments, on any device (both the backend's and the
+// collectives path's): TypeError unless `t` is float32, float16 or bfloat16, ValueError unless
+// it is dense; a residual (when given) must be a contiguous float32 tensor of `numel` elements on
+// `device`; a reduce-scatter's input holds `size` outputs of the output's dtype.
+void checkCompressible(const at::Tensor& t, const char* op);
+void checkResidual(const std::optional<at::Tensor>& r, int64_t numel, const char* which, c10::Device device);
+void checkReduceScatterShapes(const at::Tensor& output, const at::Tensor& input, int size);
 // A contiguous tensor with t's values (t itself when contiguous); writeBack copies the result
 // into the user's tensor when they differ.
 at::Tensor staged(const at::Tensor& t);
