@@ -45,7 +45,7 @@ from .wire import Agreement, collectives_on_gpu
 __all__ = [
     "all_reduce_over_collectives", "compressed_all_reduce", "compressed_reduce_scatter", "engine_of",
     "start_compressed_all_reduce",
-    "host_levels_of", "reduce_scatter_over_collectives", "server_chunks",
+    "host_levels_of", "server_chunks",
     "server_residual_numel", "native_backend", "reduce_scatter_wire_bytes", "two_levels", "wire_bytes",
 ]
 
@@ -298,28 +298,12 @@ def compressed_reduce_scatter(output: torch.Tensor, input: torch.Tensor, compres
                               worker_residual: Optional[torch.Tensor], group: dist.ProcessGroup, average: bool,
                               stream: int, verify: bool = True) -> None:
     """``output`` = the compressed reduction of chunk ``rank`` of every rank's ``input``
-    (``ddlcomm.fsdp``'s reduce-scatter), blocking: on the group's engine for CPU tensors
-    (pipelined: encoding overlaps sending), else over the group's collectives
-    (``reduce_scatter_over_collectives``). `verify`: first check that every rank reduces alike,
-    on every group (a ValueError on every rank if not)."""
-    engine = engine_of(group) if not input.is_cuda else None
-    if engine is None:
-        reduce_scatter_over_collectives(output, input, compressor, worker_residual, group, average, stream, verify)
-        return
-    if verify:
-        Agreement(input, compressor, group, engine.size(), True, input.device).wait()
-    engine.compressed_reduce_scatter(output.view(-1), input, compressor.config, worker_residual, average,
-                                     stream).wait()
-
-
-def reduce_scatter_over_collectives(output: torch.Tensor, input: torch.Tensor, compressor: Compressor,
-                                    worker_residual: Optional[torch.Tensor], group: dist.ProcessGroup, average: bool,
-                                    stream: int, verify: bool) -> None:
-    """``output`` = the compressed reduction of chunk ``rank`` of every rank's ``input`` over the
-    group's own collectives (``compressed_reduce_scatter``'s path for CUDA tensors and groups
-    without CPU collectives; ``engine_of(group).compressed_reduce_scatter`` is the engine's): the same bytes
-    and float32 sums, in two levels where ``host_levels_of`` takes them. `verify`: as
-    ``compressed_all_reduce``'s."""
+    (``ddlcomm.fsdp``'s reduce-scatter), blocking, over the group's own all-to-all (and, in two
+    levels where ``host_levels_of`` takes them, its reduce-scatter inside each host): one C++
+    call, for every group and device. Each rank encodes chunk ``o`` with the residual of that
+    chunk (``worker_residual``: ``input.numel()`` float32 elements, or None) and the sum of what
+    rank ``o`` receives is taken in float32, in rank order. `verify`: first check that every
+    rank reduces alike (a ValueError on every rank if not)."""
     _C.compressed_reduce_scatter_over_collectives(output, input, compressor.config, worker_residual, average, stream,
                                                   *_collectives_of(input, compressor, group, verify, False))
 

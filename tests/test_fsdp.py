@@ -21,8 +21,8 @@ def test_compressed_reduce_scatter_loses_nothing(backend: str, ranks: int) -> No
 
 @pytest.mark.parametrize("backend", ["ddlcomm", "gloo"])
 def test_compressed_reduce_scatter_over_two_hosts_of_two_ranks(backend: str) -> None:
-    """Exact inside each host, compressed across (natively, and over gloo's collectives, where
-    the hierarchy is forced): still nothing lost, the residuals where the native plan keeps them."""
+    """Exact inside each host, compressed across (on the ddlcomm group from its topology, on gloo
+    where the hierarchy is forced): still nothing lost, the residuals where the plan keeps them."""
     env = {"DDLCOMM_ALLREDUCE_ALGO": "hierarchical"} if backend == "gloo" else {}
     assert_all_ok(launch(sharded.reduce_scatter_math, 4, timeout=120, args=(backend, "2x2"), rank_env=named_hosts(),
                          env=env))
@@ -64,14 +64,14 @@ def test_ddlcomm_and_gloo_groups_train_alike() -> None:
     assert_all_ok(launch(sharded.backends_agree, 2, timeout=180))
 
 
-def test_native_reduce_scatter_matches_the_fallback_bitwise() -> None:
-    assert_all_ok(launch(sharded.native_reduce_scatter, 3, timeout=240))
+def test_the_state_reduce_scatters_alike_on_ddlcomm_and_gloo_groups() -> None:
+    assert_all_ok(launch(sharded.state_reduce_scatters_alike, 3, timeout=240))
 
 
 @pytest.mark.parametrize("layered", [False, True])
-def test_reduce_scatter_paths_agree_bitwise(layered: bool) -> None:
-    """The engine on both groups and the collectives path (CUDA tensors'), flat on 3 ranks and
-    over 2 named hosts x 2 ranks."""
+def test_compressed_reduce_scatter_is_the_plan_bitwise(layered: bool) -> None:
+    """On a ddlcomm and a gloo group: flat on 3 ranks, the plan's bits computed in Python;
+    over 2 named hosts x 2 ranks, the same bits on both groups."""
     if layered:
         results = launch(collective_paths.reduce_scatter_agrees, 4, timeout=240, args=("hosts",),
                          rank_env=named_hosts(),

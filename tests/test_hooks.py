@@ -121,11 +121,11 @@ def one_rank() -> Iterator[None]:
     (lambda: compressed.all_reduce_over_collectives(torch.ones(8), compressors.OneBit(), None,
                                                     torch.zeros(8, dtype=torch.float16), None, True, 0, False, False),
      TypeError, "server residual must be torch.float32"),
-    (lambda: compressed.reduce_scatter_over_collectives(torch.empty(3), torch.ones(4), compressors.OneBit(), None,
-                                                        dist.group.WORLD, True, 0, False),
+    (lambda: compressed.compressed_reduce_scatter(torch.empty(3), torch.ones(4), compressors.OneBit(), None,
+                                                  dist.group.WORLD, True, 0, False),
      ValueError, "input of 4 elements for an output of 3 on 1 ranks"),
-    (lambda: compressed.reduce_scatter_over_collectives(torch.empty(4), torch.ones(4, dtype=torch.float16),
-                                                        compressors.OneBit(), None, dist.group.WORLD, True, 0, False),
+    (lambda: compressed.compressed_reduce_scatter(torch.empty(4), torch.ones(4, dtype=torch.float16),
+                                                  compressors.OneBit(), None, dist.group.WORLD, True, 0, False),
      TypeError, "input torch.float16 and output torch.float32 differ"),
 ])
 def test_the_collectives_path_refuses_bad_arguments(one_rank: None, call, error: type, words: str) -> None:

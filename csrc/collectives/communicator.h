@@ -57,7 +57,6 @@ struct CollectiveCounters {
   uint64_t hierarchicalReduceScatters = 0;
   uint64_t hierarchicalAllgathers = 0;
   uint64_t hierarchicalCompressedAllreduces = 0;  // exact inside hosts, compressed across
-  uint64_t hierarchicalCompressedReduceScatters = 0;  // likewise
 };
 
 // A snapshot of a group's counters and of its transport's connections.

@@ -13,7 +13,6 @@
 #include "collectives/collectives.h"
 #include "common/env.h"
 #include "collectives/compressed_allreduce.h"
-#include "collectives/compressed_reduce_scatter.h"
 #include "compress/parallel.h"
 #include "transport/connect.h"
 #include "torch/process_group_transport.h"
@@ -282,34 +281,6 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDdlcomm::compressedAllreduce(at::Tens
                    args.flat = flat;
                    ddlcomm::compressedAllreduce(comm, args);
                    writeBack(tensor, work);
-                 });
-}
-
-c10::intrusive_ptr<c10d::Work> ProcessGroupDdlcomm::compressedReduceScatter(at::Tensor& output,
-                                                                            const at::Tensor& input,
-                                                                            const compress::Config& config,
-                                                                            std::optional<at::Tensor> workerResidual,
-                                                                            bool average, uint64_t stream) {
-  checkCompressibleOnCpu(output, "compressed reduce-scatter");
-  checkCompressibleOnCpu(input, "compressed reduce-scatter");
-  checkReduceScatterShapes(output, input, size_);
-  checkResidualOnCpu(workerResidual, input.numel(), "worker residual");
-  const DataType dtype = toDataType(output);
-  return enqueue(c10d::OpType::REDUCE_SCATTER, {output},
-                 [output, input, config, workerResidual, average, stream, dtype](Communicator& comm) mutable {
-                   const at::Tensor in = input.contiguous();
-                   at::Tensor out = staged(output);
-                   CompressedReduceScatterArgs args;
-                   args.config = config;
-                   args.dtype = dtype;
-                   args.input = in.data_ptr();
-                   args.output = out.data_ptr();
-                   args.count = size_t(out.numel());
-                   args.workerResidual = workerResidual ? workerResidual->data_ptr<float>() : nullptr;
-                   args.average = average;
-                   args.stream = stream;
-                   ddlcomm::compressedReduceScatter(comm, args);
-                   writeBack(output, out);
                  });
 }
 

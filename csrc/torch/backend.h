@@ -180,13 +180,6 @@ class ProcessGroupDdlcomm : public c10d::Backend {
                                                      std::optional<at::Tensor> serverResidual, bool average,
                                                      uint64_t stream, bool flat);
   int64_t serverResidualNumel(int64_t numel) const;
-  // Compressed reduce-scatter (ddlcomm.fsdp): `output` (m elements) = the reduction of chunk
-  // `rank` of every rank's `input` (size * m elements, `output`'s dtype); the worker residual
-  // has the input's numel.
-  c10::intrusive_ptr<c10d::Work> compressedReduceScatter(at::Tensor& output, const at::Tensor& input,
-                                                         const compress::Config& config,
-                                                         std::optional<at::Tensor> workerResidual, bool average,
-                                                         uint64_t stream);
 
   // Runs `task` on the executor with `outputs` as the Work's result (used by the ops above
   // and by the compressed all-reduce). `callerWaits` (the op's asyncOp is false: the caller

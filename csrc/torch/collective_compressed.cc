@@ -173,8 +173,12 @@ void allGather(c10d::Backend& backend, at::Tensor out, at::Tensor in) {
 
 at::Tensor slice(const at::Tensor& t, size_t begin, size_t end) { return t.slice(0, int64_t(begin), int64_t(end)); }
 
-at::Tensor accumulator(size_t numel, c10::Device device) {
-  return at::zeros({int64_t(numel)}, at::TensorOptions().dtype(at::kFloat).device(device));
+// Where float32 sums are accumulated: `out` itself when it is float32 (its values were encoded
+// already), else a new tensor. Zeroed either way. On the CPU a new tensor of a large chunk
+// costs its page faults on every call, which is why the output is preferred.
+at::Tensor accumulatorFor(const at::Tensor& out) {
+  if (out.scalar_type() == at::kFloat && out.is_contiguous()) return out.zero_();
+  return at::zeros({out.numel()}, out.options().dtype(at::kFloat));
 }
 
 // A sparse format: every rank's payload all-gathered, decoded and summed in rank order.
@@ -188,10 +192,10 @@ void sparseAmong(const at::Tensor& flat, const at::Tensor* residual, const Among
   const at::Tensor rows =
       a.wire.receive(everyone.view({k, int64_t(slot)}), std::vector<size_t>(size_t(k), bytes),
                      std::vector<size_t>(size_t(k), numel));
-  at::Tensor acc = accumulator(numel, flat.device());
+  at::Tensor acc = accumulatorFor(flat);
   for (int j = 0; j < k; ++j) a.codec.decode(rows[j], bytes, acc, true);
   if (a.scale != 1.f) acc.mul_(a.scale);
-  flat.copy_(acc);
+  if (!acc.is_same(flat)) flat.copy_(acc);
 }
 
 // One piece of a quantized or cast format, in place: chunk i (flat[bounds[i], bounds[i+1]))
@@ -220,7 +224,7 @@ void scatterReduceGather(const at::Tensor& flat, const ring::Chunks& chunks, con
   std::vector<int64_t> received(static_cast<size_t>(n), static_cast<int64_t>(mine));
   std::vector<int64_t> sending(slots.begin(), slots.end());
   wait(a.payloads, a.payloads.alltoall_base(incoming, sent, received, sending));
-  at::Tensor acc = accumulator(lengths[size_t(r)], flat.device());
+  at::Tensor acc = accumulatorFor(slice(flat, chunks.begin(r), chunks.begin(r + 1)));
   const at::Tensor workers = a.wire.receive(incoming.view({n, int64_t(mine)}),
                                             std::vector<size_t>(size_t(n), sizes[size_t(r)]),
                                             std::vector<size_t>(size_t(n), lengths[size_t(r)]));
@@ -336,6 +340,10 @@ void compressedAllreduceOverCollectives(const CollectiveGroup& g, const Collecti
   if (!tensor.is_contiguous()) tensor.copy_(flat.view(tensor.sizes()));
 }
 
+size_t compressedReduceScatterWireBytes(const compress::Config& config, size_t count, int size) {
+  return count == 0 ? 0 : size_t(size - 1) * compress::encodedBytes(config, count);
+}
+
 void compressedReduceScatterOverCollectives(const CollectiveGroup& g, const CollectiveReduceScatterArgs& args) {
   checkCompressible(args.output, "compressed reduce-scatter");
   const int rank = g.group.values->getRank(), n = g.group.values->getSize();
@@ -387,10 +395,10 @@ void compressedReduceScatterOverCollectives(const CollectiveGroup& g, const Coll
   wait(*among, among->alltoall_base(incoming, sent, even, even));
   const at::Tensor rows = wire.receive(incoming.view({k, int64_t(slot)}), std::vector<size_t>(size_t(k), bytes),
                                        std::vector<size_t>(size_t(k), m));
-  at::Tensor acc = accumulator(m, device);
+  at::Tensor acc = accumulatorFor(args.output);
   for (int j = 0; j < k; ++j) codec.decode(rows[j], bytes, acc, true);
   if (args.average) acc.mul_(1.f / float(n));
-  args.output.copy_(acc.view(args.output.sizes()));
+  if (!acc.is_same(args.output)) args.output.copy_(acc.view(args.output.sizes()));
 }
 
 }  // namespace ddlcomm::torch_glue

@@ -1,8 +1,9 @@
 // The compressed all-reduce and reduce-scatter over any c10d backend's collectives, for tensors
-// on any device. ddlcomm.compressed and ddlcomm.fsdp route here what the engine
-// (csrc/collectives/compressed_*.cc) cannot run: CUDA tensors (over NCCL, gloo or ddlcomm) and
-// groups without CPU collectives. It takes that engine's plan (piecesOf, hostPlanOf,
-// encodeStream), so it makes the same bytes and results; only the exchanges differ:
+// on any device. The reduce-scatter (ddlcomm.fsdp) runs here for every group and device: on a
+// ddlcomm group over its own all-to-all and reduce-scatter. The all-reduce runs here where the
+// pipelined engine (csrc/collectives/compressed_allreduce.cc) cannot: CUDA tensors (over NCCL,
+// gloo or ddlcomm) and groups without CPU collectives. It takes that engine's plan (piecesOf,
+// hostPlanOf, encodeStream), so it makes the same bytes and results; only the exchanges differ:
 // whole-group all-to-all and all-gather instead of pipelined sends.
 #pragma once
 
@@ -60,11 +61,15 @@ struct CollectiveReduceScatterArgs {
 // orders them there, so nothing waits on the host. Every rank ends with the same bits.
 void compressedAllreduceOverCollectives(const CollectiveGroup& group, const CollectiveAllreduceArgs& args);
 
-// The compressed reduce-scatter (compressed_reduce_scatter.cc's bytes and float32 sums): chunk
-// o of the input, encoded with its residual, goes to rank o in one all-to-all; each rank sums
-// what it receives in rank order. Over two levels, the host's exact reduce-scatter first (of
-// the chunks of the ranks at each place on every host), then the same among the ranks at this
-// rank's place.
+// The compressed reduce-scatter: chunk o of the input, encoded with its worker residual and
+// randomness stream encodeStream(stream, rank, 0, o, n, 0), goes to rank o in one all-to-all;
+// each rank sums what it receives in float32 in rank order, scales it for an average and
+// writes it in the output's dtype. Over two levels, the host's exact reduce-scatter first (of
+// the chunks of the ranks at each place on every host, in the tensors' dtype), then the same
+// among the ranks at this rank's place, whose residuals hold that host sum's error.
 void compressedReduceScatterOverCollectives(const CollectiveGroup& group, const CollectiveReduceScatterArgs& args);
+
+// Payload bytes every rank sends in one flat compressed reduce-scatter of `count` output elements.
+size_t compressedReduceScatterWireBytes(const compress::Config& config, size_t count, int size);
 
 }  // namespace ddlcomm::torch_glue

@@ -12,7 +12,6 @@
 #include "bindings/bindings.h"
 #include "collectives/communicator.h"
 #include "collectives/compressed_allreduce.h"
-#include "collectives/compressed_reduce_scatter.h"
 #include "common/error.h"
 #include "torch/backend.h"
 #include "torch/collective_compressed.h"
@@ -213,11 +212,6 @@ PYBIND11_MODULE(_C, m) {
            py::call_guard<py::gil_scoped_release>(),
            "Compressed all-reduce with error feedback; returns a Work whose future holds [tensor]. flat: one "
            "level over hosts where the group takes two (compressed_two_levels).")
-      .def("compressed_reduce_scatter", &ProcessGroupDdlcomm::compressedReduceScatter, py::arg("output"),
-           py::arg("input"), py::arg("config"), py::arg("worker_residual") = py::none(), py::arg("average") = true,
-           py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>(),
-           "Compressed reduce-scatter with error feedback (ddlcomm.fsdp); returns a Work whose future holds "
-           "[output].")
       .def(
           "stats",
           [](ProcessGroupDdlcomm& pg) {
@@ -235,7 +229,6 @@ PYBIND11_MODULE(_C, m) {
             d["hierarchical_reduce_scatters"] = s.collectives.hierarchicalReduceScatters;
             d["hierarchical_allgathers"] = s.collectives.hierarchicalAllgathers;
             d["hierarchical_compressed_allreduces"] = s.collectives.hierarchicalCompressedAllreduces;
-            d["hierarchical_compressed_reduce_scatters"] = s.collectives.hierarchicalCompressedReduceScatters;
             d["topology"] = s.topology;
             d["network"] = s.transport.network;
             d["connections_per_peer"] = s.transport.connectionsPerPeer;
@@ -249,8 +242,7 @@ PYBIND11_MODULE(_C, m) {
           "This group's counters, taken after everything submitted before: all-reduces per algorithm "
           "(ring_allreduces, recursive_doubling_allreduces, halving_doubling_allreduces, shared_memory_allreduces, "
           "hierarchical_allreduces; hierarchical_reduce_scatters and hierarchical_allgathers, likewise in two levels; "
-          "hierarchical_compressed_allreduces and hierarchical_compressed_reduce_scatters: exact inside hosts, "
-          "compressed across), "
+          "hierarchical_compressed_allreduces: exact inside hosts, compressed across), "
           "the hosts its ranks are on (topology: '2 hosts x 2 ranks'), the network transport (network: 'tcp' or "
           "'ucx', the same on every rank) and its connections to each rank (connections_per_peer) and bytes_sent on them (TCP: TCP_INFO "
           "tcpi_bytes_sent, frame headers, the handshake and retransmissions included; UCX: header and payload "
@@ -318,7 +310,7 @@ PYBIND11_MODULE(_C, m) {
           "compressed_reduce_scatter_wire_bytes",
           [](const ddlcomm::compress::Config& config, size_t numel, int size) {
             checkRank(0, size);
-            return ddlcomm::compressedReduceScatterWireBytes(config, numel, size);
+            return ddlcomm::torch_glue::compressedReduceScatterWireBytes(config, numel, size);
           },
           py::arg("config"), py::arg("numel"), py::arg("size"),
           "Payload bytes each rank sends in one compressed reduce-scatter of `numel` output elements.");
@@ -348,7 +340,7 @@ PYBIND11_MODULE(_C, m) {
       py::arg("output"), py::arg("input"), py::arg("config"), py::arg("worker_residual"), py::arg("average"),
       py::arg("stream"), py::arg("group"), py::arg("host"), py::arg("across"), py::arg("identities"),
       py::arg("staged"), py::call_guard<py::gil_scoped_release>(),
-      "The compressed reduce-scatter over c10d collectives (ddlcomm.fsdp's path for CUDA tensors); the "
+      "The compressed reduce-scatter over c10d collectives (ddlcomm.fsdp's, for every group and device); the "
       "groups as compressed_allreduce_over_collectives.");
   ddlcomm::bindings::bindCompression(m);
   ddlcomm::bindings::bindCudaCompression(m);

@@ -17,7 +17,6 @@ const char* opCodeName(OpCode op) {
     case OpCode::Scatter: return "scatter";
     case OpCode::PointToPoint: return "send/recv";
     case OpCode::CompressedAllreduce: return "compressed_allreduce";
-    case OpCode::CompressedReduceScatter: return "compressed_reduce_scatter";
   }
   return "unknown-op";
 }
@@ -54,7 +53,7 @@ Signature parseFrameHeader(const FrameHeader& h, int peer) {
     fail(ErrorKind::Protocol, "rank ", peer, " speaks frame version ", int(h.version), ", this rank ",
          int(kFrameVersion), ": mixed ddlcomm versions in one job");
   }
-  if (h.op < uint8_t(OpCode::Allreduce) || h.op > uint8_t(OpCode::CompressedReduceScatter) ||
+  if (h.op < uint8_t(OpCode::Allreduce) || h.op > uint8_t(OpCode::CompressedAllreduce) ||
       !isValidDataType(h.dtype)) {
     fail(ErrorKind::Protocol, "corrupt frame from rank ", peer, ": op ", int(h.op), ", dtype ", int(h.dtype));
   }

@@ -23,7 +23,6 @@ enum class OpCode : uint8_t {
   Scatter = 9,
   PointToPoint = 10,  // send/recv: the signature's tag is the user's
   CompressedAllreduce = 11,
-  CompressedReduceScatter = 12,
 };
 const char* opCodeName(OpCode op);
 
@@ -44,7 +43,7 @@ struct Signature {
 };
 
 constexpr uint32_t kFrameMagic = 0x444c4443;  // "CDLD" little endian
-constexpr uint8_t kFrameVersion = 1;
+constexpr uint8_t kFrameVersion = 2;  // 2: no compressed reduce-scatter op
 
 #pragma pack(push, 1)
 struct FrameHeader {

@@ -1,6 +1,6 @@
-"""The collectives path (csrc/torch/collective_compressed.cc: CUDA tensors', and groups without
-CPU collectives') against the engine, run on CPU tensors: the same bits for the compressed
-all-reduce and reduce-scatter, flat and over two named hosts. Run by tests/test_hooks.py and
+"""The collectives path (csrc/torch/collective_compressed.cc) on CPU tensors: the compressed
+all-reduce against the engine (the same bits, flat and over two named hosts), and the compressed
+reduce-scatter against the plan computed in Python. Run by tests/test_hooks.py and
 tests/test_fsdp.py."""
 
 from __future__ import annotations
@@ -59,55 +59,66 @@ def over_ddlcomm_agrees() -> None:
             outs.append((x, wres, sres))
         for a, b, what in zip(*outs, ("result", "worker residual", "server residual")):
             assert torch.equal(a, b), f"{name}: the collectives path's {what} differs from the engine's"
-    m = 1000
-    x = torch.randn(n * m, generator=torch.Generator().manual_seed(rank))
-    results = []
-    for path in ("engine", "collectives"):
-        out, res = torch.empty(m), torch.zeros(n * m)
-        if path == "engine":
-            compressed.engine_of(None).compressed_reduce_scatter(out, x, compressors.OneBit().config, res, True,
-                                                                 5).wait()
-        else:
-            compressed.reduce_scatter_over_collectives(out, x, compressors.OneBit(), res, dist.group.WORLD, True, 5,
-                                                       True)
-        results.append((out, res))
-    assert all(torch.equal(a, b) for a, b in zip(*results)), "reduce-scatter: the paths differ"
+
+
+def _planned_reduce_scatter(comp: compressors.Compressor, inputs: list[torch.Tensor], residuals: list[torch.Tensor],
+                            average: bool, stream: int) -> torch.Tensor:
+    """The flat compressed reduce-scatter computed here from every rank's input: rank j encodes
+    chunk o with that chunk of its residual (``residuals[j]``, updated in place) and stream
+    encode_stream(stream, j, 0, o, n, 0); this rank's output is the float32 sum of the decoded
+    payloads of its chunk in rank order, times a float32 1/n for an average."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    m = inputs[0].numel() // n
+    acc = torch.zeros(m)
+    for j in range(n):
+        for o in range(n):
+            chunk = slice(o * m, (o + 1) * m)
+            payload = comp.encode(inputs[j][chunk], residuals[j][chunk],
+                                  ProcessGroupDdlcomm.encode_stream(stream, j, 0, o, n, 0))
+            if o == rank:
+                comp.decode_accumulate(payload, acc)
+    if average:
+        acc.mul_(torch.tensor(1.0) / n)
+    return acc.to(inputs[0].dtype)
 
 
 def reduce_scatter_agrees(layered: str = "") -> None:
-    """The compressed reduce-scatter on the ddlcomm group, over gloo's send and recv (the
-    engine) and over gloo's all-to-all (the collectives path): the same output and residual
-    bits for every format, dtype and op, over two calls (the residuals carry over). `layered`
-    ("hosts"): 2 named hosts x 2 ranks, where all three take two levels."""
+    """The compressed reduce-scatter (ddlcomm.fsdp's; one C++ implementation over the group's
+    collectives) on the ddlcomm group and on a gloo group: flat, the output and residual bits
+    the plan gives when computed here from every rank's input (``_planned_reduce_scatter``);
+    over 2 named hosts x 2 ranks (`layered`: "hosts"), where both take two levels, the same bits
+    on both groups. For every format, dtype and op, over two calls (the residuals carry over)."""
     rank, n = init()
     gloo = dist.new_group(backend="gloo")
     assert (compressed.host_levels_of(gloo) is not None) == bool(layered)
+    assert (compressed.host_levels_of(dist.group.WORLD) is not None) == bool(layered)
     makers = {"onebit": compressors.OneBit, "onebit2": lambda: compressors.OneBit(block_size=64, two_scales=True),
               "ternary": lambda: compressors.Ternary(block_size=64, stochastic=True, seed=3),
               "topk": lambda: compressors.TopK(ratio=0.05), "randomk": lambda: compressors.RandomK(ratio=0.1, seed=5),
               "bf16": compressors.BF16}
-    paths = {
-        "ddlcomm": lambda out, x, comp, res, average, stream: compressed.engine_of(None).compressed_reduce_scatter(
-            out, x, comp.config, res, average, stream).wait(),
-        "gloo": lambda out, x, comp, res, average, stream: compressed.engine_of(gloo).compressed_reduce_scatter(
-            out, x, comp.config, res, average, stream).wait(),
-        "collectives": lambda out, x, comp, res, average, stream: compressed.reduce_scatter_over_collectives(
-            out, x, comp, res, gloo, average, stream, True),
-    }
+    groups = {"ddlcomm": dist.group.WORLD, "gloo": gloo}
     for name, make in makers.items():
         for dtype in (torch.float32, torch.bfloat16):
             for m in (1, 1000, 70_001):
-                g = torch.Generator().manual_seed(rank * 1000 + m)
-                residual = torch.randn(n * m, generator=g) * 0.1
-                results = {path: (torch.empty(m, dtype=dtype), residual.clone()) for path in paths}
-                for average, stream in ((True, 7), (False, 8)):
-                    x = (torch.randn(n * m, generator=g) * (rank + 1)).to(dtype)
-                    for path, reduce_scatter in paths.items():
-                        reduce_scatter(results[path][0], x.clone(), make(), results[path][1], average, stream)
+                def seeded(j: int, what: int) -> torch.Generator:
+                    return torch.Generator().manual_seed(j * 1000 + m * 10 + what)
+                residuals = [torch.randn(n * m, generator=seeded(j, 0)) * 0.1 for j in range(n)]
+                results = {group: (torch.empty(m, dtype=dtype), residuals[rank].clone()) for group in groups}
+                for call, (average, stream) in enumerate(((True, 7), (False, 8))):
+                    inputs = [(torch.randn(n * m, generator=seeded(j, 1 + call)) * (j + 1)).to(dtype) for j in range(n)]
+                    for label, group in groups.items():
+                        out, residual = results[label]
+                        compressed.compressed_reduce_scatter(out, inputs[rank].clone(), make(), residual, group,
+                                                             average, stream, verify=True)
                     what = f"{name} {dtype} m={m} average={average}"
-                    for path in ("gloo", "collectives"):
-                        for a, b, part in zip(results["ddlcomm"], results[path], ("output", "residual")):
-                            assert torch.equal(a, b), f"{what}: the {path} path's {part} differs from the ddlcomm group's"
+                    if layered:
+                        for a, b, part in zip(results["ddlcomm"], results["gloo"], ("output", "residual")):
+                            assert torch.equal(a, b), f"{what}: the gloo group's {part} differs from the ddlcomm group's"
+                        continue
+                    expected = _planned_reduce_scatter(make(), inputs, residuals, average, stream)
+                    for label in groups:
+                        for a, b, part in zip(results[label], (expected, residuals[rank]), ("output", "residual")):
+                            assert torch.equal(a, b), f"{what}: the {label} group's {part} differs from the plan's"
 
 
 if __name__ == "__main__":

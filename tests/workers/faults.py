@@ -171,7 +171,8 @@ def hook_peer_killed(backend: str) -> None:
 
 def reduce_scatter_peer_killed(backend: str) -> None:
     """A rank dies between ddlcomm.fsdp's compressed reduce-scatters (2M elements each) on a
-    `backend` group: every survivor's call raises DistBackendError naming it."""
+    `backend` group: every survivor's call raises DistBackendError at once, naming the rank on a
+    ddlcomm group; on a gloo group it carries gloo's cause, which names the peer by its address."""
     from ddlcomm import compressors, fsdp
 
     timeout = PEER_FAILURE_TIMEOUT
@@ -187,7 +188,13 @@ def reduce_scatter_peer_killed(backend: str) -> None:
             state.reduce_scatter("layer", out, grad, dist.group.WORLD, dist.ReduceOp.AVG)
             last_call_done[0] = time.monotonic()
 
-    _expect_peer_failure(timeout, reduce_scatters, since=lambda: last_call_done[0])
+    if backend == "ddlcomm":
+        _expect_peer_failure(timeout, reduce_scatters, since=lambda: last_call_done[0])
+        return
+    text = expect(dist.DistBackendError, reduce_scatters)
+    elapsed = time.monotonic() - last_call_done[0]
+    assert f"[ddlcomm rank {rank}/{n}]" in text and "over gloo failed" in text, text
+    assert elapsed < FAST_DETECTION_S, f"took {elapsed:.2f} s (timeout {timeout} s): {text}"
 
 
 def collectives_peer_killed() -> None:

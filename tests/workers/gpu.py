@@ -195,7 +195,7 @@ def _assert_close_to_cpu(results: dict[str, tuple[float, float]], plain: Optiona
 def fsdp_reduce_scatter(backend: str) -> None:
     """FSDP2's compressed reduce-scatter (ddlcomm.fsdp) of CUDA gradients equals its CPU run
     bitwise, output and residual, for every compressor, dtype and op, over two calls (the
-    residual carries over); on a ddlcomm group the CPU run is the native C++ one."""
+    residual carries over): one C++ implementation on both devices, the kernels differing."""
     rank, n, gpu = _init_on_gpu(backend)
     world = dist.group.WORLD
     g = torch.Generator().manual_seed(rank)
