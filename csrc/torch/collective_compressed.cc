@@ -9,6 +9,7 @@
 #include <c10/core/impl/VirtualGuardImpl.h>
 
 #include <algorithm>
+#include <optional>
 
 #include "collectives/compressed_allreduce.h"
 #include "common/error.h"
@@ -200,63 +201,96 @@ void sparseAmong(const at::Tensor& flat, const at::Tensor* residual, const Among
 
 // One piece of a quantized or cast format, in place: chunk i (flat[bounds[i], bounds[i+1]))
 // reduced by rank i among the ranks, its sum re-encoded with the server residual and
-// all-gathered.
-void scatterReduceGather(const at::Tensor& flat, const ring::Chunks& chunks, const at::Tensor* worker,
-                         const at::Tensor* server, uint64_t piece, const Among& a) {
-  const int n = a.payloads.getSize(), r = a.payloads.getRank();
-  std::vector<size_t> lengths, sizes, slots, offsets{0};
-  for (int i = 0; i < n; ++i) {
-    lengths.push_back(chunks.length(i));
-    sizes.push_back(a.codec.bytes(lengths.back()));
-    slots.push_back(aligned(sizes.back()));  // whole 4-byte words: the CUDA decoders read in place
-    offsets.push_back(offsets.back() + slots.back());
+// all-gathered. Three steps, so that a piece's all-gather travels while the next piece is
+// encoded: scatter (encode every chunk, start the all-to-all), reduce (sum this rank's chunk,
+// re-encode it, start the all-gather), gather (decode every rank's chunk).
+class Piece {
+ public:
+  Piece(const at::Tensor& flat, const ring::Chunks& chunks, uint64_t index, const Among& a)
+      : flat_(flat), chunks_(chunks), index_(index), a_(a) {
+    const int n = chunks.n;
+    for (int i = 0; i < n; ++i) {
+      lengths_.push_back(chunks.length(i));
+      sizes_.push_back(a.codec.bytes(lengths_.back()));
+      slots_.push_back(aligned(sizes_.back()));  // whole 4-byte words: the CUDA decoders read in place
+    }
   }
-  at::Tensor outgoing = at::empty({int64_t(offsets.back())}, flat.options().dtype(at::kByte));
-  for (int i = 0; i < n; ++i) {
-    const at::Tensor residual = worker ? slice(*worker, chunks.begin(i), chunks.begin(i + 1)) : at::Tensor();
-    a.codec.encode(slice(flat, chunks.begin(i), chunks.begin(i + 1)), worker ? &residual : nullptr,
-                   encodeStream(a.stream, a.me, 0, i, a.size, piece),
-                   slice(outgoing, offsets[size_t(i)], offsets[size_t(i) + 1]));
-  }
-  const size_t mine = slots[size_t(r)];
-  at::Tensor incoming = a.wire.empty(size_t(n) * mine);
-  at::Tensor sent = a.wire.send(outgoing);
-  std::vector<int64_t> received(static_cast<size_t>(n), static_cast<int64_t>(mine));
-  std::vector<int64_t> sending(slots.begin(), slots.end());
-  wait(a.payloads, a.payloads.alltoall_base(incoming, sent, received, sending));
-  at::Tensor acc = accumulatorFor(slice(flat, chunks.begin(r), chunks.begin(r + 1)));
-  const at::Tensor workers = a.wire.receive(incoming.view({n, int64_t(mine)}),
-                                            std::vector<size_t>(size_t(n), sizes[size_t(r)]),
-                                            std::vector<size_t>(size_t(n), lengths[size_t(r)]));
-  for (int j = 0; j < n; ++j) a.codec.decode(workers[j], sizes[size_t(r)], acc, true);
-  if (a.scale != 1.f) acc.mul_(a.scale);
-  // The all-gather needs equal sizes: chunk payloads differ by at most one element's worth.
-  const size_t widest = *std::max_element(slots.begin(), slots.end());
-  at::Tensor padded = at::empty({int64_t(widest)}, flat.options().dtype(at::kByte));
-  a.codec.encode(acc, server, encodeStream(a.stream, a.me, 1, r, a.size, piece), padded);
-  at::Tensor gathered = a.wire.empty(size_t(n) * widest);
-  allGather(a.payloads, gathered, a.wire.send(padded));
-  const at::Tensor rows = a.wire.receive(gathered.view({n, int64_t(widest)}), sizes, lengths);
-  for (int j = 0; j < n; ++j) {
-    a.codec.decode(rows[j], sizes[size_t(j)], slice(flat, chunks.begin(j), chunks.begin(j + 1)), false);
-  }
-}
 
-// Every piece of `spans` (offsets into flat, one chunk per rank among the ranks); the server
-// residual holds this rank's chunk of each, in order.
+  void scatter(const at::Tensor* worker) {
+    const int n = chunks_.n, r = a_.payloads.getRank();
+    std::vector<size_t> offsets{0};
+    for (size_t slot : slots_) offsets.push_back(offsets.back() + slot);
+    at::Tensor outgoing = at::empty({int64_t(offsets.back())}, flat_.options().dtype(at::kByte));
+    for (int i = 0; i < n; ++i) {
+      const at::Tensor residual = worker ? chunk(*worker, i) : at::Tensor();
+      a_.codec.encode(chunk(flat_, i), worker ? &residual : nullptr, encodeStream(a_.stream, a_.me, 0, i, a_.size, index_),
+                      slice(outgoing, offsets[size_t(i)], offsets[size_t(i) + 1]));
+    }
+    incoming_ = a_.wire.empty(size_t(n) * slots_[size_t(r)]);
+    std::vector<int64_t> received(static_cast<size_t>(n), static_cast<int64_t>(slots_[size_t(r)]));
+    std::vector<int64_t> sending(slots_.begin(), slots_.end());
+    sent_ = a_.wire.send(outgoing);
+    exchange_ = a_.payloads.alltoall_base(incoming_, sent_, received, sending);
+  }
+
+  void reduce(const at::Tensor* server) {
+    const int n = chunks_.n, r = a_.payloads.getRank();
+    wait(a_.payloads, exchange_);
+    const at::Tensor workers = a_.wire.receive(incoming_.view({n, int64_t(slots_[size_t(r)])}),
+                                               std::vector<size_t>(size_t(n), sizes_[size_t(r)]),
+                                               std::vector<size_t>(size_t(n), lengths_[size_t(r)]));
+    at::Tensor acc = accumulatorFor(chunk(flat_, r));
+    for (int j = 0; j < n; ++j) a_.codec.decode(workers[j], sizes_[size_t(r)], acc, true);
+    if (a_.scale != 1.f) acc.mul_(a_.scale);
+    // The all-gather needs equal sizes: chunk payloads differ by at most one element's worth.
+    widest_ = *std::max_element(slots_.begin(), slots_.end());
+    at::Tensor padded = at::empty({int64_t(widest_)}, flat_.options().dtype(at::kByte));
+    a_.codec.encode(acc, server, encodeStream(a_.stream, a_.me, 1, r, a_.size, index_), padded);
+    gathered_ = a_.wire.empty(size_t(n) * widest_);
+    sent_ = a_.wire.send(padded);
+    exchange_ = a_.payloads._allgather_base(gathered_, sent_);
+  }
+
+  void gather() {
+    wait(a_.payloads, exchange_);
+    const at::Tensor rows = a_.wire.receive(gathered_.view({chunks_.n, int64_t(widest_)}), sizes_, lengths_);
+    for (int j = 0; j < chunks_.n; ++j) a_.codec.decode(rows[j], sizes_[size_t(j)], chunk(flat_, j), false);
+  }
+
+ private:
+  at::Tensor chunk(const at::Tensor& t, int i) const { return slice(t, chunks_.begin(i), chunks_.begin(i + 1)); }
+
+  at::Tensor flat_;
+  ring::Chunks chunks_;
+  uint64_t index_;
+  const Among& a_;
+  std::vector<size_t> lengths_, sizes_, slots_;
+  size_t widest_ = 0;
+  at::Tensor sent_, incoming_, gathered_;  // kept alive while their exchange is in flight
+  c10::intrusive_ptr<c10d::Work> exchange_;
+};
+
+// Every piece of `spans` (offsets into flat, one chunk per rank among the ranks), each one's
+// all-gather in flight while the next is encoded; the server residual holds this rank's chunk
+// of each, in order. Every rank issues the collectives in the same order: scatter k, gather k-1.
 void piecesAmong(const at::Tensor& flat, const std::vector<PieceSpan>& spans, const at::Tensor* worker,
                  const at::Tensor* server, const Among& a) {
   const int r = a.payloads.getRank();
   size_t residualAt = 0;
+  std::optional<Piece> previous;
   for (size_t k = 0; k < spans.size(); ++k) {
     const PieceSpan& span = spans[k];
-    const size_t mine = span.chunks.length(r);
-    const at::Tensor w = worker ? slice(*worker, span.begin, span.begin + span.chunks.total) : at::Tensor();
+    const size_t mine = span.chunks.length(r), end = span.begin + span.chunks.total;
+    Piece piece(slice(flat, span.begin, end), span.chunks, k, a);
+    const at::Tensor w = worker ? slice(*worker, span.begin, end) : at::Tensor();
+    piece.scatter(worker ? &w : nullptr);
+    if (previous) previous->gather();
     const at::Tensor s = server ? slice(*server, residualAt, residualAt + mine) : at::Tensor();
-    scatterReduceGather(slice(flat, span.begin, span.begin + span.chunks.total), span.chunks, worker ? &w : nullptr,
-                        server ? &s : nullptr, k, a);
+    piece.reduce(server ? &s : nullptr);
+    previous.emplace(std::move(piece));
     residualAt += mine;
   }
+  if (previous) previous->gather();
 }
 
 // Copies every host rank's shard (flat[chunks.begin(l), chunks.begin(l+1))) to the others; the
