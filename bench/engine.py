@@ -5,14 +5,15 @@ Run under torchrun from the repository root, e.g.::
 
     torchrun --standalone --nproc-per-node 2 -m bench.engine --out docs/results/engine.md
 
-Both groups run one C++ implementation (``ddlcomm.compressed.engine_of``): the ddlcomm group
-on its own transport, the gloo group on gloo's send and recv. "gloo moving the payload" is
-gloo's own ``all_to_all_single`` of the bytes each rank scatters plus ``all_gather_single`` of
-the bytes it gathers (one call each for all pieces: less than the algorithm's messages, a
-floor). The ratio is gloo group / (ddlcomm group + gloo moving the payload): at 1 the engine
-over gloo costs what its computation costs plus what gloo takes to move its bytes. "host ms"
-is how long the caller spends in ``compressed_all_reduce`` before it has a future back (what a
-DDP hook costs the backward pass per bucket). "gloo collectives path" is the same call over
+Both groups run the one C++ implementation as an operation on the executor of their ddlcomm
+backend (``ddlcomm.compressed.engine_of``): the ddlcomm group's own collectives on its
+transport, the gloo group's over gloo's send and recv. "gloo moving the payload" is gloo's own
+``all_to_all_single`` of the bytes each rank scatters plus ``all_gather_single`` of the bytes
+it gathers (one call each for all pieces, a floor). The ratio is gloo group / (ddlcomm group +
+gloo moving the payload): at 1 the call on a gloo group costs what its computation costs plus
+what gloo takes to move its bytes. "host ms" is how long the caller spends in
+``compressed_all_reduce`` before it has a future back (what a DDP hook costs the backward pass
+per bucket). "gloo collectives path" is the same implementation on the caller's thread over
 gloo's own all-to-all and all-gather (``ddlcomm.compressed.all_reduce_over_collectives``, the
 path of CUDA tensors and nccl groups, here on the CPU tensors). Calls pass ``verify=False``, as
 the DDP hooks do after a bucket's first call. Each time is the median of --repeats, the slowest

@@ -1,11 +1,12 @@
 """Compressed all-reduce with error feedback, on any process group.
 
-One implementation, in C++ (``csrc/collectives/compressed_allreduce.cc``), serves every group's
-CPU tensors: a ddlcomm group runs it on its own transport, a group of another backend with CPU
-collectives (gloo, a third party's) on that backend's send and recv (``engine_of``). A call
-returns at once with a future; every rank ends with the same bits on either kind of group.
-Over several hosts of as many ranks it takes two levels (where ``two_levels`` says): exact inside
-each host, compressed across.
+One implementation, in C++ (``csrc/torch/collective_compressed.cc``), serves every group and
+device, over the backends' all-to-all and all-gather. A CPU tensor's call is one operation on
+the executor of the group's ddlcomm backend (``engine_of``): a ddlcomm group's own, or on a
+group of another backend with CPU collectives (gloo, a third party's) one over that backend's
+send and recv. It returns at once with a future; every rank ends with the same bits on every
+kind of group. Over several hosts of as many ranks it takes two levels (where ``two_levels``
+says): exact inside each host, compressed across.
 
 Quantizers and casts (1-bit, ternary, fp16, bf16) use scatter-reduce-gather with two
 levels of error feedback, in pieces of 16 Mi elements (one piece is encoded while the one
@@ -15,9 +16,8 @@ sum with its server residual; an all-gather of those payloads gives every rank t
 Sparse formats (top-k, random-k) all-gather the (index, value) payloads and sum them in rank
 order.
 
-CUDA tensors take the same plan over the group's own collectives, also in C++
-(``csrc/torch/collective_compressed.cc``): encoded and decoded on their GPU, on the current
-stream, one call per bucket. Over NCCL the payloads stay in device memory and nothing waits on
+CUDA tensors run it on the caller's thread over the group's own collectives: encoded and
+decoded on their GPU, on the current stream, one call per bucket. Over NCCL the payloads stay in device memory and nothing waits on
 the host. Over gloo and ddlcomm (whose collectives run on the CPU) only the payloads cross PCIe,
 through pinned host memory: each copy is waited for by a CUDA event, never a device
 synchronization, and what arrives is validated on the host before it goes back to the GPU. The
@@ -31,7 +31,6 @@ import atexit
 import datetime
 import functools
 import logging
-import os
 from typing import Any, Optional
 
 import torch
@@ -81,16 +80,17 @@ _engines: dict[str, tuple[dist.ProcessGroup, _C.ProcessGroupDdlcomm]] = {}  # by
 
 
 def engine_of(group: Optional[dist.ProcessGroup] = None) -> Optional[_C.ProcessGroupDdlcomm]:
-    """What runs the compressed collectives of ``group``'s CPU tensors (default: the world).
+    """Whose executor runs the compressed all-reduce of ``group``'s CPU tensors (default: the
+    world), over whose collectives: one operation, so that the call returns with it in flight and
+    its exchanges keep their place among the group's other operations.
 
     A ddlcomm group's own backend; on a group of another backend with CPU collectives (gloo, a
     third party's), a ddlcomm backend whose messages travel as that backend's send and recv
     (``ProcessGroupDdlcomm.over``), made at the group's first compressed call: that call is
     collective (every rank gives its host, in one all-gather). Its tags have bit 30 set: the
-    user's own send and recv on the group keep tags below 2**30. It takes two levels over the
-    group's hosts only under ``DDLCOMM_ALLREDUCE_ALGO=hierarchical``: over gloo the exact sums
-    inside a host (TCP on loopback) cost more than they save. None where the group has no CPU
-    backend (nccl only)."""
+    user's own send and recv on the group keep tags below 2**30, and its collectives never
+    interleave with the user's on the group. None where the group has no CPU backend (nccl
+    only)."""
     group = group or dist.group.WORLD
     native = native_backend(group)
     if native is not None:
@@ -106,9 +106,8 @@ def engine_of(group: Optional[dist.ProcessGroup] = None) -> Optional[_C.ProcessG
     identities: list[Optional[str]] = [None] * dist.get_world_size(group)
     dist.all_gather_object(identities, _C.ProcessGroupDdlcomm.host_identity(), group=group)
     timeout = getattr(getattr(carrier, "options", None), "_timeout", None) or datetime.timedelta(minutes=30)
-    forced = os.environ.get("DDLCOMM_ALLREDUCE_ALGO", "auto")
-    engine = _C.ProcessGroupDdlcomm.over(carrier, identities, timeout, group.group_name,
-                                         "hierarchical" if forced == "hierarchical" else "ring")
+    # Its own collectives are flat: the two levels, where the group takes them, are host_levels_of's.
+    engine = _C.ProcessGroupDdlcomm.over(carrier, identities, timeout, group.group_name, "ring")
     _engines[group.group_name] = (group, engine)
     return engine
 
@@ -133,36 +132,26 @@ def server_chunks(numel: int, rank: int, world_size: int, group: Optional[dist.P
     rank): the plan that group runs, the hierarchical one where its hosts take it
     (docs/collectives.md; on a group of another backend, finding its hosts is collective the
     first time); without it, or with `flat` (a call that asked for one level), the flat plan."""
-    if compressor is not None and not flat:
-        engine = engine_of(group) if world_size > 1 else None
-        if engine is not None:
-            return [tuple(c) for c in engine.compressed_server_chunks(compressor.config, numel)]
-        levels = host_levels_of(group or dist.group.WORLD) if world_size > 1 else None
-        if levels is not None and not compressor.is_sparse:
+    if compressor is not None and not flat and not compressor.is_sparse and world_size > 1:
+        levels = host_levels_of(group or dist.group.WORLD)
+        if levels is not None:
             return [tuple(c) for c in levels.plan(numel)["server_chunks"]]
     return [tuple(c) for c in _C.ProcessGroupDdlcomm.compressed_allreduce_server_chunks(numel, rank, world_size)]
 
 
 def host_levels_of(group: dist.ProcessGroup) -> Optional[HostLevels]:
-    """The two levels the compressed collectives over standard collectives take on `group`, or
-    None (a ddlcomm group's CUDA tensors by its own allreduce_algorithm); collective the first
-    time on a group."""
+    """The two levels the compressed collectives take on `group` (a ddlcomm group's by its own
+    allreduce_algorithm), or None for one; collective the first time on a group."""
     backend = native_backend(group)
     return host_levels(group, None if backend is None else backend.options.allreduce_algorithm, backend is not None)
 
 
 def two_levels(group: Optional[dist.ProcessGroup] = None) -> bool:
     """Whether compressed all-reduces on `group` take two levels over its hosts (exact inside
-    each, compressed across) unless a call passes ``flat=True``. On a ddlcomm group the answer
-    comes after the collectives queued before it (ask once, not per call); on a group of another
-    backend, collective the first time (``host_levels_of``)."""
+    each, compressed across) unless a call passes ``flat=True``; collective the first time on a
+    group (``host_levels_of``)."""
     group = group or dist.group.WORLD
-    if dist.get_world_size(group) == 1:
-        return False
-    engine = engine_of(group)
-    if engine is not None:
-        return engine.compressed_two_levels()
-    return host_levels_of(group) is not None
+    return dist.get_world_size(group) > 1 and host_levels_of(group) is not None
 
 
 def server_residual_numel(numel: int, rank: int, world_size: int) -> int:
@@ -210,12 +199,11 @@ def compressed_all_reduce(
         average: divide the sum by the group size.
         stream: randomness stream of this call (e.g. the training step), so ternary and
             random-k draw fresh, reproducible randomness each call.
-        verify: on groups of other backends, first check that every rank reduces as many elements of one
-            dtype with one compressor (one small all-gather; ValueError on every rank if not).
-            Skip it only where the caller has checked that itself, as the DDP hooks do once
-            per bucket. Unchecked calls are still refused, on the first message (which carries
-            the call's signature) or the first payload (its compressor), but that failure ends
-            the group's compressed collectives; ddlcomm groups always check, at no cost.
+        verify: first check that every rank reduces as many elements of one dtype with one
+            compressor (one small all-gather; ValueError on every rank if not, the group still
+            usable). Skip it only where the caller has checked that itself, as the DDP hooks do
+            once per bucket. An unchecked mismatch fails in the exchange (an all-to-all of
+            different sizes, or a payload of another compressor) and may end the group.
         flat: one level (every rank compresses for the whole group) where the group takes two
             over its hosts (``two_levels``); every rank must pass the same. The server
             residual's places differ between the two plans (``server_chunks``).
@@ -258,14 +246,10 @@ def start_compressed_all_reduce(
             return _completed(work.get_future(), tensor.fill_(float("nan")))
 
     engine = engine_of(group) if not tensor.is_cuda else None
-    if engine is not None:
-        if verify and engine is not native_backend(group):
-            # A mismatch the engine finds in flight would leave it unusable: refused here, on every
-            # rank, the group stays usable.
-            Agreement(tensor, compressor, group or dist.group.WORLD, engine.size(), True, tensor.device).wait()
-        work = engine.compressed_allreduce(
-            tensor, compressor.config, worker_residual, server_residual, average, int(stream), flat
-        )
+    if engine is not None:  # one operation on the engine's executor: back at once
+        _, host, across, identities, _ = _collectives_of(tensor, compressor, group or dist.group.WORLD, verify, flat)
+        work = engine.compressed_allreduce(tensor, compressor.config, worker_residual, server_residual, average,
+                                           int(stream), host, across, identities)
         raw = work.get_future()
         return raw, raw.then(lambda fut: fut.value()[0])
     all_reduce_over_collectives(tensor, compressor, worker_residual, server_residual, group, average, int(stream),
@@ -285,10 +269,10 @@ def all_reduce_over_collectives(tensor: torch.Tensor, compressor: Compressor, wo
                                 server_residual: Optional[torch.Tensor], group: Optional[dist.ProcessGroup],
                                 average: bool, stream: int, verify: bool, flat: bool) -> None:
     """``compressed_all_reduce``'s path for CUDA tensors and groups without CPU collectives
-    (arguments as there), blocking only where the group's backend blocks: the plan of the
-    engine over the group's own all-to-all and all-gather (c10d's backend, from C++), the same
-    bytes and sums as the engine. On CPU tensors it runs too (the tests and ``bench.engine``
-    compare it with the engine)."""
+    (arguments as there), on the caller's thread, blocking only where the group's backend
+    blocks: the one C++ implementation over the group's own all-to-all and all-gather, where
+    ``compressed_all_reduce`` runs it on a CPU tensor over the engine's (``engine_of``). The same
+    bytes and sums either way (the tests and ``bench.engine`` run it on CPU tensors too)."""
     group = group or dist.group.WORLD
     _C.compressed_allreduce_over_collectives(tensor, compressor.config, worker_residual, server_residual, average,
                                              stream, *_collectives_of(tensor, compressor, group, verify, flat))
@@ -298,14 +282,23 @@ def compressed_reduce_scatter(output: torch.Tensor, input: torch.Tensor, compres
                               worker_residual: Optional[torch.Tensor], group: dist.ProcessGroup, average: bool,
                               stream: int, verify: bool = True) -> None:
     """``output`` = the compressed reduction of chunk ``rank`` of every rank's ``input``
-    (``ddlcomm.fsdp``'s reduce-scatter), blocking, over the group's own all-to-all (and, in two
+    (``ddlcomm.fsdp``'s reduce-scatter), blocking, over the group's all-to-all (and, in two
     levels where ``host_levels_of`` takes them, its reduce-scatter inside each host): one C++
-    call, for every group and device. Each rank encodes chunk ``o`` with the residual of that
+    implementation for every group and device. Each rank encodes chunk ``o`` with the residual of that
     chunk (``worker_residual``: ``input.numel()`` float32 elements, or None) and the sum of what
     rank ``o`` receives is taken in float32, in rank order. `verify`: first check that every
-    rank reduces alike (a ValueError on every rank if not)."""
+    rank reduces alike (a ValueError on every rank if not). CPU tensors: one operation on the
+    executor of the group's ddlcomm backend (``engine_of``), waited for; others on the caller's
+    thread."""
+    levels = _collectives_of(input, compressor, group, verify, False)
+    engine = engine_of(group) if not input.is_cuda else None
+    if engine is not None:
+        _, host, across, identities, _ = levels
+        engine.compressed_reduce_scatter(output, input, compressor.config, worker_residual, average, stream, host,
+                                         across, identities).wait()
+        return
     _C.compressed_reduce_scatter_over_collectives(output, input, compressor.config, worker_residual, average, stream,
-                                                  *_collectives_of(input, compressor, group, verify, False))
+                                                  *levels)
 
 
 def _collectives_of(tensor: torch.Tensor, compressor: Compressor, group: dist.ProcessGroup, verify: bool,

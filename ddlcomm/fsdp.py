@@ -40,11 +40,10 @@ rank's chunk comes from its own gradient, and the output is the chunk's Adam ste
 per element (averaged over the replicas under HSDP). A non-finite gradient on any rank leaves every rank's moments
 alone and makes every output non-finite. Not for use with ``torch.amp.GradScaler``: the
 scaler would divide the (scale-free) Adam step by its scale.
-The reduce-scatter of CPU tensors is one C++ collective on any group with CPU collectives
-(``ddlcomm.compressed.engine_of``; over hosts of several ranks where the group takes two
-levels: exact inside each host, only the host sums compressed across, docs/collectives.md);
-CUDA tensors take the same plan over the group's all-to-all, also in C++, with its bits (in two
-levels by ``ddlcomm.compressed.host_levels_of``'s rule).
+The compressed reduce-scatter is one C++ implementation for every group and device
+(``ddlcomm.compressed.compressed_reduce_scatter``; over hosts of several ranks where the group
+takes two levels, by ``ddlcomm.compressed.host_levels_of``'s rule: exact inside each host, only
+the host sums compressed across, docs/collectives.md).
 ``quantize_all_gather`` (from ``ddlcomm.quantized_gather``) sends the parameter all-gathers in 8 bits.
 """
 

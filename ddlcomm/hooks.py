@@ -22,9 +22,8 @@ The first ``start_compress_iter`` iterations run uncompressed (DDP rebuilds its 
 after the first iteration, and early gradients are large and noisy). Buckets smaller
 than ``min_compression_bytes`` always go uncompressed. With ``adaptive=True`` the buckets are
 sent exactly, in bfloat16 or through the compressor, whichever was measured to finish
-iterations first (``ddlcomm.adaptive``). On a ddlcomm process group the
-native compressed all-reduce runs; on gloo or nccl groups the same algorithm runs over
-standard collectives with bitwise the same result (``ddlcomm.compressed``).
+iterations first (``ddlcomm.adaptive``). One compressed all-reduce serves ddlcomm, gloo and
+nccl groups with bitwise the same result (``ddlcomm.compressed``).
 
 Error-feedback memory (a worker and a server residual per bucket) is keyed by the bucket's
 parameters (``ddlcomm.ddp_memory``). ``state_dict()`` / ``load_state_dict()`` carry it through

@@ -1,13 +1,12 @@
-"""The hosts of a gloo or nccl group, for the compressed all-reduce's two levels there: exact
-inside each host (over the group's own backend: NVLink with NCCL, shared memory with gloo),
-compressed only across hosts, as the native ddlcomm backend does (docs/collectives.md,
-"Compressed all-reduce across hosts").
+"""The hosts of a group, for the compressed collectives' two levels: exact inside each host
+(over the group's own backend: NVLink with NCCL, shared memory with ddlcomm), compressed only
+across hosts (docs/collectives.md, "Compressed all-reduce across hosts").
 
 A group's hosts are found once, at its first compressed all-reduce: every rank publishes its
 host identity (``DDLCOMM_HOST_ID``, else the boot id and network namespace, the native
 backend's rule) in one all-gather. The rule (two levels where several hosts hold the same
-number, 2 or more, of ranks and the group's collectives inside a host are fast: nccl, or a
-ddlcomm group's CUDA tensors; ``DDLCOMM_ALLREDUCE_ALGO=hierarchical`` forces them, ``ring`` one
+number, 2 or more, of ranks and the group's collectives inside a host are fast: nccl and
+ddlcomm groups; ``DDLCOMM_ALLREDUCE_ALGO=hierarchical`` forces them, ``ring`` one
 level) and the layout come from the C++ plan
 (``compressed_allreduce_host_plan``), so that residuals mean the same on every backend. The
 subgroups (the ranks of each host, and the ranks at one place on every host) are made with

@@ -54,7 +54,8 @@ def collectives_on_gpu(group: dist.ProcessGroup, device: torch.device) -> bool:
 
 class Agreement:
     """Every rank must reduce as many elements, of one dtype, with one compressor: gloo would
-    abort the process on mismatched payload sizes (the native backend checks this itself).
+    abort the process on mismatched payload sizes, and a ddlcomm group would fail in the
+    exchange, which can end it.
     The check's all-gather starts before this rank encodes and is waited for before the first
     payload is sent, so its latency hides behind the encoding."""
 

@@ -12,7 +12,6 @@
 
 #include "collectives/collectives.h"
 #include "common/env.h"
-#include "collectives/compressed_allreduce.h"
 #include "compress/parallel.h"
 #include "transport/connect.h"
 #include "torch/process_group_transport.h"
@@ -230,57 +229,35 @@ GroupStats ProcessGroupDdlcomm::stats() {
   return ask<GroupStats>([](Communicator& comm) { return comm.stats(); });
 }
 
-std::vector<std::pair<size_t, size_t>> ProcessGroupDdlcomm::compressedServerChunks(const compress::Config& config,
-                                                                                  size_t numel, bool flat) {
-  return ask<std::vector<std::pair<size_t, size_t>>>(
-      [config, numel, flat](Communicator& comm) { return serverChunks(comm, config, numel, flat); });
+c10::intrusive_ptr<c10d::Work> ProcessGroupDdlcomm::compressedAllreduce(CollectiveAllreduceArgs args,
+                                                                        std::optional<CollectiveLevel> host,
+                                                                        std::optional<CollectiveLevel> across,
+                                                                        std::vector<std::string> identities) {
+  checkTensor(args.tensor, "compressed allreduce");  // a CPU tensor
+  auto self = c10::intrusive_ptr<c10d::Backend>::reclaim_copy(this);
+  CollectiveGroup levels{{self, self}, std::move(host), std::move(across), std::move(identities), false};
+  checkAllreduceArgs(levels, args);
+  std::vector<at::Tensor> outputs{args.tensor};
+  return enqueue(c10d::OpType::ALLREDUCE, std::move(outputs),
+                 [levels = std::move(levels), args = std::move(args)](Communicator& comm) {
+                   if (levels.host) ++comm.counters().hierarchicalCompressedAllreduces;
+                   compressedAllreduceOverCollectives(levels, args);
+                 });
 }
 
-bool ProcessGroupDdlcomm::compressedTwoLevels() {
-  return ask<bool>([](Communicator& comm) { return ddlcomm::compressedTwoLevels(comm); });
-}
-
-int64_t ProcessGroupDdlcomm::serverResidualNumel(int64_t numel) const {
-  return int64_t(serverResidualLength(size_t(numel), rank_, size_));
-}
-
-namespace {
-// The engine takes CPU tensors (CUDA ones take ddlcomm.compressed's collectives path).
-void checkCompressibleOnCpu(const at::Tensor& t, const char* op) {
-  checkTensor(t, op);
-  checkCompressible(t, op);
-}
-
-void checkResidualOnCpu(const std::optional<at::Tensor>& r, int64_t numel, const char* which) {
-  if (r) checkTensor(*r, which);
-  checkResidual(r, numel, which, at::kCPU);
-}
-}  // namespace
-
-c10::intrusive_ptr<c10d::Work> ProcessGroupDdlcomm::compressedAllreduce(at::Tensor& tensor,
-                                                                        const compress::Config& config,
-                                                                        std::optional<at::Tensor> workerResidual,
-                                                                        std::optional<at::Tensor> serverResidual,
-                                                                        bool average, uint64_t stream, bool flat) {
-  checkCompressibleOnCpu(tensor, "compressed allreduce");
-  checkResidualOnCpu(workerResidual, tensor.numel(), "worker residual");
-  checkResidualOnCpu(serverResidual, serverResidualNumel(tensor.numel()), "server residual");
-  const DataType dtype = toDataType(tensor);
-  return enqueue(c10d::OpType::ALLREDUCE, {tensor},
-                 [tensor, config, workerResidual, serverResidual, average, stream, flat, dtype](Communicator& comm) mutable {
-                   at::Tensor work = staged(tensor);
-                   CompressedAllreduceArgs args;
-                   args.config = config;
-                   args.dtype = dtype;
-                   args.data = work.data_ptr();
-                   args.count = size_t(work.numel());
-                   args.workerResidual = workerResidual ? workerResidual->data_ptr<float>() : nullptr;
-                   args.serverResidual = serverResidual ? serverResidual->data_ptr<float>() : nullptr;
-                   args.average = average;
-                   args.stream = stream;
-                   args.flat = flat;
-                   ddlcomm::compressedAllreduce(comm, args);
-                   writeBack(tensor, work);
+c10::intrusive_ptr<c10d::Work> ProcessGroupDdlcomm::compressedReduceScatter(CollectiveReduceScatterArgs args,
+                                                                            std::optional<CollectiveLevel> host,
+                                                                            std::optional<CollectiveLevel> across,
+                                                                            std::vector<std::string> identities) {
+  checkTensor(args.output, "compressed reduce-scatter");  // CPU tensors
+  checkTensor(args.input, "compressed reduce-scatter");
+  auto self = c10::intrusive_ptr<c10d::Backend>::reclaim_copy(this);
+  CollectiveGroup levels{{self, self}, std::move(host), std::move(across), std::move(identities), false};
+  checkReduceScatterArgs(levels, args);
+  std::vector<at::Tensor> outputs{args.output};
+  return enqueue(c10d::OpType::REDUCE_SCATTER, std::move(outputs),
+                 [levels = std::move(levels), args = std::move(args)](Communicator&) {
+                   compressedReduceScatterOverCollectives(levels, args);
                  });
 }
 

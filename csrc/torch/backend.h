@@ -19,6 +19,7 @@
 
 #include "collectives/executor.h"
 #include "compress/compress.h"
+#include "torch/collective_compressed.h"
 #include "torch/device_staging.h"
 #include "transport/connect.h"
 
@@ -171,15 +172,19 @@ class ProcessGroupDdlcomm : public c10d::Backend {
   void abort() override;
   void shutdown() override;
 
-  // Compressed all-reduce of a float tensor with error feedback (residuals are float32,
-  // owned by the caller: the worker one has the tensor's numel, the server one
-  // serverResidualNumel()). Returns the average over ranks if `average`; one level over hosts if
-  // `flat`, where the group would take two.
-  c10::intrusive_ptr<c10d::Work> compressedAllreduce(at::Tensor& tensor, const compress::Config& config,
-                                                     std::optional<at::Tensor> workerResidual,
-                                                     std::optional<at::Tensor> serverResidual, bool average,
-                                                     uint64_t stream, bool flat);
-  int64_t serverResidualNumel(int64_t numel) const;
+  // Compressed all-reduce of a CPU tensor (ddlcomm.compressed): the one implementation
+  // (collective_compressed.h) over this backend's own collectives, and over `hosts`' where the
+  // group takes two levels, run as one operation on the executor, where its collectives run
+  // inline, in order with the group's other operations. Returns at once; the Work's future
+  // holds [tensor].
+  c10::intrusive_ptr<c10d::Work> compressedAllreduce(CollectiveAllreduceArgs args, std::optional<CollectiveLevel> host,
+                                                     std::optional<CollectiveLevel> across,
+                                                     std::vector<std::string> identities);
+  // The compressed reduce-scatter of CPU tensors (ddlcomm.fsdp), likewise.
+  c10::intrusive_ptr<c10d::Work> compressedReduceScatter(CollectiveReduceScatterArgs args,
+                                                         std::optional<CollectiveLevel> host,
+                                                         std::optional<CollectiveLevel> across,
+                                                         std::vector<std::string> identities);
 
   // Runs `task` on the executor with `outputs` as the Work's result (used by the ops above
   // and by the compressed all-reduce). `callerWaits` (the op's asyncOp is false: the caller
@@ -198,13 +203,6 @@ class ProcessGroupDdlcomm : public c10d::Backend {
   // The group's counters and its connections as the kernel sees them, taken on the progress
   // thread after everything submitted before (call without the GIL).
   GroupStats stats();
-  // The [begin, end) ranges whose sums this rank re-encodes in a compressed all-reduce of
-  // `numel` elements with `config` on this group (flat or hierarchical plan; the flat one if
-  // `flat`), in the order its server residual holds them (call without the GIL).
-  std::vector<std::pair<size_t, size_t>> compressedServerChunks(const compress::Config& config, size_t numel,
-                                                                bool flat);
-  // Whether compressed all-reduces on this group take two levels over hosts (call without the GIL).
-  bool compressedTwoLevels();
 
  private:
   // `question`'s answer, taken on the executor after everything submitted before.

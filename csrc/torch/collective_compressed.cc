@@ -11,7 +11,7 @@
 #include <algorithm>
 #include <optional>
 
-#include "collectives/compressed_allreduce.h"
+#include "collectives/compressed_plan.h"
 #include "common/error.h"
 #include "torch/tensor_args.h"
 #include "transport/topology.h"
@@ -23,8 +23,6 @@
 namespace ddlcomm::torch_glue {
 namespace {
 
-size_t aligned(size_t bytes) { return (bytes + 3) / 4 * 4; }
-
 at::Tensor bytesOn(c10::Device device, size_t n, bool pinned = false) {
   return at::empty({int64_t(n)}, at::TensorOptions().dtype(at::kByte).device(device).pinned_memory(pinned));
 }
@@ -34,6 +32,21 @@ c10::Stream currentStream(c10::Device device) { return c10::impl::VirtualGuardIm
 // Buffers that travel are left uninitialized: the bytes that pad a payload to its slot (or a
 // shard to the widest) are sent but never read, and a fill would cost a kernel launch per
 // buffer on a GPU.
+
+// Where float32 sums are accumulated: `out` itself when it is float32 (its values were encoded
+// already), else a new tensor. Zeroed either way. On the CPU a new tensor of a large chunk
+// costs its page faults on every call, which is why the output is preferred.
+at::Tensor accumulatorFor(const at::Tensor& out) {
+  if (out.scalar_type() == at::kFloat && out.is_contiguous()) return out.zero_();
+  return at::zeros({out.numel()}, out.options().dtype(at::kFloat));
+}
+
+// The first `bytes` bytes of every row of `rows` (uint8 [k, slot], on the CPU).
+std::vector<const uint8_t*> rowPointers(const at::Tensor& rows) {
+  std::vector<const uint8_t*> pointers;
+  for (int64_t j = 0; j < rows.size(0); ++j) pointers.push_back(rows[j].data_ptr<uint8_t>());
+  return pointers;
+}
 
 // Encodes and decodes on the tensors' device (CPU kernels, or CUDA kernels on the current
 // stream). Payload tensors are uint8, 4-byte aligned.
@@ -64,6 +77,42 @@ class Codec {
 #else
     fail(ErrorKind::UnsupportedType, "ddlcomm was built without CUDA kernels: cannot compress a tensor on ", device_);
 #endif
+  }
+
+  // The reduce step: `out` = encode(scale * the float32 sum, in row order, of decode(the first
+  // `bytes` bytes of every row), with the server residual). On the CPU one fused pass
+  // (compress::reduceEncode); on a GPU the sum is taken in `chunk` (the rows' values, already
+  // encoded) where it is float32.
+  void reduceEncode(const at::Tensor& rows, size_t bytes, const at::Tensor& chunk, float scale,
+                    const at::Tensor* server, uint64_t stream, const at::Tensor& out) const {
+    if (device_.is_cpu()) {
+      const std::vector<const uint8_t*> payloads = rowPointers(rows);
+      const size_t numel = size_t(chunk.numel());
+      compress::reduceEncode(config_, payloads.data(), payloads.size(), bytes, numel, scale,
+                             server ? server->data_ptr<float>() : nullptr, stream, out.data_ptr<uint8_t>(),
+                             size_t(out.numel()));
+      return;
+    }
+    at::Tensor acc = accumulatorFor(chunk);
+    for (int64_t j = 0; j < rows.size(0); ++j) decode(rows[j], bytes, acc, true);
+    if (scale != 1.f) acc.mul_(scale);
+    encode(acc, server, stream, out);
+  }
+
+  // `out` = scale * the sum, in row order, of the sparse payloads in the first `bytes` bytes of
+  // every row: zero where none carries an index (compress::sumSparse on the CPU).
+  void sumSparse(const at::Tensor& rows, size_t bytes, float scale, const at::Tensor& out) const {
+    if (device_.is_cpu()) {
+      const std::vector<const uint8_t*> payloads = rowPointers(rows);
+      out.zero_();
+      compress::sumSparse(config_, payloads.data(), payloads.size(), bytes, size_t(out.numel()), scale,
+                          toDataType(out), out.data_ptr());
+      return;
+    }
+    at::Tensor acc = accumulatorFor(out);
+    for (int64_t j = 0; j < rows.size(0); ++j) decode(rows[j], bytes, acc, true);
+    if (scale != 1.f) acc.mul_(scale);
+    if (!acc.is_same(out)) out.copy_(acc);
   }
 
   // out (its device, float32 where accumulate) = or += decode(the first `n` bytes of payload).
@@ -174,18 +223,10 @@ void allGather(c10d::Backend& backend, at::Tensor out, at::Tensor in) {
 
 at::Tensor slice(const at::Tensor& t, size_t begin, size_t end) { return t.slice(0, int64_t(begin), int64_t(end)); }
 
-// Where float32 sums are accumulated: `out` itself when it is float32 (its values were encoded
-// already), else a new tensor. Zeroed either way. On the CPU a new tensor of a large chunk
-// costs its page faults on every call, which is why the output is preferred.
-at::Tensor accumulatorFor(const at::Tensor& out) {
-  if (out.scalar_type() == at::kFloat && out.is_contiguous()) return out.zero_();
-  return at::zeros({out.numel()}, out.options().dtype(at::kFloat));
-}
-
 // A sparse format: every rank's payload all-gathered, decoded and summed in rank order.
 void sparseAmong(const at::Tensor& flat, const at::Tensor* residual, const Among& a) {
   const int k = a.payloads.getSize();
-  const size_t numel = size_t(flat.numel()), bytes = a.codec.bytes(numel), slot = aligned(bytes);
+  const size_t numel = size_t(flat.numel()), bytes = a.codec.bytes(numel), slot = payloadSlot(a.codec.config(), numel);
   at::Tensor payload = at::empty({int64_t(slot)}, flat.options().dtype(at::kByte));
   a.codec.encode(flat, residual, encodeStream(a.stream, a.me, 0, 0, a.size, 0), payload);
   at::Tensor everyone = a.wire.empty(size_t(k) * slot);
@@ -193,10 +234,7 @@ void sparseAmong(const at::Tensor& flat, const at::Tensor* residual, const Among
   const at::Tensor rows =
       a.wire.receive(everyone.view({k, int64_t(slot)}), std::vector<size_t>(size_t(k), bytes),
                      std::vector<size_t>(size_t(k), numel));
-  at::Tensor acc = accumulatorFor(flat);
-  for (int j = 0; j < k; ++j) a.codec.decode(rows[j], bytes, acc, true);
-  if (a.scale != 1.f) acc.mul_(a.scale);
-  if (!acc.is_same(flat)) flat.copy_(acc);
+  a.codec.sumSparse(rows, bytes, a.scale, flat);
 }
 
 // One piece of a quantized or cast format, in place: chunk i (flat[bounds[i], bounds[i+1]))
@@ -212,7 +250,7 @@ class Piece {
     for (int i = 0; i < n; ++i) {
       lengths_.push_back(chunks.length(i));
       sizes_.push_back(a.codec.bytes(lengths_.back()));
-      slots_.push_back(aligned(sizes_.back()));  // whole 4-byte words: the CUDA decoders read in place
+      slots_.push_back(payloadSlot(a.codec.config(), lengths_.back()));
     }
   }
 
@@ -239,13 +277,11 @@ class Piece {
     const at::Tensor workers = a_.wire.receive(incoming_.view({n, int64_t(slots_[size_t(r)])}),
                                                std::vector<size_t>(size_t(n), sizes_[size_t(r)]),
                                                std::vector<size_t>(size_t(n), lengths_[size_t(r)]));
-    at::Tensor acc = accumulatorFor(chunk(flat_, r));
-    for (int j = 0; j < n; ++j) a_.codec.decode(workers[j], sizes_[size_t(r)], acc, true);
-    if (a_.scale != 1.f) acc.mul_(a_.scale);
     // The all-gather needs equal sizes: chunk payloads differ by at most one element's worth.
     widest_ = *std::max_element(slots_.begin(), slots_.end());
     at::Tensor padded = at::empty({int64_t(widest_)}, flat_.options().dtype(at::kByte));
-    a_.codec.encode(acc, server, encodeStream(a_.stream, a_.me, 1, r, a_.size, index_), padded);
+    a_.codec.reduceEncode(workers, sizes_[size_t(r)], chunk(flat_, r), a_.scale, server,
+                          encodeStream(a_.stream, a_.me, 1, r, a_.size, index_), padded);
     gathered_ = a_.wire.empty(size_t(n) * widest_);
     sent_ = a_.wire.send(padded);
     exchange_ = a_.payloads._allgather_base(gathered_, sent_);
@@ -343,7 +379,7 @@ void overHosts(const CollectiveGroup& g, const at::Tensor& flat, const at::Tenso
 
 }  // namespace
 
-void compressedAllreduceOverCollectives(const CollectiveGroup& g, const CollectiveAllreduceArgs& args) {
+void checkAllreduceArgs(const CollectiveGroup& g, const CollectiveAllreduceArgs& args) {
   const at::Tensor& tensor = args.tensor;
   checkCompressible(tensor, "compressed allreduce");
   TORCH_CHECK_VALUE(g.host.has_value() == g.across.has_value(), "ddlcomm: two levels need both the host's and the "
@@ -353,6 +389,13 @@ void compressedAllreduceOverCollectives(const CollectiveGroup& g, const Collecti
   checkResidual(args.workerResidual, int64_t(numel), "worker residual", tensor.device());
   checkResidual(args.serverResidual, int64_t(serverResidualLength(numel, rank, size)), "server residual",
                 tensor.device());
+}
+
+void compressedAllreduceOverCollectives(const CollectiveGroup& g, const CollectiveAllreduceArgs& args) {
+  checkAllreduceArgs(g, args);
+  const at::Tensor& tensor = args.tensor;
+  const int rank = g.group.values->getRank(), size = g.group.values->getSize();
+  const size_t numel = size_t(tensor.numel());
   if (numel == 0) return;
   const c10::Device device = tensor.device();
   const Codec codec(args.config, device);
@@ -374,16 +417,16 @@ void compressedAllreduceOverCollectives(const CollectiveGroup& g, const Collecti
   if (!tensor.is_contiguous()) tensor.copy_(flat.view(tensor.sizes()));
 }
 
-size_t compressedReduceScatterWireBytes(const compress::Config& config, size_t count, int size) {
-  return count == 0 ? 0 : size_t(size - 1) * compress::encodedBytes(config, count);
+void checkReduceScatterArgs(const CollectiveGroup& g, const CollectiveReduceScatterArgs& args) {
+  checkCompressible(args.output, "compressed reduce-scatter");
+  checkReduceScatterShapes(args.output, args.input, g.group.values->getSize());
+  checkResidual(args.workerResidual, args.input.numel(), "worker residual", args.input.device());
 }
 
 void compressedReduceScatterOverCollectives(const CollectiveGroup& g, const CollectiveReduceScatterArgs& args) {
-  checkCompressible(args.output, "compressed reduce-scatter");
+  checkReduceScatterArgs(g, args);
   const int rank = g.group.values->getRank(), n = g.group.values->getSize();
-  checkReduceScatterShapes(args.output, args.input, n);
   const size_t m = size_t(args.output.numel());
-  checkResidual(args.workerResidual, args.input.numel(), "worker residual", args.input.device());
   const c10::Device device = args.input.device();
   const Codec codec(args.config, device);
   const Wire wire(args.config, device, g.staged);
@@ -414,7 +457,7 @@ void compressedReduceScatterOverCollectives(const CollectiveGroup& g, const Coll
     for (int o = 0; o < n; ++o) owners.push_back(o);
   }
   const int k = int(owners.size());
-  const size_t bytes = codec.bytes(m), slot = aligned(bytes);
+  const size_t bytes = codec.bytes(m), slot = payloadSlot(args.config, m);
   at::Tensor outgoing = at::empty({int64_t(size_t(k) * slot)}, flat.options().dtype(at::kByte));
   for (int i = 0; i < k; ++i) {
     const size_t o = size_t(owners[size_t(i)]);

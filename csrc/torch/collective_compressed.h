@@ -1,10 +1,10 @@
-// The compressed all-reduce and reduce-scatter over any c10d backend's collectives, for tensors
-// on any device. The reduce-scatter (ddlcomm.fsdp) runs here for every group and device: on a
-// ddlcomm group over its own all-to-all and reduce-scatter. The all-reduce runs here where the
-// pipelined engine (csrc/collectives/compressed_allreduce.cc) cannot: CUDA tensors (over NCCL,
-// gloo or ddlcomm) and groups without CPU collectives. It takes that engine's plan (piecesOf,
-// hostPlanOf, encodeStream), so it makes the same bytes and results; only the exchanges differ:
-// whole-group all-to-all and all-gather instead of pipelined sends.
+// The compressed all-reduce and reduce-scatter, the one implementation for every group and
+// device: the plan of csrc/collectives/compressed_plan.h run over c10d backends' collectives
+// (all-to-all and all-gather of the payloads; all-reduce and reduce-scatter for the exact sums
+// inside a host). The backends are the adapters: a ddlcomm group's own (its transport; its
+// CPU tensors' all-reduce runs as one operation on its executor, ProcessGroupDdlcomm::
+// compressedAllreduce), the ddlcomm backend over a gloo group's send and recv (the same, for
+// that group's CPU tensors), NCCL's, or any backend's called from the caller's thread.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -60,6 +60,8 @@ struct CollectiveReduceScatterArgs {
 // current stream of the tensor's device; a backend whose collectives run on that device (NCCL)
 // orders them there, so nothing waits on the host. Every rank ends with the same bits.
 void compressedAllreduceOverCollectives(const CollectiveGroup& group, const CollectiveAllreduceArgs& args);
+// Its argument checks (TypeError, ValueError), for a caller that runs it later.
+void checkAllreduceArgs(const CollectiveGroup& group, const CollectiveAllreduceArgs& args);
 
 // The compressed reduce-scatter: chunk o of the input, encoded with its worker residual and
 // randomness stream encodeStream(stream, rank, 0, o, n, 0), goes to rank o in one all-to-all;
@@ -68,8 +70,7 @@ void compressedAllreduceOverCollectives(const CollectiveGroup& group, const Coll
 // the chunks of the ranks at each place on every host, in the tensors' dtype), then the same
 // among the ranks at this rank's place, whose residuals hold that host sum's error.
 void compressedReduceScatterOverCollectives(const CollectiveGroup& group, const CollectiveReduceScatterArgs& args);
-
-// Payload bytes every rank sends in one flat compressed reduce-scatter of `count` output elements.
-size_t compressedReduceScatterWireBytes(const compress::Config& config, size_t count, int size);
+// Its argument checks.
+void checkReduceScatterArgs(const CollectiveGroup& group, const CollectiveReduceScatterArgs& args);
 
 }  // namespace ddlcomm::torch_glue

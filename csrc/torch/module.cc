@@ -11,7 +11,7 @@
 
 #include "bindings/bindings.h"
 #include "collectives/communicator.h"
-#include "collectives/compressed_allreduce.h"
+#include "collectives/compressed_plan.h"
 #include "common/error.h"
 #include "torch/backend.h"
 #include "torch/collective_compressed.h"
@@ -98,14 +98,15 @@ py::object hostPlan(const std::vector<std::string>& identities, int rank, size_t
   return out;
 }
 
+std::optional<ddlcomm::torch_glue::CollectiveLevel> optionalLevel(const std::optional<Level>& l) {
+  if (!l) return std::nullopt;
+  return ddlcomm::torch_glue::CollectiveLevel{l->first, l->second};
+}
+
 ddlcomm::torch_glue::CollectiveGroup collectiveGroup(const Level& group, const std::optional<Level>& host,
                                                      const std::optional<Level>& across,
                                                      std::vector<std::string> identities, bool staged) {
-  auto level = [](const Level& l) { return ddlcomm::torch_glue::CollectiveLevel{l.first, l.second}; };
-  ddlcomm::torch_glue::CollectiveGroup g{level(group), std::nullopt, std::nullopt, std::move(identities), staged};
-  if (host) g.host = level(*host);
-  if (across) g.across = level(*across);
-  return g;
+  return {{group.first, group.second}, optionalLevel(host), optionalLevel(across), std::move(identities), staged};
 }
 
 constexpr const char* kOptionsDoc = R"(pg_options of a ddlcomm group (also ddlcomm.Options)::
@@ -206,12 +207,39 @@ PYBIND11_MODULE(_C, m) {
       .def("all_reduce_", &ProcessGroupDdlcomm::allreduceNow, py::arg("tensor"), py::arg("op"),
            py::call_guard<py::gil_scoped_release>(),
            "dist.all_reduce(tensor, op) without c10d's dispatch: blocking, in place (ddlcomm.all_reduce_).")
-      .def("compressed_allreduce", &ProcessGroupDdlcomm::compressedAllreduce, py::arg("tensor"), py::arg("config"),
-           py::arg("worker_residual") = py::none(), py::arg("server_residual") = py::none(),
-           py::arg("average") = true, py::arg("stream") = 0, py::arg("flat") = false,
-           py::call_guard<py::gil_scoped_release>(),
-           "Compressed all-reduce with error feedback; returns a Work whose future holds [tensor]. flat: one "
-           "level over hosts where the group takes two (compressed_two_levels).")
+      .def(
+          "compressed_allreduce",
+          [](ProcessGroupDdlcomm& pg, at::Tensor tensor, const ddlcomm::compress::Config& config,
+             std::optional<at::Tensor> workerResidual, std::optional<at::Tensor> serverResidual, bool average,
+             uint64_t stream, std::optional<Level> host, std::optional<Level> across,
+             std::vector<std::string> identities) {
+            return pg.compressedAllreduce(
+                {config, std::move(tensor), std::move(workerResidual), std::move(serverResidual), average, stream},
+                optionalLevel(host), optionalLevel(across), std::move(identities));
+          },
+          py::arg("tensor"), py::arg("config"), py::arg("worker_residual") = py::none(),
+          py::arg("server_residual") = py::none(), py::arg("average") = true, py::arg("stream") = 0,
+          py::arg("host") = py::none(), py::arg("across") = py::none(),
+          py::arg("identities") = std::vector<std::string>{}, py::call_guard<py::gil_scoped_release>(),
+          "Compressed all-reduce with error feedback of a CPU tensor over this group's own collectives, one "
+          "operation on its executor; returns a Work whose future holds [tensor]. host and across (with "
+          "identities, every rank's host_identity()): the two levels' (backend, backend), as "
+          "compressed_allreduce_over_collectives takes them.")
+      .def(
+          "compressed_reduce_scatter",
+          [](ProcessGroupDdlcomm& pg, at::Tensor output, at::Tensor input, const ddlcomm::compress::Config& config,
+             std::optional<at::Tensor> workerResidual, bool average, uint64_t stream, std::optional<Level> host,
+             std::optional<Level> across, std::vector<std::string> identities) {
+            return pg.compressedReduceScatter(
+                {config, std::move(output), std::move(input), std::move(workerResidual), average, stream},
+                optionalLevel(host), optionalLevel(across), std::move(identities));
+          },
+          py::arg("output"), py::arg("input"), py::arg("config"), py::arg("worker_residual") = py::none(),
+          py::arg("average") = true, py::arg("stream") = 0, py::arg("host") = py::none(),
+          py::arg("across") = py::none(), py::arg("identities") = std::vector<std::string>{},
+          py::call_guard<py::gil_scoped_release>(),
+          "Compressed reduce-scatter with error feedback of CPU tensors (ddlcomm.fsdp), likewise; the Work's "
+          "future holds [output].")
       .def(
           "stats",
           [](ProcessGroupDdlcomm& pg) {
@@ -276,20 +304,6 @@ PYBIND11_MODULE(_C, m) {
           py::arg("numel"), py::arg("rank"), py::arg("size"),
           "The [begin, end) ranges `rank` re-encodes in a compressed all-reduce of `numel` elements over "
           "`size` ranks in one level (its chunk of every piece), in its server residual's order.")
-      .def(
-          "compressed_server_chunks",
-          [](ProcessGroupDdlcomm& pg, const ddlcomm::compress::Config& config, size_t numel, bool flat) {
-            py::gil_scoped_release noGil;
-            return pg.compressedServerChunks(config, numel, flat);
-          },
-          py::arg("config"), py::arg("numel"), py::arg("flat") = false,
-          "The [begin, end) ranges whose sums this rank re-encodes in a compressed all-reduce of `numel` "
-          "elements on this group (the flat plan, or the hierarchical one over its hosts unless `flat`), in the "
-          "order its server residual holds them.")
-      .def("compressed_two_levels", &ProcessGroupDdlcomm::compressedTwoLevels,
-           py::call_guard<py::gil_scoped_release>(),
-           "Whether compressed all-reduces on this group take two levels over its hosts (exact inside each, "
-           "compressed across) unless a call asks for one level (flat=True).")
       .def_static(
           "server_residual_numel",
           [](size_t numel, int rank, int size) {
@@ -310,7 +324,7 @@ PYBIND11_MODULE(_C, m) {
           "compressed_reduce_scatter_wire_bytes",
           [](const ddlcomm::compress::Config& config, size_t numel, int size) {
             checkRank(0, size);
-            return ddlcomm::torch_glue::compressedReduceScatterWireBytes(config, numel, size);
+            return ddlcomm::compressedReduceScatterWireBytes(config, numel, size);
           },
           py::arg("config"), py::arg("numel"), py::arg("size"),
           "Payload bytes each rank sends in one compressed reduce-scatter of `numel` output elements.");

@@ -16,7 +16,6 @@ const char* opCodeName(OpCode op) {
     case OpCode::Gather: return "gather";
     case OpCode::Scatter: return "scatter";
     case OpCode::PointToPoint: return "send/recv";
-    case OpCode::CompressedAllreduce: return "compressed_allreduce";
   }
   return "unknown-op";
 }
@@ -53,7 +52,7 @@ Signature parseFrameHeader(const FrameHeader& h, int peer) {
     fail(ErrorKind::Protocol, "rank ", peer, " speaks frame version ", int(h.version), ", this rank ",
          int(kFrameVersion), ": mixed ddlcomm versions in one job");
   }
-  if (h.op < uint8_t(OpCode::Allreduce) || h.op > uint8_t(OpCode::CompressedAllreduce) ||
+  if (h.op < uint8_t(OpCode::Allreduce) || h.op > uint8_t(OpCode::PointToPoint) ||
       !isValidDataType(h.dtype)) {
     fail(ErrorKind::Protocol, "corrupt frame from rank ", peer, ": op ", int(h.op), ", dtype ", int(h.dtype));
   }

@@ -22,7 +22,6 @@ enum class OpCode : uint8_t {
   Gather = 8,
   Scatter = 9,
   PointToPoint = 10,  // send/recv: the signature's tag is the user's
-  CompressedAllreduce = 11,
 };
 const char* opCodeName(OpCode op);
 
@@ -43,7 +42,7 @@ struct Signature {
 };
 
 constexpr uint32_t kFrameMagic = 0x444c4443;  // "CDLD" little endian
-constexpr uint8_t kFrameVersion = 2;  // 2: no compressed reduce-scatter op
+constexpr uint8_t kFrameVersion = 2;  // 2: the compressed collectives run as the ops above
 
 #pragma pack(push, 1)
 struct FrameHeader {
