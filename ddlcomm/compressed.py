@@ -1,11 +1,11 @@
 """Compressed all-reduce with error feedback, on any process group.
 
 One implementation, in C++ (``csrc/torch/collective_compressed.cc``), serves every group and
-device, over the backends' all-to-all and all-gather. A CPU tensor's call is one operation on
-the executor of the group's ddlcomm backend (``engine_of``): a ddlcomm group's own, or on a
-group of another backend with CPU collectives (gloo, a third party's) one over that backend's
-send and recv. It returns at once with a future; every rank ends with the same bits on every
-kind of group. Over several hosts of as many ranks it takes two levels (where ``two_levels``
+device, over the backends' all-to-all and all-gather. Where the group's collectives run on the
+CPU (CPU tensors; CUDA tensors over gloo or ddlcomm) a call is one operation on the executor of
+the group's ddlcomm backend (``engine_of``): a ddlcomm group's own, or on a group of another
+backend (gloo, a third party's) one over that backend's send and recv. It returns at once with
+a future on every backend; every rank ends with the same bits on every kind of group. Over several hosts of as many ranks it takes two levels (where ``two_levels``
 says): exact inside each host, compressed across.
 
 Quantizers and casts (1-bit, ternary, fp16, bf16) use scatter-reduce-gather with two
@@ -16,11 +16,13 @@ sum with its server residual; an all-gather of those payloads gives every rank t
 Sparse formats (top-k, random-k) all-gather the (index, value) payloads and sum them in rank
 order.
 
-CUDA tensors run it on the caller's thread over the group's own collectives: encoded and
-decoded on their GPU, on the current stream, one call per bucket. Over NCCL the payloads stay in device memory and nothing waits on
-the host. Over gloo and ddlcomm (whose collectives run on the CPU) only the payloads cross PCIe,
-through pinned host memory: each copy is waited for by a CUDA event, never a device
-synchronization, and what arrives is validated on the host before it goes back to the GPU. The
+CUDA tensors are encoded and decoded on their GPU, one call per bucket. Over NCCL it runs on
+the caller's thread, on the current stream: the payloads stay in device memory and nothing
+waits on the host. Over gloo and ddlcomm (whose collectives run on the CPU) the executor's
+thread issues its kernels on a stream of torch's pool, after the caller's stream, and only the
+payloads cross PCIe, through pinned host memory: each copy is waited for by a CUDA event, never
+a device synchronization, and what arrives is validated on the host before it goes back to the
+GPU. The
 result is bitwise the same as on the CPU for the deterministic formats (the CUDA kernels are
 bit-exact twins of the CPU ones).
 """
@@ -80,9 +82,10 @@ _engines: dict[str, tuple[dist.ProcessGroup, _C.ProcessGroupDdlcomm]] = {}  # by
 
 
 def engine_of(group: Optional[dist.ProcessGroup] = None) -> Optional[_C.ProcessGroupDdlcomm]:
-    """Whose executor runs the compressed all-reduce of ``group``'s CPU tensors (default: the
-    world), over whose collectives: one operation, so that the call returns with it in flight and
-    its exchanges keep their place among the group's other operations.
+    """Whose executor runs the compressed all-reduce on ``group`` (default: the world) where the
+    group's collectives run on the CPU (CPU tensors, and CUDA tensors over gloo or ddlcomm), over
+    whose collectives: one operation, so that the call returns with it in flight and its
+    exchanges keep their place among the group's other operations.
 
     A ddlcomm group's own backend; on a group of another backend with CPU collectives (gloo, a
     third party's), a ddlcomm backend whose messages travel as that backend's send and recv
@@ -245,8 +248,11 @@ def start_compressed_all_reduce(
         if poisoned.item():
             return _completed(work.get_future(), tensor.fill_(float("nan")))
 
-    engine = engine_of(group) if not tensor.is_cuda else None
-    if engine is not None:  # one operation on the engine's executor: back at once
+    # Over a backend whose collectives run on the CPU (a CUDA tensor's payloads staged), one
+    # operation on its ddlcomm backend's executor, back at once; over NCCL, on this thread.
+    on_cpu = _collectives_device(tensor, group or dist.group.WORLD).type == "cpu"
+    engine = engine_of(group) if on_cpu else None
+    if engine is not None:
         _, host, across, identities, _ = _collectives_of(tensor, compressor, group or dist.group.WORLD, verify, flat)
         work = engine.compressed_allreduce(tensor, compressor.config, worker_residual, server_residual, average,
                                            int(stream), host, across, identities)

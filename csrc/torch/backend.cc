@@ -233,15 +233,18 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDdlcomm::compressedAllreduce(Collecti
                                                                         std::optional<CollectiveLevel> host,
                                                                         std::optional<CollectiveLevel> across,
                                                                         std::vector<std::string> identities) {
-  checkTensor(args.tensor, "compressed allreduce");  // a CPU tensor
+  const c10::Device device = args.tensor.device();
+  if (device.is_cpu()) checkTensor(args.tensor, "compressed allreduce");
   auto self = c10::intrusive_ptr<c10d::Backend>::reclaim_copy(this);
-  CollectiveGroup levels{{self, self}, std::move(host), std::move(across), std::move(identities), false};
+  // A CUDA tensor's payloads cross to pinned host memory for this backend's collectives.
+  CollectiveGroup levels{{self, self}, std::move(host), std::move(across), std::move(identities), !device.is_cpu()};
   checkAllreduceArgs(levels, args);
+  const DeviceWork onDevice(device);
   std::vector<at::Tensor> outputs{args.tensor};
   return enqueue(c10d::OpType::ALLREDUCE, std::move(outputs),
-                 [levels = std::move(levels), args = std::move(args)](Communicator& comm) {
+                 [levels = std::move(levels), args = std::move(args), onDevice](Communicator& comm) {
                    if (levels.host) ++comm.counters().hierarchicalCompressedAllreduces;
-                   compressedAllreduceOverCollectives(levels, args);
+                   onDevice.run([&] { compressedAllreduceOverCollectives(levels, args); });
                  });
 }
 

@@ -172,11 +172,12 @@ class ProcessGroupDdlcomm : public c10d::Backend {
   void abort() override;
   void shutdown() override;
 
-  // Compressed all-reduce of a CPU tensor (ddlcomm.compressed): the one implementation
-  // (collective_compressed.h) over this backend's own collectives, and over `hosts`' where the
-  // group takes two levels, run as one operation on the executor, where its collectives run
-  // inline, in order with the group's other operations. Returns at once; the Work's future
-  // holds [tensor].
+  // Compressed all-reduce (ddlcomm.compressed): the one implementation (collective_compressed.h)
+  // over this backend's own collectives, and over `host` and `across`'s where the group takes
+  // two levels, run as one operation on the executor, where its collectives run inline, in
+  // order with the group's other operations. Returns at once; the Work's future holds [tensor].
+  // A CUDA tensor's kernels run on a stream of torch's pool after the caller's stream, its
+  // payloads through pinned host memory (DeviceWork).
   c10::intrusive_ptr<c10d::Work> compressedAllreduce(CollectiveAllreduceArgs args, std::optional<CollectiveLevel> host,
                                                      std::optional<CollectiveLevel> across,
                                                      std::vector<std::string> identities);

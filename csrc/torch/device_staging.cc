@@ -91,6 +91,29 @@ void DeviceStaging::copyBack() const {
   done.synchronize();
 }
 
+DeviceWork::DeviceWork(c10::Device device) {
+  if (device.is_cpu()) return;
+  device_ = device;
+  c10::impl::VirtualGuardImpl impl(device.type());
+  called_ = std::make_shared<c10::Event>(device.type());
+  called_->record(impl.getStream(device));
+}
+
+void DeviceWork::run(const std::function<void()>& issue) const {
+  if (!device_) {
+    issue();
+    return;
+  }
+  c10::impl::VirtualGuardImpl impl(device_->type());
+  const c10::Stream stream = impl.getStreamFromGlobalPool(*device_);
+  c10::StreamGuard guard(stream);
+  called_->block(stream);
+  issue();
+  c10::Event done(device_->type());
+  done.record(stream);
+  done.synchronize();
+}
+
 std::vector<at::Tensor> DeviceStaging::userOutputs() const {
   std::vector<at::Tensor> result;
   for (const auto& o : outputs_) result.push_back(o.user);

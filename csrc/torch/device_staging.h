@@ -10,6 +10,7 @@
 #include <ATen/ATen.h>
 #include <c10/core/Event.h>
 
+#include <functional>
 #include <memory>
 #include <optional>
 #include <vector>
@@ -53,6 +54,23 @@ class DeviceStaging {
   std::optional<c10::Device> device_;  // of the CUDA tensors
   bool cpu_ = false;                    // a CPU tensor was seen
   std::shared_ptr<c10::Event> copied_;
+};
+
+// GPU work that the progress thread issues for an operation of the caller's (the compressed
+// all-reduce of a CUDA tensor over a CPU backend): on a stream from torch's pool that first
+// waits for what the caller's current stream had issued at the call, and waited for on the
+// host before the operation's Work completes, so that its future is complete on every
+// stream. Nothing of this for a CPU tensor.
+class DeviceWork {
+ public:
+  // Caller's thread: marks the caller's current stream of `device` (a CPU device: nothing).
+  explicit DeviceWork(c10::Device device);
+  // Progress thread: `issue` with that pool stream current, then waits for it on the host.
+  void run(const std::function<void()>& issue) const;
+
+ private:
+  std::optional<c10::Device> device_;
+  std::shared_ptr<c10::Event> called_;
 };
 
 }  // namespace ddlcomm::torch_glue
