@@ -93,9 +93,10 @@ class ProcessGroupDdlcomm : public c10d::Backend {
   ProcessGroupDdlcomm(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                       std::chrono::milliseconds timeout, std::vector<int64_t> globalRanks, std::string groupName,
                       const c10::intrusive_ptr<Options>& options = {});
-  // A ddlcomm backend over `carrier`'s point-to-point (ProcessGroupTransport): the compressed
-  // collectives on a group of another backend (ddlcomm.engine). `hostIdentities`: every rank's
-  // hostIdentity(), by rank; the options' allreduce_algorithm decides its levels over hosts.
+  // A ddlcomm backend over `carrier`'s point-to-point (ProcessGroupTransport): where a group of
+  // another backend runs its compressed collectives (ddlcomm.compressed.engine_of).
+  // `hostIdentities`: every rank's hostIdentity(), by rank; the options' allreduce_algorithm
+  // decides its own collectives' levels over hosts.
   ProcessGroupDdlcomm(const c10::intrusive_ptr<c10d::Backend>& carrier, const std::vector<std::string>& hostIdentities,
                       std::chrono::milliseconds timeout, std::string groupName,
                       const c10::intrusive_ptr<Options>& options = {});

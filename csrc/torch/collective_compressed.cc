@@ -203,8 +203,8 @@ struct Among {
   int me, size;
 };
 
-// A failed exchange raises DistBackendError on every rank, as the engine's do, naming this rank
-// and what the backend said (gloo names the peer by its address).
+// A failed exchange raises DistBackendError on every rank, as ddlcomm's collectives do, naming
+// this rank and what the backend said (gloo's collectives name the peer by its address).
 void wait(const c10d::Backend& backend, const c10::intrusive_ptr<c10d::Work>& work) {
   try {
     work->wait();
@@ -347,8 +347,9 @@ void gatherInHost(const at::Tensor& flat, const ring::Chunks& chunks, int local,
 
 // Exact inside the host (the host's all-reduce in the tensor's dtype), each rank's shard of
 // the host sum compressed among the ranks at its place on the other hosts, the shards
-// all-gathered inside the host: the engine's hierarchical plan (hostPlanOf), so the server
-// residual means the same. The in-host sums may round otherwise than the engine's ring.
+// all-gathered inside the host: the hierarchical plan (hostPlanOf). The in-host sums are the
+// backend's own all-reduce's, whose rounding may differ between backends with more than two
+// ranks a host.
 void overHosts(const CollectiveGroup& g, const at::Tensor& flat, const at::Tensor* worker, const at::Tensor* server,
                const Among& across) {
   const int rank = g.group.values->getRank(), size = g.group.values->getSize();

@@ -66,11 +66,11 @@ std::optional<std::string> checkedAlgorithm(std::optional<std::string> name) {
   return name;
 }
 
-// The two-level plan of a compressed all-reduce of `numel` elements over a group of another
-// backend (ddlcomm.host_levels' subgroups, the statistics), from every rank's host identity, the algorithm (a
-// ddlcomm group's own, else DDLCOMM_ALLREDUCE_ALGO) and whether the group's collectives inside
-// a host are fast: None where the flat plan runs. The same rule and layout as the
-// native algorithm's (layeredByHost, hostPlanOf), so the residuals mean the same on both.
+// The two-level plan of a compressed all-reduce of `numel` elements over a group
+// (ddlcomm.host_levels' subgroups, the statistics), from every rank's host identity, the
+// algorithm (a ddlcomm group's own, else DDLCOMM_ALLREDUCE_ALGO) and whether the group's
+// collectives inside a host are fast: None where the flat plan runs. The exact all-reduce's
+// rule (layeredByHost) and the plan's layout (hostPlanOf).
 py::object hostPlan(const std::vector<std::string>& identities, int rank, size_t numel,
                     const std::optional<std::string>& algorithmName, bool fastInside) {
   const int size = int(identities.size());

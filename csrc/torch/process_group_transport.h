@@ -1,6 +1,6 @@
 // A Transport over another c10d backend's point-to-point (gloo's, or a third party's): what
-// lets the compressed collectives run, one implementation, on a group of any backend
-// (ProcessGroupDdlcomm's carrier constructor; ddlcomm.engine in Python). Like tcp/ and ucx/ it
+// lets a group of any backend run the compressed collectives on a ddlcomm executor, over
+// ddlcomm's own collectives (ProcessGroupDdlcomm's carrier constructor; ddlcomm.compressed.engine_of). Like tcp/ and ucx/ it
 // moves tagged messages; unlike them it adds no frame to each one: the first message of a
 // call between two ranks is preceded by the call's signature, so a rank in another collective,
 // with another count or dtype, fails with Mismatch instead of reading the wrong bytes.
