@@ -1,8 +1,8 @@
 """The compressed all-reduce against references that share no code with it: error-feedback
 conservation on every element (tests/workers/conservation.py), and randomness streams that
 differ for every rank, chunk, phase and piece, so that no two encodes of one call draw the
-same random numbers (native and fallback both take them from encode_stream: a stream that
-ignored the rank would make them agree with each other and still be wrong)."""
+same random numbers (every adapter takes them from encode_stream: a stream that ignored the
+rank would make them agree with each other and still be wrong)."""
 
 from __future__ import annotations
 

@@ -31,6 +31,10 @@ def test_every_path_agrees_bitwise_in_half_precision_and_on_strided_tensors() ->
     assert_all_ok(launch(collective_paths.dtypes_agree, 3, timeout=180))
 
 
+def test_compressed_all_reduce_is_the_plan_bitwise() -> None:
+    assert_all_ok(launch(collective_paths.all_reduce_is_the_plan, 3, timeout=120))
+
+
 def test_collectives_path_over_a_ddlcomm_group_agrees_bitwise() -> None:
     assert_all_ok(launch(collective_paths.over_ddlcomm_agrees, 3, timeout=120))
 

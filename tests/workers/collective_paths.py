@@ -1,7 +1,8 @@
-"""The collectives path (csrc/torch/collective_compressed.cc) on CPU tensors: the compressed
-all-reduce against the engine (the same bits, flat and over two named hosts), and the compressed
-reduce-scatter against the plan computed in Python. Run by tests/test_hooks.py and
-tests/test_fsdp.py."""
+"""The one implementation of the compressed collectives (csrc/torch/collective_compressed.cc) on
+CPU tensors: its adapters against each other (a ddlcomm group's executor, a gloo group's, gloo's
+own collectives on the caller's thread: the same bits, flat and over two named hosts), and the
+all-reduce and reduce-scatter against their plan computed in Python. Run by tests/test_hooks.py
+and tests/test_fsdp.py."""
 
 from __future__ import annotations
 
@@ -14,9 +15,9 @@ from ddlcomm import ProcessGroupDdlcomm, compressed, compressors
 
 
 def hosts_agree() -> None:
-    """2 named hosts x 2 ranks under DDLCOMM_ALLREDUCE_ALGO=hierarchical: the engine's two levels
-    on the ddlcomm group and over gloo's send and recv, and the collectives path's (gloo's
-    all-reduce inside the host, its all-to-all and all-gather across), give the same bits."""
+    """2 named hosts x 2 ranks under DDLCOMM_ALLREDUCE_ALGO=hierarchical: the two levels on the
+    ddlcomm group, on the gloo group's executor and over gloo's own collectives on the caller's
+    thread give the same bits."""
     init()
     gloo = dist.new_group(backend="gloo")
     assert compressed.two_levels(None) and compressed.two_levels(gloo)
@@ -41,24 +42,85 @@ def dtypes_agree() -> None:
 
 
 def over_ddlcomm_agrees() -> None:
-    """The collectives path over a ddlcomm group's own collectives (its alltoall_base,
-    _allgather_base and _reduce_scatter_base, as a ddlcomm group's CUDA tensors take them with
-    staged payloads) against the engine on the same group: the same bits."""
+    """A ddlcomm group's collectives (alltoall_base, _allgather_base) called from the caller's
+    thread (all_reduce_over_collectives) against the same implementation run as one operation on
+    the group's executor (compressed_all_reduce): the same bits."""
     rank, n = init()
     for name in ("onebit", "ternary_stochastic", "topk", "bf16"):
         comp = COMPRESSORS[name]()
         outs = []
-        for path in ("engine", "collectives"):
+        for path in ("executor", "caller"):
             x = torch.randn(70_001, generator=torch.Generator().manual_seed(rank))
             wres = torch.zeros(70_001)
             sres = torch.zeros(compressed.server_residual_numel(70_001, rank, n))
-            if path == "engine":
+            if path == "executor":
                 compressed.compressed_all_reduce(x, comp, wres, sres, stream=3).wait()
             else:
                 compressed.all_reduce_over_collectives(x, comp, wres, sres, None, True, 3, True, False)
             outs.append((x, wres, sres))
         for a, b, what in zip(*outs, ("result", "worker residual", "server residual")):
-            assert torch.equal(a, b), f"{name}: the collectives path's {what} differs from the engine's"
+            assert torch.equal(a, b), f"{name}: the caller's thread's {what} differs from the executor's"
+
+
+def _planned_all_reduce(comp: compressors.Compressor, inputs: list[torch.Tensor], workers: list[torch.Tensor],
+                        servers: list[torch.Tensor], stream: int) -> torch.Tensor:
+    """The flat compressed all-reduce (average, one piece) computed here from every rank's input,
+    written out as the oracle: rank r encodes chunk j of its input (bounds numel * j // n) with
+    that chunk of its worker residual and stream encode_stream(stream, r, 0, j, n); rank j sums
+    the decoded payloads of chunk j in rank order in float32, times a float32 1/n, re-encodes the
+    sum with its server residual and stream encode_stream(stream, j, 1, j, n), and every rank
+    decodes that. Sparse formats: every rank's whole-vector payload (stream encode_stream(stream,
+    r, 0, 0, n)) summed in rank order, times 1/n. Residuals are updated in place."""
+    n, numel = len(inputs), inputs[0].numel()
+    encode_stream = ProcessGroupDdlcomm.encode_stream
+    scale = torch.tensor(1.0) / n
+    if comp.is_sparse:
+        acc = torch.zeros(numel)
+        for r in range(n):
+            comp.decode_accumulate(comp.encode(inputs[r], workers[r], encode_stream(stream, r, 0, 0, n)), acc)
+        return acc.mul_(scale)
+    bounds = [numel * j // n for j in range(n + 1)]
+    out = torch.empty(numel)
+    for j in range(n):
+        chunk = slice(bounds[j], bounds[j + 1])
+        acc = torch.zeros(bounds[j + 1] - bounds[j])
+        for r in range(n):
+            payload = comp.encode(inputs[r][chunk], workers[r][chunk], encode_stream(stream, r, 0, j, n))
+            comp.decode_accumulate(payload, acc)
+        reduced = comp.encode(acc.mul_(scale), servers[j], encode_stream(stream, j, 1, j, n))
+        comp.decode(reduced, out=out[chunk])
+    return out
+
+
+def all_reduce_is_the_plan() -> None:
+    """The compressed all-reduce (one implementation) on a ddlcomm group and on a gloo group:
+    the result and both residuals, bit for bit, are those of the plan computed here from every
+    rank's input (``_planned_all_reduce``), for quantizers, casts and top-k, over two calls (the
+    residuals carry over). The adapters' agreement tests check them against each other; this
+    one checks what they all compute."""
+    rank, n = init()
+    gloo = dist.new_group(backend="gloo")
+    groups = {"ddlcomm": dist.group.WORLD, "gloo": gloo}
+    numel = 70_001
+    for name in ("onebit", "ternary_stochastic", "fp16", "topk"):
+        comp = COMPRESSORS[name]()
+        workers = [torch.randn(numel, generator=torch.Generator().manual_seed(10 + r)) * 0.1 for r in range(n)]
+        servers = [torch.randn(compressed.server_residual_numel(numel, r, n),
+                               generator=torch.Generator().manual_seed(20 + r)) * 0.1 for r in range(n)]
+        state = {label: (workers[rank].clone(), servers[rank].clone()) for label in groups}
+        for call, stream in enumerate((5, 6)):
+            inputs = [torch.randn(numel, generator=torch.Generator().manual_seed(100 * call + r)) for r in range(n)]
+            results = {}
+            for label, group in groups.items():
+                x = inputs[rank].clone()
+                compressed.compressed_all_reduce(x, comp, *state[label], group=group, stream=stream).wait()
+                results[label] = x
+            expected = _planned_all_reduce(comp, inputs, workers, servers, stream)
+            for label in groups:
+                got = (results[label], *state[label])
+                for a, b, part in zip(got, (expected, workers[rank], servers[rank]), ("result", "worker residual",
+                                                                                  "server residual")):
+                    assert torch.equal(a, b), f"{name} call {call}: the {label} group's {part} differs from the plan's"
 
 
 def _planned_reduce_scatter(comp: compressors.Compressor, inputs: list[torch.Tensor], residuals: list[torch.Tensor],

@@ -41,8 +41,9 @@ def _collectives_path(x: torch.Tensor, comp, wres: torch.Tensor, sres: torch.Ten
 
 def assert_paths_agree(name: str, numel: int, gloo: dist.ProcessGroup, stream: int,
                        dtype: torch.dtype = torch.float32, strided: bool = False) -> None:
-    """One compressed all-reduce on the ddlcomm group (its transport), one on `gloo` (the same C++
-    over gloo's send and recv) and one over gloo's collectives (CUDA tensors' path),
+    """One compressed all-reduce on the ddlcomm group (its executor and transport), one on `gloo`
+    (its ddlcomm executor, over gloo's send and recv) and one over gloo's own collectives on the
+    caller's thread (CUDA tensors' path over NCCL),
     from the same inputs and residuals: the same result and residuals, and the same on every rank.
     `strided`: the tensor is every other element of a larger one (reduced in place all the same)."""
     rank, n = dist.get_rank(), dist.get_world_size()
@@ -85,7 +86,7 @@ def paths_agree() -> None:
     except RuntimeError as e:
         assert "use the carrier group itself" in str(e), e
     else:
-        raise AssertionError("the engine took a send")
+        raise AssertionError("the gloo group's ddlcomm backend took a send")
     for name in COMPRESSORS:
         # 70_001: several reduce tiles per chunk; 8_400_003: chunks split across threads, for one
         # compressor of each reduction (blocks of scales, 2-bit codes, sparse sums, casts): the
@@ -326,8 +327,8 @@ def debug_wrapper() -> None:
 
 def direction_mode() -> None:
     """Hooks given a ddlcomm.optim optimizer: every rank holds the same parameters (Adam's
-    moments are per rank, its updates are not) and, on 2 ranks, native (ddlcomm) and fallback
-    (gloo) groups train bit for bit alike (on more ranks the uncompressed warm-up all-reduce
+    moments are per rank, its updates are not) and, on 2 ranks, ddlcomm and gloo groups train
+    bit for bit alike (on more ranks the uncompressed warm-up all-reduce
     already sums in another order on each backend). Local clipping bounds what each rank
     contributes."""
     rank, n = init()
