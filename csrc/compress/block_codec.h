@@ -112,8 +112,8 @@ struct BlockCodec {
   }
 };
 
-// Each format's BlockCodec parts, multiversioned (onebit.cc, ternary.cc); block_codec.cc threads
-// them and picks one by format.
+// Each format's BlockCodec parts, multiversioned (onebit.cc, ternary.cc): payload.cc's table
+// names them, and threads them over a vector or runs one on a tile.
 void encodeOneBitPart(const BlockEncodeJob& job, size_t b0, size_t b1);
 void decodeOneBitPart(const BlockDecodeJob& job, size_t b0, size_t b1);
 void encodeTernaryPart(const BlockEncodeJob& job, size_t b0, size_t b1);

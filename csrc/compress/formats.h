@@ -1,7 +1,7 @@
 // The table of compression formats: one row per format holds every fact about it that is not
 // in its kernels. The payload layout (wire_format.h), the validation of headers, the bindings'
 // Format enum and ddlcomm.compressors' classes all read it; the CPU and CUDA kernels are found
-// through their own tables, one row per format in this order (compress/kernel_table.cc,
+// through their own tables, one row per format in this order (compress/payload.cc,
 // cuda/dispatch.cc), which check at compile time that they follow this one.
 //
 // Adding a compressor: a row here (its Format value is the payload's format byte, never reused),

@@ -1,5 +1,6 @@
-// Internal interface between the dispatcher (payload.cc), which validates arguments and lays
-// out the payload sections, and the per-format kernels. Section pointers may be unaligned.
+// Internal interface between the dispatcher (payload.cc), which validates arguments, lays
+// out the payload sections and names each format's kernels in its table, and the per-format
+// kernels. Section pointers may be unaligned. The block formats' kernels are block_codec.h's.
 #pragma once
 
 #include <cstddef>
@@ -12,36 +13,10 @@
 
 namespace ddlcomm::compress {
 
-// One format's CPU kernels, behind one signature per entry point (a row of kernel_table.cc).
-struct CpuKernels {
-  Format format;
-  // Writes the payload's sections (its header is written) for the k entries kept (Sparse).
-  void (*encode)(const Config& config, const Input& in, uint64_t stream, uint64_t k, const PayloadLayout& layout,
-                 uint8_t* payload, TopKStats* stats);
-  void (*decode)(const PayloadInfo& info, const PayloadLayout& layout, const uint8_t* payload, const Output& out);
-  // inspect(): the sections' contents (codes, index order, unused bits), after the header;
-  // throws Error(Protocol) naming the payload `name`.
-  void (*check)(const PayloadInfo& info, const PayloadLayout& layout, const uint8_t* payload, const char* name);
-  // reduceEncode, tile by tile: decode elements [first, first + numel) of a payload, and encode
-  // y into the same elements of another. Null for Sparse formats (sumSparse sums them).
-  void (*decodeTile)(const Config& config, size_t first, size_t numel, const PayloadLayout& layout,
-                     const uint8_t* payload, const Output& out);
-  void (*encodeTile)(const Config& config, const Input& y, uint64_t stream, const PayloadLayout& layout,
-                     uint8_t* payload);
-};
-// The row of a format (Error(InvalidArgument) for an unknown one).
-const CpuKernels& cpuKernels(Format format);
-
 // Parallel parts of 1-bit and ternary start at multiples of this many blocks, so each part's
 // codes start on a byte boundary.
 constexpr size_t kBlocksPerUnit = 8;
 
-// 1-bit (onebit.cc) and ternary (ternary.cc), one block codec (block_codec.h, block_codec.cc):
-// float32 scales, then codeBits(format) bits per element. `stream` feeds stochastic ternary's
-// randomness; twoScales applies to 1-bit only.
-void encodeBlocks(const Config& config, const Input& in, uint64_t stream, uint8_t* scales, uint8_t* codes);
-void decodeBlocks(Format format, bool twoScales, size_t numel, uint32_t blockSize, const uint8_t* scales,
-                  const uint8_t* codes, const Output& out);
 // Ternary: throws Error(Protocol) on a code 3.
 void checkTernaryCodes(const uint8_t* codes, size_t numel);
 
@@ -88,13 +63,9 @@ void checkSparseIndices(const uint8_t* indices, size_t k, size_t numel);
 void encodeCast(Format format, const Input& in, uint8_t* values);
 void decodeCast(Format format, size_t numel, const uint8_t* values, const Output& out);
 
-// The same kernels on the calling thread, for part of a vector (reduceEncode's fused pass in
+// The cast kernels on the calling thread, for part of a vector (reduceEncode's fused pass in
 // payload.cc): `in` / `out` hold elements [first, first + numel) of the vector, and the
-// section pointers are the whole payload's. For 1-bit and ternary, `first` is a multiple of
-// kBlocksPerUnit blocks.
-void encodeBlocksRange(const Config& config, const Input& in, uint64_t stream, uint8_t* scales, uint8_t* codes);
-void decodeBlocksRange(Format format, bool twoScales, size_t first, size_t numel, uint32_t blockSize,
-                       const uint8_t* scales, const uint8_t* codes, const Output& out);
+// section pointers are the whole payload's.
 void encodeCastRange(Format format, const Input& in, uint8_t* values);
 void decodeCastRange(Format format, size_t first, size_t numel, const uint8_t* values, const Output& out);
 

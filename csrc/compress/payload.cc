@@ -1,5 +1,7 @@
 // The public entry points of compress.h: argument checks, payload layout (wire_format.h),
-// header writing and complete validation, and dispatch to the per-format kernels.
+// header writing and complete validation, and dispatch through one table, kCpuKernels, whose
+// row for each format names its kernels (onebit.cc, ternary.cc, topk.cc, randomk.cc, sparse.cc,
+// cast.cc), as csrc/cuda/dispatch.cc's does for the CUDA ones.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -7,12 +9,170 @@
 
 #include "common/error.h"
 #include "compress/bits.h"
+#include "compress/block_codec.h"
 #include "compress/compress.h"
 #include "compress/kernels.h"
 #include "compress/parallel.h"
 
 namespace ddlcomm::compress {
 namespace {
+
+// ---- The kernels: one row of kCpuKernels per row of kFormats (formats.h), in its order ------
+
+// One format's CPU kernels, behind one signature per entry point: a row of kCpuKernels.
+struct CpuKernels {
+  Format format;
+  // Writes the payload's sections (its header is written) for the k entries kept (Sparse).
+  void (*encode)(const Config& config, const Input& in, uint64_t stream, uint64_t k, const PayloadLayout& layout,
+                 uint8_t* payload, TopKStats* stats);
+  void (*decode)(const PayloadInfo& info, const PayloadLayout& layout, const uint8_t* payload, const Output& out);
+  // inspect(): the sections' contents (codes, index order, unused bits), after the header;
+  // throws Error(Protocol) naming the payload `name`.
+  void (*check)(const PayloadInfo& info, const PayloadLayout& layout, const uint8_t* payload, const char* name);
+  // reduceEncode, tile by tile: decode elements [first, first + numel) of a payload, and encode
+  // y into the same elements of another. Null for Sparse formats (sumSparse sums them).
+  void (*decodeTile)(const Config& config, size_t first, size_t numel, const PayloadLayout& layout,
+                     const uint8_t* payload, const Output& out);
+  void (*encodeTile)(const Config& config, const Input& y, uint64_t stream, const PayloadLayout& layout,
+                     uint8_t* payload);
+};
+
+// The bits of the last byte of a packed section beyond the last element must be zero.
+void checkUnusedBits(const uint8_t* section, size_t bytes, uint64_t numel, unsigned bitsPerElement,
+                     const char* name) {
+  const unsigned used = unsigned(numel % 8) * bitsPerElement % 8;
+  if (bytes == 0 || used == 0) return;
+  DDLCOMM_CHECK((section[bytes - 1] >> used) == 0, ErrorKind::Protocol, name,
+                " payload: unused bits of the last byte are not zero");
+}
+
+// -- Blocks (1-bit, ternary): each format's multiversioned BlockCodec parts (block_codec.h),
+// threaded over the whole vector, or run on one tile of it --------------------------------
+using EncodePart = void (*)(const BlockEncodeJob&, size_t, size_t);
+using DecodePart = void (*)(const BlockDecodeJob&, size_t, size_t);
+
+size_t blocksOf(size_t numel, size_t blockSize) { return (numel + blockSize - 1) / blockSize; }
+
+template <EncodePart Part>
+void encodeBlocksPayload(const Config& config, const Input& in, uint64_t stream, uint64_t, const PayloadLayout& layout,
+                         uint8_t* payload, TopKStats*) {
+  const BlockEncodeJob job{config, in, stream, payload + layout.first, payload + layout.second};
+  parallelFor(blocksOf(in.numel, config.blockSize), config.blockSize, kBlocksPerUnit,
+              [&](size_t b0, size_t b1) { Part(job, b0, b1); });
+}
+template <DecodePart Part>
+void decodeBlocksPayload(const PayloadInfo& info, const PayloadLayout& layout, const uint8_t* payload,
+                         const Output& out) {
+  const BlockDecodeJob job{size_t(info.numel), info.blockSize, (info.flags & kFlagTwoScales) != 0,
+                           payload + layout.first, payload + layout.second, out};
+  parallelFor(blocksOf(job.numel, job.blockSize), job.blockSize, kBlocksPerUnit,
+              [&](size_t b0, size_t b1) { Part(job, b0, b1); });
+}
+// The codes' unused bits are zero; a ternary code is never 3.
+template <bool Ternary>
+void checkBlockCodes(const PayloadInfo& info, const PayloadLayout& layout, const uint8_t* payload, const char* name) {
+  checkUnusedBits(payload + layout.second, layout.secondBytes(), info.numel, codeBits(info.format), name);
+  if constexpr (Ternary) checkTernaryCodes(payload + layout.second, size_t(info.numel));
+}
+// A tile starts at a multiple of kBlocksPerUnit blocks, so both its sections start on a byte.
+template <DecodePart Part>
+void decodeBlocksTile(const Config& config, size_t first, size_t numel, const PayloadLayout& layout,
+                      const uint8_t* payload, const Output& out) {
+  const size_t bs = config.blockSize;
+  const BlockDecodeJob job{numel, config.blockSize, config.twoScales,
+                           payload + layout.first + first / bs * blockScaleBytes(config.format, config.twoScales),
+                           payload + layout.second + first * codeBits(config.format) / 8, out};
+  Part(job, 0, blocksOf(numel, bs));
+}
+template <EncodePart Part>
+void encodeBlocksTile(const Config& config, const Input& y, uint64_t stream, const PayloadLayout& layout,
+                      uint8_t* payload) {
+  const size_t bs = config.blockSize;
+  const BlockEncodeJob job{config, y, stream,
+                           payload + layout.first + y.first / bs * blockScaleBytes(config.format, config.twoScales),
+                           payload + layout.second + y.first * codeBits(config.format) / 8};
+  Part(job, 0, blocksOf(y.numel, bs));
+}
+
+// -- Sparse (top-k, random-k) ---------------------------------------------------------------
+void encodeTopKPayload(const Config& config, const Input& in, uint64_t stream, uint64_t k, const PayloadLayout& layout,
+                       uint8_t* payload, TopKStats* stats) {
+  const unsigned valueBits = headerValueBits(config);
+  if (valueBits == 0) {
+    encodeTopK(config, in, stream, size_t(k), payload + layout.first, payload + layout.second, stats);
+    return;
+  }
+  std::vector<float> y(static_cast<size_t>(k));  // the kept entries' values, then coded
+  encodeTopK(config, in, stream, size_t(k), payload + layout.first, reinterpret_cast<uint8_t*>(y.data()), stats);
+  encodeValueCodes(size_t(k), valueBits, payload + layout.first, y.data(), in.residual, payload + layout.second,
+                   payload + layout.codes);
+}
+void encodeRandomKPayload(const Config& config, const Input& in, uint64_t stream, uint64_t k,
+                          const PayloadLayout& layout, uint8_t* payload, TopKStats*) {
+  encodeRandomK(config, in, stream, size_t(k), payload + layout.first, payload + layout.second);
+}
+void decodeSparsePayload(const PayloadInfo& info, const PayloadLayout& layout, const uint8_t* payload,
+                         const Output& out) {
+  decodeSparse(size_t(info.numel), SparseSection::of(payload, layout, size_t(info.k), info.valueBits), out);
+}
+void checkSparseEntries(const PayloadInfo& info, const PayloadLayout& layout, const uint8_t* payload,
+                        const char* name) {
+  checkSparseIndices(payload + layout.first, size_t(info.k), size_t(info.numel));
+  if (info.valueBits != 0) {
+    checkUnusedBits(payload + layout.codes, layout.bytes - layout.codes, info.k, info.valueBits, name);
+  }
+}
+
+// -- Cast (float16, bfloat16) ---------------------------------------------------------------
+void encodeCastPayload(const Config& config, const Input& in, uint64_t, uint64_t, const PayloadLayout& layout,
+                       uint8_t* payload, TopKStats*) {
+  encodeCast(config.format, in, payload + layout.first);
+}
+void decodeCastPayload(const PayloadInfo& info, const PayloadLayout& layout, const uint8_t* payload,
+                       const Output& out) {
+  decodeCast(info.format, size_t(info.numel), payload + layout.first, out);
+}
+// Every 16-bit pattern is a value.
+void checkNothing(const PayloadInfo&, const PayloadLayout&, const uint8_t*, const char*) {}
+void decodeCastTile(const Config& config, size_t first, size_t numel, const PayloadLayout& layout,
+                    const uint8_t* payload, const Output& out) {
+  decodeCastRange(config.format, first, numel, payload + layout.first, out);
+}
+void encodeCastTile(const Config& config, const Input& y, uint64_t, const PayloadLayout& layout, uint8_t* payload) {
+  encodeCastRange(config.format, y, payload + layout.first);
+}
+
+constexpr CpuKernels kCpuKernels[] = {
+    {Format::OneBit, encodeBlocksPayload<encodeOneBitPart>, decodeBlocksPayload<decodeOneBitPart>,
+     checkBlockCodes<false>, decodeBlocksTile<decodeOneBitPart>, encodeBlocksTile<encodeOneBitPart>},
+    {Format::Ternary, encodeBlocksPayload<encodeTernaryPart>, decodeBlocksPayload<decodeTernaryPart>,
+     checkBlockCodes<true>, decodeBlocksTile<decodeTernaryPart>, encodeBlocksTile<encodeTernaryPart>},
+    {Format::TopK, encodeTopKPayload, decodeSparsePayload, checkSparseEntries, nullptr, nullptr},
+    {Format::RandomK, encodeRandomKPayload, decodeSparsePayload, checkSparseEntries, nullptr, nullptr},
+    {Format::Float16, encodeCastPayload, decodeCastPayload, checkNothing, decodeCastTile, encodeCastTile},
+    {Format::BFloat16, encodeCastPayload, decodeCastPayload, checkNothing, decodeCastTile, encodeCastTile},
+};
+
+constexpr bool followsFormats() {
+  if (sizeof(kCpuKernels) / sizeof(kCpuKernels[0]) != kFormatCount) return false;
+  for (size_t i = 0; i < kFormatCount; ++i) {
+    const bool tiles = kFormats[i].family != Family::Sparse;
+    if (kCpuKernels[i].format != kFormats[i].format || (kCpuKernels[i].encodeTile != nullptr) != tiles ||
+        (kCpuKernels[i].decodeTile != nullptr) != tiles) {
+      return false;
+    }
+  }
+  return true;
+}
+static_assert(followsFormats(), "one row of CPU kernels per row of kFormats, in its order; tiles for every "
+                                "format the compressed all-reduce re-encodes (not Sparse)");
+
+// The row of a format (Error(InvalidArgument) for an unknown one).
+const CpuKernels& cpuKernels(Format format) {
+  const size_t index = formatIndex(format);
+  DDLCOMM_CHECK(index < kFormatCount, ErrorKind::InvalidArgument, "unknown compression format ", int(format));
+  return kCpuKernels[index];
+}
 
 // Elements reduced and re-encoded at a time by reduceEncode: small enough to stay in L1/L2.
 constexpr size_t kReduceTileElements = 8192;
