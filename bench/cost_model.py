@@ -208,7 +208,7 @@ def payload_ratio(name: str, numel: int = 1 << 24) -> float:
 
 def compressed_terms(plan: str, cluster: Cluster, nbytes: float, ratio: float) -> tuple[Terms, float]:
     """(terms, float32 bytes each rank encodes) of a compressed all-reduce of ``nbytes`` float32
-    bytes whose payload is ``ratio`` of them (csrc/collectives/compressed_allreduce.cc): a
+    bytes whose payload is ``ratio`` of them (csrc/torch/collective_compressed.cc): a
     scatter-reduce-gather, two steps across hosts (each payload leaves as it is encoded, the
     pieces pipeline), with 2 (k-1)/k of a rank's vector as payload among k members. ``flat``:
     the n ranks, each sending to the n - l off its host; ``hierarchical``: an exact ring

@@ -1,12 +1,14 @@
 """Compressed all-reduce with error feedback, on any process group.
 
 One implementation, in C++ (``csrc/torch/collective_compressed.cc``), serves every group and
-device, over the backends' all-to-all and all-gather. Where the group's collectives run on the
-CPU (CPU tensors; CUDA tensors over gloo or ddlcomm) a call is one operation on the executor of
-the group's ddlcomm backend (``engine_of``): a ddlcomm group's own, or on a group of another
-backend (gloo, a third party's) one over that backend's send and recv. It returns at once with
-a future on every backend; every rank ends with the same bits on every kind of group. Over several hosts of as many ranks it takes two levels (where ``two_levels``
-says): exact inside each host, compressed across.
+device, over the backends' all-to-all and all-gather. ``route_of`` binds it to a group and a
+compressor once (``_C.CompressedAllreduce``); each call is then one ``start`` that returns at
+once with a Work on every backend. Where the group's collectives run on the CPU (CPU tensors;
+CUDA tensors over gloo or ddlcomm) a call is one operation on the executor of the group's
+ddlcomm backend (``engine_of``): a ddlcomm group's own, or on a group of another backend (gloo,
+a third party's) one over that backend's send and recv. Every rank ends with the same bits on
+every kind of group. Over several hosts of as many ranks it takes two levels (where
+``two_levels`` says): exact inside each host, compressed across.
 
 Quantizers and casts (1-bit, ternary, fp16, bf16) use scatter-reduce-gather with two
 levels of error feedback, in pieces of 16 Mi elements (one piece is encoded while the one
@@ -14,7 +16,8 @@ before it is on the wire). In each piece every rank encodes its part in n chunks
 worker residual; rank i decodes and sums chunk i from every rank in rank order, re-encodes the
 sum with its server residual; an all-gather of those payloads gives every rank the same bytes.
 Sparse formats (top-k, random-k) all-gather the (index, value) payloads and sum them in rank
-order.
+order. Random-k's sample can miss a non-finite entry, so a flag all-reduced first makes the
+result non-finite everywhere (a GradScaler skips the step) and leaves the residuals alone.
 
 CUDA tensors are encoded and decoded on their GPU, one call per bucket. Over NCCL it runs on
 the caller's thread, on the current stream: the payloads stay in device memory and nothing
@@ -22,8 +25,7 @@ waits on the host. Over gloo and ddlcomm (whose collectives run on the CPU) the 
 thread issues its kernels on a stream of torch's pool, after the caller's stream, and only the
 payloads cross PCIe, through pinned host memory: each copy is waited for by a CUDA event, never
 a device synchronization, and what arrives is validated on the host before it goes back to the
-GPU. The
-result is bitwise the same as on the CPU for the deterministic formats (the CUDA kernels are
+GPU. The result is bitwise the same as on the CPU for the deterministic formats (the CUDA kernels are
 bit-exact twins of the CPU ones).
 """
 
@@ -39,13 +41,13 @@ import torch
 import torch.distributed as dist
 
 from . import _C
-from .compressors import Compressor, all_finite
+from .compressors import Compressor
 from .host_levels import HostLevels, host_levels
 from .wire import Agreement, collectives_on_gpu
 
 __all__ = [
-    "all_reduce_over_collectives", "compressed_all_reduce", "compressed_reduce_scatter", "engine_of",
-    "start_compressed_all_reduce",
+    "all_reduce_over_collectives", "check_agreement", "compressed_all_reduce", "compressed_reduce_scatter",
+    "engine_of", "route_of", "start_compressed_all_reduce",
     "host_levels_of", "server_chunks",
     "server_residual_numel", "native_backend", "reduce_scatter_wire_bytes", "two_levels", "wire_bytes",
 ]
@@ -79,6 +81,8 @@ def _log_python_path(group_name: str) -> None:
 
 
 _engines: dict[str, tuple[dist.ProcessGroup, _C.ProcessGroupDdlcomm]] = {}  # by group name
+# by group name, device, compressor and flat
+_routes: dict[tuple[str, str, str, bool], tuple[dist.ProcessGroup, _C.CompressedAllreduce]] = {}
 
 
 def engine_of(group: Optional[dist.ProcessGroup] = None) -> Optional[_C.ProcessGroupDdlcomm]:
@@ -116,16 +120,22 @@ def engine_of(group: Optional[dist.ProcessGroup] = None) -> Optional[_C.ProcessG
 
 
 def _forget_destroyed_groups() -> None:
-    """Drops the engines of destroyed groups: each holds its carrier's connections."""
-    for name, (group, _) in list(_engines.items()):
-        try:
-            dist.get_process_group_ranks(group)
-        except (KeyError, ValueError, RuntimeError):
-            del _engines[name]
+    """Drops the engines and routes of destroyed groups: each holds its group's connections."""
+    for cache in (_engines, _routes):
+        for key, (group, _) in list(cache.items()):
+            try:
+                dist.get_process_group_ranks(group)
+            except (KeyError, ValueError, RuntimeError):
+                del cache[key]
+
+
+def _forget_all() -> None:
+    _routes.clear()
+    _engines.clear()
 
 
 # Joined while the interpreter is whole, not in its teardown.
-atexit.register(_engines.clear)
+atexit.register(_forget_all)
 
 
 def server_chunks(numel: int, rank: int, world_size: int, group: Optional[dist.ProcessGroup] = None,
@@ -237,51 +247,71 @@ def start_compressed_all_reduce(
     if group is None and not dist.is_initialized():  # as torch's collectives say it
         raise ValueError("compressed_all_reduce: the default process group has not been initialized: call "
                          "torch.distributed.init_process_group first")
-    # Random-k sends a random sample, which can miss a non-finite entry; a non-finite gradient
-    # anywhere must still make the result non-finite everywhere (GradScaler skips the step),
-    # and the residuals must not take it in.
-    if compressor.samples_randomly:
-        poisoned = torch.tensor([0 if all_finite(tensor) else 1], dtype=torch.uint8,
-                                device=_collectives_device(tensor, group or dist.group.WORLD))
-        work = dist.all_reduce(poisoned, op=dist.ReduceOp.MAX, group=group, async_op=True)
-        work.wait()
-        if poisoned.item():
-            return _completed(work.get_future(), tensor.fill_(float("nan")))
-
-    # Over a backend whose collectives run on the CPU (a CUDA tensor's payloads staged), one
-    # operation on its ddlcomm backend's executor, back at once; over NCCL, on this thread.
-    on_cpu = _collectives_device(tensor, group or dist.group.WORLD).type == "cpu"
-    engine = engine_of(group) if on_cpu else None
-    if engine is not None:
-        _, host, across, identities, _ = _collectives_of(tensor, compressor, group or dist.group.WORLD, verify, flat)
-        work = engine.compressed_allreduce(tensor, compressor.config, worker_residual, server_residual, average,
-                                           int(stream), host, across, identities)
-        raw = work.get_future()
-        return raw, raw.then(lambda fut: fut.value()[0])
-    all_reduce_over_collectives(tensor, compressor, worker_residual, server_residual, group, average, int(stream),
-                                verify, flat)
-    done: torch.futures.Future = torch.futures.Future()
-    done.set_result([tensor])
-    return _completed(done, tensor)
+    group = group or dist.group.WORLD
+    route = route_of(tensor, compressor, group, flat)
+    if verify:
+        check_agreement(tensor, compressor, group)
+    raw = route.start(tensor, worker_residual, server_residual, average, int(stream)).get_future()
+    return raw, raw.then(lambda fut: fut.value()[0])
 
 
-def _completed(raw: torch.futures.Future, tensor: torch.Tensor) -> tuple[torch.futures.Future, torch.futures.Future]:
-    done: torch.futures.Future = torch.futures.Future()
-    done.set_result(tensor)
-    return raw, done
+def route_of(tensor: torch.Tensor, compressor: Compressor, group: Optional[dist.ProcessGroup] = None,
+             flat: bool = False) -> _C.CompressedAllreduce:
+    """The compressed all-reduce of ``compressor`` on ``group`` (default: the world) for tensors
+    on ``tensor``'s device, in one level if ``flat``: one C++ object, kept per group, device,
+    compressor and level, whose ``start(tensor, worker_residual, server_residual, average,
+    stream)`` runs a call and returns a ``Work`` at once (arguments as ``compressed_all_reduce``'s;
+    its future holds ``[tensor]``). A DDP hook starts it once per bucket. Where the group's
+    collectives run on the CPU it runs as one operation on the executor of ``engine_of(group)``;
+    over NCCL on the caller's thread, on the current stream. It checks nothing across ranks
+    (``check_agreement`` does). Collective the first time on a group (``engine_of``,
+    ``host_levels_of``)."""
+    group = group or dist.group.WORLD
+    key = (group.group_name, str(tensor.device), repr(compressor), flat)
+    cached = _routes.get(key)
+    if cached is not None and cached[0] is group:
+        return cached[1]
+    _forget_destroyed_groups()
+    payloads = _collectives_device(tensor, group)
+    engine = engine_of(group) if payloads.type == "cpu" else None
+    levels = host_levels_of(group) if dist.get_world_size(group) > 1 and not flat else None
+    host = across = None
+    identities: list[str] = []
+    if levels is not None:
+        host, across, identities = (_backends(levels.host, tensor, payloads), _backends(levels.across, tensor, payloads),
+                                    levels.identities)
+    route = _C.CompressedAllreduce(compressor.config, None if engine is not None else _backends(group, tensor, payloads),
+                                   host, across, identities, payloads != tensor.device, engine)
+    _routes[key] = (group, route)
+    return route
+
+
+def check_agreement(tensor: torch.Tensor, compressor: Compressor, group: Optional[dist.ProcessGroup] = None) -> None:
+    """Checks that every rank of ``group`` reduces as many elements of one dtype with one
+    compressor (one small all-gather): a ValueError on every rank if not, the group still
+    usable. Run before the first exchange, and before the exact sums inside a host, which gloo
+    cannot check."""
+    group = group or dist.group.WORLD
+    Agreement(tensor, compressor, group, dist.get_world_size(group), True, _collectives_device(tensor, group)).wait()
+
+
+def _backends(group: dist.ProcessGroup, tensor: torch.Tensor, payloads: torch.device) -> tuple[Any, Any]:
+    """``group``'s backends for ``tensor``'s values and for its payloads."""
+    return group._get_backend(tensor.device), group._get_backend(payloads)
 
 
 def all_reduce_over_collectives(tensor: torch.Tensor, compressor: Compressor, worker_residual: Optional[torch.Tensor],
                                 server_residual: Optional[torch.Tensor], group: Optional[dist.ProcessGroup],
                                 average: bool, stream: int, verify: bool, flat: bool) -> None:
-    """``compressed_all_reduce``'s path for CUDA tensors and groups without CPU collectives
-    (arguments as there), on the caller's thread, blocking only where the group's backend
-    blocks: the one C++ implementation over the group's own all-to-all and all-gather, where
-    ``compressed_all_reduce`` runs it on a CPU tensor over the engine's (``engine_of``). The same
-    bytes and sums either way (the tests and ``bench.engine`` run it on CPU tensors too)."""
+    """``compressed_all_reduce`` on the caller's thread over the group's own collectives
+    (arguments as there), where ``compressed_all_reduce`` runs a CPU tensor over the engine's
+    (``engine_of``): the same C++ implementation, bytes and sums either way (the tests and
+    ``bench.engine`` compare them). Blocking only where the group's backend blocks."""
     group = group or dist.group.WORLD
-    _C.compressed_allreduce_over_collectives(tensor, compressor.config, worker_residual, server_residual, average,
-                                             stream, *_collectives_of(tensor, compressor, group, verify, flat))
+    _, host, across, identities, staged = _collectives_of(tensor, compressor, group, verify, flat)
+    route = _C.CompressedAllreduce(compressor.config, _backends(group, tensor, _collectives_device(tensor, group)),
+                                   host, across, identities, staged)
+    route.start(tensor, worker_residual, server_residual, average, int(stream)).wait()
 
 
 def compressed_reduce_scatter(output: torch.Tensor, input: torch.Tensor, compressor: Compressor,
@@ -317,13 +347,10 @@ def _collectives_of(tensor: torch.Tensor, compressor: Compressor, group: dist.Pr
     payloads = _collectives_device(tensor, group)
     staged = payloads != tensor.device
     Agreement(tensor, compressor, group, dist.get_world_size(group), verify, payloads).wait()
-
-    def backends(g: dist.ProcessGroup) -> tuple[Any, Any]:
-        return g._get_backend(tensor.device), g._get_backend(payloads)
-
     if levels is None:
-        return backends(group), None, None, [], staged
-    return backends(group), backends(levels.host), backends(levels.across), levels.identities, staged
+        return _backends(group, tensor, payloads), None, None, [], staged
+    return (_backends(group, tensor, payloads), _backends(levels.host, tensor, payloads),
+            _backends(levels.across, tensor, payloads), levels.identities, staged)
 
 
 def _collectives_device(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.device:

@@ -51,7 +51,7 @@ from .adaptive import Tuner
 from .clipping import NormClipping
 from .compressors import BF16, FP16, Compressor, Ternary, has_cuda
 from .dgc import DgcCorrection
-from .compressed import native_backend, start_compressed_all_reduce, two_levels, wire_bytes
+from .compressed import check_agreement, native_backend, route_of, two_levels, wire_bytes
 from .ddp_memory import FeedbackMemory, ParameterKeys, Signature
 from .hook_checkpoint import HookCheckpoint
 from .hook_iterations import Iterations
@@ -467,12 +467,14 @@ def _compress(state: CompressionState, bucket: _Bucket, compressor: Optional[Com
         state.memory.emptied.discard(signature)
         state.stats.count(wire_bytes(compressor, buffer.numel(), world, rank), ring_all_reduce_bytes(nbytes, world),
                           compressed=True)
+        route = route_of(buffer, compressor, state.process_group, flat)  # kept per group and compressor
         # DDP has checked that every rank has the same buckets; each compressor is checked once.
-        verify = (signature, repr(compressor)) not in state._verified
-        state._verified.add((signature, repr(compressor)))
-        raw, fut = start_compressed_all_reduce(buffer, compressor, worker, server, group=state.process_group,
-                                               average=True, stream=call_stream(state.iter, index), verify=verify,
-                                               flat=flat)
+        if (signature, repr(compressor)) not in state._verified:
+            check_agreement(buffer, compressor, state.process_group)
+            state._verified.add((signature, repr(compressor)))
+        # One C++ call (collective_compressed.cc), back at once with the bucket in flight.
+        raw = route.start(buffer, worker, server, True, call_stream(state.iter, index)).get_future()
+        fut = raw.then(lambda f: f.value()[0])
     if directions:
         optimizer = state.optimizer
 

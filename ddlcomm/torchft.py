@@ -186,9 +186,8 @@ def compressed_allreduce(manager: Manager, tensor: torch.Tensor, compressor: Com
     try:
         # One level: a quorum's group is not in torch.distributed's registry, where the two
         # levels' subgroups would be made.
-        work = pg.backend.compressed_allreduce(tensor, compressor.config,
-                                               worker_residual if participating else None, None, False,
-                                               int(stream))
+        work = _C.CompressedAllreduce(compressor.config, engine=pg.backend).start(
+            tensor, worker_residual if participating else None, None, False, int(stream))
 
         def average(fut: torch.futures.Future) -> torch.Tensor:
             tensor.div_(participants)  # the sum over the quorum, as manager.allreduce averages

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ddlcomm import compressed, compressors, hooks
+from ddlcomm import _C, compressed, compressors, hooks
 from harness import assert_all_ok, launch, named_hosts
 from workers import collective_paths, compression
 
@@ -135,6 +135,21 @@ def one_rank() -> Iterator[None]:
 def test_the_collectives_path_refuses_bad_arguments(one_rank: None, call, error: type, words: str) -> None:
     with pytest.raises(error, match=words):
         call()
+
+
+def test_a_route_is_kept_per_group_device_compressor_and_level(one_rank: None) -> None:
+    """The hook starts a kept route per bucket: the same object for the same group, device,
+    compressor and level, another for any of them changed; a route with neither a group's
+    backends nor an engine is refused."""
+    x = torch.ones(8)
+    route = compressed.route_of(x, compressors.OneBit())
+    assert compressed.route_of(torch.zeros(3), compressors.OneBit(), dist.group.WORLD) is route
+    assert compressed.route_of(x, compressors.OneBit(block_size=64)) is not route
+    assert compressed.route_of(x, compressors.OneBit(), flat=True) is not route
+    assert compressed.route_of(x, compressors.OneBit(), dist.new_group([0], backend="gloo")) is not route
+    assert route.start(x, None, None, True, 0).get_future().wait()[0].data_ptr() == x.data_ptr()
+    with pytest.raises(ValueError, match="needs a group's backends or an engine"):
+        _C.CompressedAllreduce(compressors.OneBit().config)
 
 
 class _Bucket:

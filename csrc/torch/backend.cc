@@ -229,41 +229,6 @@ GroupStats ProcessGroupDdlcomm::stats() {
   return ask<GroupStats>([](Communicator& comm) { return comm.stats(); });
 }
 
-c10::intrusive_ptr<c10d::Work> ProcessGroupDdlcomm::compressedAllreduce(CollectiveAllreduceArgs args,
-                                                                        std::optional<CollectiveLevel> host,
-                                                                        std::optional<CollectiveLevel> across,
-                                                                        std::vector<std::string> identities) {
-  const c10::Device device = args.tensor.device();
-  if (device.is_cpu()) checkTensor(args.tensor, "compressed allreduce");
-  auto self = c10::intrusive_ptr<c10d::Backend>::reclaim_copy(this);
-  // A CUDA tensor's payloads cross to pinned host memory for this backend's collectives.
-  CollectiveGroup levels{{self, self}, std::move(host), std::move(across), std::move(identities), !device.is_cpu()};
-  checkAllreduceArgs(levels, args);
-  const DeviceWork onDevice(device);
-  std::vector<at::Tensor> outputs{args.tensor};
-  return enqueue(c10d::OpType::ALLREDUCE, std::move(outputs),
-                 [levels = std::move(levels), args = std::move(args), onDevice](Communicator& comm) {
-                   if (levels.host) ++comm.counters().hierarchicalCompressedAllreduces;
-                   onDevice.run([&] { compressedAllreduceOverCollectives(levels, args); });
-                 });
-}
-
-c10::intrusive_ptr<c10d::Work> ProcessGroupDdlcomm::compressedReduceScatter(CollectiveReduceScatterArgs args,
-                                                                            std::optional<CollectiveLevel> host,
-                                                                            std::optional<CollectiveLevel> across,
-                                                                            std::vector<std::string> identities) {
-  checkTensor(args.output, "compressed reduce-scatter");  // CPU tensors
-  checkTensor(args.input, "compressed reduce-scatter");
-  auto self = c10::intrusive_ptr<c10d::Backend>::reclaim_copy(this);
-  CollectiveGroup levels{{self, self}, std::move(host), std::move(across), std::move(identities), false};
-  checkReduceScatterArgs(levels, args);
-  std::vector<at::Tensor> outputs{args.output};
-  return enqueue(c10d::OpType::REDUCE_SCATTER, std::move(outputs),
-                 [levels = std::move(levels), args = std::move(args)](Communicator&) {
-                   compressedReduceScatterOverCollectives(levels, args);
-                 });
-}
-
 namespace {
 // Keeps the tensor (and its contiguous staging copy) alive for an in-flight request.
 struct PointToPoint {

@@ -19,7 +19,6 @@
 
 #include "collectives/executor.h"
 #include "compress/compress.h"
-#include "torch/collective_compressed.h"
 #include "torch/device_staging.h"
 #include "transport/connect.h"
 
@@ -173,23 +172,8 @@ class ProcessGroupDdlcomm : public c10d::Backend {
   void abort() override;
   void shutdown() override;
 
-  // Compressed all-reduce (ddlcomm.compressed): the one implementation (collective_compressed.h)
-  // over this backend's own collectives, and over `host` and `across`'s where the group takes
-  // two levels, run as one operation on the executor, where its collectives run inline, in
-  // order with the group's other operations. Returns at once; the Work's future holds [tensor].
-  // A CUDA tensor's kernels run on a stream of torch's pool after the caller's stream, its
-  // payloads through pinned host memory (DeviceWork).
-  c10::intrusive_ptr<c10d::Work> compressedAllreduce(CollectiveAllreduceArgs args, std::optional<CollectiveLevel> host,
-                                                     std::optional<CollectiveLevel> across,
-                                                     std::vector<std::string> identities);
-  // The compressed reduce-scatter of CPU tensors (ddlcomm.fsdp), likewise.
-  c10::intrusive_ptr<c10d::Work> compressedReduceScatter(CollectiveReduceScatterArgs args,
-                                                         std::optional<CollectiveLevel> host,
-                                                         std::optional<CollectiveLevel> across,
-                                                         std::vector<std::string> identities);
-
   // Runs `task` on the executor with `outputs` as the Work's result (used by the ops above
-  // and by the compressed all-reduce). `callerWaits` (the op's asyncOp is false: the caller
+  // and by the compressed collectives, collective_compressed.h). `callerWaits` (the op's asyncOp is false: the caller
   // waits at once) lets a small op on an idle group run on the calling thread instead.
   c10::intrusive_ptr<DdlcommWork> enqueue(c10d::OpType type, bool callerWaits, std::vector<at::Tensor> outputs,
                                           std::function<void(Communicator&)> task);

@@ -1,4 +1,5 @@
-// The compressed all-reduce over c10d collectives (collective_compressed.h). Encodes, decodes
+// The compressed all-reduce over c10d collectives (collective_compressed.h), and the payload
+// codec both compressed collectives use (payload_codec.h). Encodes, decodes
 // and device copies go on the current stream of the tensor's device. On the device no decoder
 // reads or writes outside its payload and output whatever the bytes, but a corrupt payload is
 // detected only where payloads pass through host memory (CPU tensors, staged CUDA tensors).
@@ -9,10 +10,14 @@
 #include <c10/core/impl/VirtualGuardImpl.h>
 
 #include <algorithm>
+#include <limits>
 #include <optional>
 
 #include "collectives/compressed_plan.h"
 #include "common/error.h"
+#include "torch/backend.h"
+#include "torch/payload_codec.h"
+#include "torch/device_staging.h"
 #include "torch/tensor_args.h"
 #include "transport/topology.h"
 
@@ -29,17 +34,11 @@ at::Tensor bytesOn(c10::Device device, size_t n, bool pinned = false) {
 
 c10::Stream currentStream(c10::Device device) { return c10::impl::VirtualGuardImpl(device.type()).getStream(device); }
 
-// Buffers that travel are left uninitialized: the bytes that pad a payload to its slot (or a
-// shard to the widest) are sent but never read, and a fill would cost a kernel launch per
-// buffer on a GPU.
-
-// Where float32 sums are accumulated: `out` itself when it is float32 (its values were encoded
-// already), else a new tensor. Zeroed either way. On the CPU a new tensor of a large chunk
-// costs its page faults on every call, which is why the output is preferred.
-at::Tensor accumulatorFor(const at::Tensor& out) {
-  if (out.scalar_type() == at::kFloat && out.is_contiguous()) return out.zero_();
-  return at::zeros({out.numel()}, out.options().dtype(at::kFloat));
+#ifdef DDLCOMM_WITH_CUDA
+cudaStream_t cudaStreamOf(c10::Device device) {
+  return static_cast<cudaStream_t>(currentStream(device).native_handle());
 }
+#endif
 
 // The first `bytes` bytes of every row of `rows` (uint8 [k, slot], on the CPU).
 std::vector<const uint8_t*> rowPointers(const at::Tensor& rows) {
@@ -48,163 +47,119 @@ std::vector<const uint8_t*> rowPointers(const at::Tensor& rows) {
   return pointers;
 }
 
-// Encodes and decodes on the tensors' device (CPU kernels, or CUDA kernels on the current
-// stream). Payload tensors are uint8, 4-byte aligned.
-class Codec {
- public:
-  Codec(const compress::Config& config, c10::Device device) : config_(config), device_(device) {}
+}  // namespace
 
-  const compress::Config& config() const { return config_; }
-  size_t bytes(size_t numel) const { return compress::encodedBytes(config_, numel); }
+// -- payload_codec.h ----------------------------------------------------------------------
 
-  void encode(const at::Tensor& x, const at::Tensor* residual, uint64_t stream, const at::Tensor& payload) const {
-    const size_t numel = size_t(x.numel()), capacity = size_t(payload.numel());
-    float* r = residual ? residual->data_ptr<float>() : nullptr;
-    if (device_.is_cpu()) {
-      const size_t written = compress::encode(config_, toDataType(x), x.data_ptr(), r, numel, stream,
-                                              payload.data_ptr<uint8_t>(), capacity);
-      DDLCOMM_CHECK(written == bytes(numel), ErrorKind::Protocol, "payload of ", written, " bytes, expected ",
-                    bytes(numel));
-      return;
-    }
+at::Tensor accumulatorFor(const at::Tensor& out) {
+  if (out.scalar_type() == at::kFloat && out.is_contiguous()) return out.zero_();
+  return at::zeros({out.numel()}, out.options().dtype(at::kFloat));
+}
+
+void Codec::encode(const at::Tensor& x, const at::Tensor* residual, uint64_t stream, const at::Tensor& payload) const {
+  const size_t numel = size_t(x.numel()), capacity = size_t(payload.numel());
+  float* r = residual ? residual->data_ptr<float>() : nullptr;
+  if (device_.is_cpu()) {
+    const size_t written = compress::encode(config_, toDataType(x), x.data_ptr(), r, numel, stream,
+                                            payload.data_ptr<uint8_t>(), capacity);
+    DDLCOMM_CHECK(written == bytes(numel), ErrorKind::Protocol, "payload of ", written, " bytes, expected ",
+                  bytes(numel));
+    return;
+  }
 #ifdef DDLCOMM_WITH_CUDA
-    const c10::DeviceGuard guard(device_);
-    const size_t scratch = gpu::encodeWorkspaceBytes(config_, toDataType(x), numel);
-    // From torch's caching allocator, on the current stream: reused, never synchronized.
-    const at::Tensor workspace = scratch ? bytesOn(device_, scratch) : at::Tensor();
-    gpu::encodeCuda(config_, toDataType(x), x.data_ptr(), r, numel, stream, payload.data_ptr<uint8_t>(), capacity,
-                    scratch ? workspace.data_ptr() : nullptr, scratch, cudaStream());
+  const c10::DeviceGuard guard(device_);
+  const size_t scratch = gpu::encodeWorkspaceBytes(config_, toDataType(x), numel);
+  // From torch's caching allocator, on the current stream: reused, never synchronized.
+  const at::Tensor workspace = scratch ? bytesOn(device_, scratch) : at::Tensor();
+  gpu::encodeCuda(config_, toDataType(x), x.data_ptr(), r, numel, stream, payload.data_ptr<uint8_t>(), capacity,
+                  scratch ? workspace.data_ptr() : nullptr, scratch, cudaStreamOf(device_));
 #else
-    fail(ErrorKind::UnsupportedType, "ddlcomm was built without CUDA kernels: cannot compress a tensor on ", device_);
+  fail(ErrorKind::UnsupportedType, "ddlcomm was built without CUDA kernels: cannot compress a tensor on ", device_);
 #endif
-  }
+}
 
-  // The reduce step: `out` = encode(scale * the float32 sum, in row order, of decode(the first
-  // `bytes` bytes of every row), with the server residual). On the CPU one fused pass
-  // (compress::reduceEncode); on a GPU the sum is taken in `chunk` (the rows' values, already
-  // encoded) where it is float32.
-  void reduceEncode(const at::Tensor& rows, size_t bytes, const at::Tensor& chunk, float scale,
-                    const at::Tensor* server, uint64_t stream, const at::Tensor& out) const {
-    if (device_.is_cpu()) {
-      const std::vector<const uint8_t*> payloads = rowPointers(rows);
-      const size_t numel = size_t(chunk.numel());
-      compress::reduceEncode(config_, payloads.data(), payloads.size(), bytes, numel, scale,
-                             server ? server->data_ptr<float>() : nullptr, stream, out.data_ptr<uint8_t>(),
-                             size_t(out.numel()));
-      return;
-    }
-    at::Tensor acc = accumulatorFor(chunk);
-    for (int64_t j = 0; j < rows.size(0); ++j) decode(rows[j], bytes, acc, true);
-    if (scale != 1.f) acc.mul_(scale);
-    encode(acc, server, stream, out);
+void Codec::reduceEncode(const at::Tensor& rows, size_t bytes, const at::Tensor& chunk, float scale,
+                         const at::Tensor* server, uint64_t stream, const at::Tensor& out) const {
+  if (device_.is_cpu()) {
+    const std::vector<const uint8_t*> payloads = rowPointers(rows);
+    const size_t numel = size_t(chunk.numel());
+    compress::reduceEncode(config_, payloads.data(), payloads.size(), bytes, numel, scale,
+                           server ? server->data_ptr<float>() : nullptr, stream, out.data_ptr<uint8_t>(),
+                           size_t(out.numel()));
+    return;
   }
+  at::Tensor acc = accumulatorFor(chunk);
+  for (int64_t j = 0; j < rows.size(0); ++j) decode(rows[j], bytes, acc, true);
+  if (scale != 1.f) acc.mul_(scale);
+  encode(acc, server, stream, out);
+}
 
-  // `out` = scale * the sum, in row order, of the sparse payloads in the first `bytes` bytes of
-  // every row: zero where none carries an index (compress::sumSparse on the CPU).
-  void sumSparse(const at::Tensor& rows, size_t bytes, float scale, const at::Tensor& out) const {
-    if (device_.is_cpu()) {
-      const std::vector<const uint8_t*> payloads = rowPointers(rows);
-      out.zero_();
-      compress::sumSparse(config_, payloads.data(), payloads.size(), bytes, size_t(out.numel()), scale,
-                          toDataType(out), out.data_ptr());
-      return;
-    }
-    at::Tensor acc = accumulatorFor(out);
-    for (int64_t j = 0; j < rows.size(0); ++j) decode(rows[j], bytes, acc, true);
-    if (scale != 1.f) acc.mul_(scale);
-    if (!acc.is_same(out)) out.copy_(acc);
+void Codec::sumSparse(const at::Tensor& rows, size_t bytes, float scale, const at::Tensor& out) const {
+  if (device_.is_cpu()) {
+    const std::vector<const uint8_t*> payloads = rowPointers(rows);
+    out.zero_();
+    compress::sumSparse(config_, payloads.data(), payloads.size(), bytes, size_t(out.numel()), scale,
+                        toDataType(out), out.data_ptr());
+    return;
   }
+  at::Tensor acc = accumulatorFor(out);
+  for (int64_t j = 0; j < rows.size(0); ++j) decode(rows[j], bytes, acc, true);
+  if (scale != 1.f) acc.mul_(scale);
+  if (!acc.is_same(out)) out.copy_(acc);
+}
 
-  // out (its device, float32 where accumulate) = or += decode(the first `n` bytes of payload).
-  void decode(const at::Tensor& payload, size_t n, const at::Tensor& out, bool accumulate) const {
-    const size_t numel = size_t(out.numel());
-    const uint8_t* p = payload.data_ptr<uint8_t>();
-    if (device_.is_cpu()) {
-      compress::checkPayloadConfig(p, n, config_);
-      if (accumulate) {
-        compress::decodeAccumulate(p, n, out.data_ptr<float>(), numel);
-      } else {
-        compress::decode(p, n, toDataType(out), out.data_ptr(), numel);
-      }
-      return;
-    }
-#ifdef DDLCOMM_WITH_CUDA
-    const c10::DeviceGuard guard(device_);
-    const compress::PayloadInfo info = gpu::expectedInfo(config_, numel, n);
+void Codec::decode(const at::Tensor& payload, size_t n, const at::Tensor& out, bool accumulate) const {
+  const size_t numel = size_t(out.numel());
+  const uint8_t* p = payload.data_ptr<uint8_t>();
+  if (device_.is_cpu()) {
+    compress::checkPayloadConfig(p, n, config_);
     if (accumulate) {
-      gpu::decodeAccumulateCuda(info, p, n, out.data_ptr<float>(), numel, cudaStream());
+      compress::decodeAccumulate(p, n, out.data_ptr<float>(), numel);
     } else {
-      gpu::decodeCuda(info, p, n, toDataType(out), out.data_ptr(), numel, cudaStream());
+      compress::decode(p, n, toDataType(out), out.data_ptr(), numel);
     }
-#else
-    (void)accumulate;
-    fail(ErrorKind::UnsupportedType, "ddlcomm was built without CUDA kernels: cannot decode into a tensor on ",
-         device_);
-#endif
+    return;
   }
-
- private:
 #ifdef DDLCOMM_WITH_CUDA
-  cudaStream_t cudaStream() const { return static_cast<cudaStream_t>(currentStream(device_).native_handle()); }
+  const c10::DeviceGuard guard(device_);
+  const compress::PayloadInfo info = gpu::expectedInfo(config_, numel, n);
+  if (accumulate) {
+    gpu::decodeAccumulateCuda(info, p, n, out.data_ptr<float>(), numel, cudaStreamOf(device_));
+  } else {
+    gpu::decodeCuda(info, p, n, toDataType(out), out.data_ptr(), numel, cudaStreamOf(device_));
+  }
+#else
+  (void)accumulate;
+  fail(ErrorKind::UnsupportedType, "ddlcomm was built without CUDA kernels: cannot decode into a tensor on ",
+       device_);
 #endif
-  compress::Config config_;
-  c10::Device device_;
-};
+}
 
-// Where the payloads travel: with the tensor, or (staged) through pinned host memory.
-class Wire {
- public:
-  Wire(const compress::Config& config, c10::Device device, bool staged)
-      : config_(config), device_(device), staged_(staged) {}
+at::Tensor Wire::empty(size_t n) const { return staged_ ? bytesOn(at::kCPU, n, true) : bytesOn(device_, n); }
 
-  at::Tensor empty(size_t n) const { return staged_ ? bytesOn(at::kCPU, n, true) : bytesOn(device_, n); }
+at::Tensor Wire::send(const at::Tensor& payload) const {
+  if (!staged_) return payload;
+  at::Tensor host = bytesOn(at::kCPU, size_t(payload.numel()), true);
+  host.copy_(payload, /*non_blocking=*/true);
+  c10::Event copied(device_.type());
+  copied.record(currentStream(device_));
+  copied.synchronize();
+  return host;
+}
 
-  // `payload` where the collective can send it: a pinned host copy when staged, made on the
-  // current stream and waited for through an event (never a device synchronization).
-  at::Tensor send(const at::Tensor& payload) const {
-    if (!staged_) return payload;
-    at::Tensor host = bytesOn(at::kCPU, size_t(payload.numel()), true);
-    host.copy_(payload, /*non_blocking=*/true);
-    c10::Event copied(device_.type());
-    copied.record(currentStream(device_));
-    copied.synchronize();
-    return host;
+at::Tensor Wire::receive(const at::Tensor& rows, const std::vector<size_t>& bytes,
+                         const std::vector<size_t>& numels) const {
+  if (!staged_) return rows;
+  for (size_t j = 0; j < bytes.size(); ++j) {
+    const uint8_t* p = rows[int64_t(j)].data_ptr<uint8_t>();
+    compress::checkPayloadConfig(p, bytes[j], config_);
+    const uint64_t carried = compress::inspect(p, bytes[j]).numel;
+    DDLCOMM_CHECK(carried == numels[j], ErrorKind::Protocol, "rank ", j, "'s payload carries ", carried,
+                  " elements, ", numels[j], " were expected");
   }
+  return rows.to(device_, /*non_blocking=*/true);
+}
 
-  // Rows that arrived, on the tensor's device. Staged rows are validated on the host first:
-  // row j's first bytes[j] bytes must be a payload of this config carrying numels[j] elements.
-  at::Tensor receive(const at::Tensor& rows, const std::vector<size_t>& bytes,
-                     const std::vector<size_t>& numels) const {
-    if (!staged_) return rows;
-    for (size_t j = 0; j < bytes.size(); ++j) {
-      const uint8_t* p = rows[int64_t(j)].data_ptr<uint8_t>();
-      compress::checkPayloadConfig(p, bytes[j], config_);
-      const uint64_t carried = compress::inspect(p, bytes[j]).numel;
-      DDLCOMM_CHECK(carried == numels[j], ErrorKind::Protocol, "rank ", j, "'s payload carries ", carried,
-                    " elements, ", numels[j], " were expected");
-    }
-    return rows.to(device_, /*non_blocking=*/true);
-  }
-
- private:
-  compress::Config config_;
-  c10::Device device_;
-  bool staged_;
-};
-
-// What every part of one call shares among the ranks it runs with (the group, or one rank
-// per host): the encodes' randomness streams are numbered by the whole group's rank and size.
-struct Among {
-  const Codec& codec;
-  const Wire& wire;
-  c10d::Backend& payloads;
-  float scale;
-  uint64_t stream;
-  int me, size;
-};
-
-// A failed exchange raises DistBackendError on every rank, as ddlcomm's collectives do, naming
-// this rank and what the backend said (gloo's collectives name the peer by its address).
 void wait(const c10d::Backend& backend, const c10::intrusive_ptr<c10d::Work>& work) {
   try {
     work->wait();
@@ -217,11 +172,24 @@ void wait(const c10d::Backend& backend, const c10::intrusive_ptr<c10d::Work>& wo
   }
 }
 
+// -- The all-reduce ----------------------------------------------------------------------
+
+namespace {
+
+// What every part of one call shares among the ranks it runs with (the group, or one rank
+// per host): the encodes' randomness streams are numbered by the whole group's rank and size.
+struct Among {
+  const Codec& codec;
+  const Wire& wire;
+  c10d::Backend& payloads;
+  float scale;
+  uint64_t stream;
+  int me, size;
+};
+
 void allGather(c10d::Backend& backend, at::Tensor out, at::Tensor in) {
   wait(backend, backend._allgather_base(out, in));
 }
-
-at::Tensor slice(const at::Tensor& t, size_t begin, size_t end) { return t.slice(0, int64_t(begin), int64_t(end)); }
 
 // A sparse format: every rank's payload all-gathered, decoded and summed in rank order.
 void sparseAmong(const at::Tensor& flat, const at::Tensor* residual, const Among& a) {
@@ -378,13 +346,9 @@ void overHosts(const CollectiveGroup& g, const at::Tensor& flat, const at::Tenso
   }
 }
 
-}  // namespace
-
 void checkAllreduceArgs(const CollectiveGroup& g, const CollectiveAllreduceArgs& args) {
   const at::Tensor& tensor = args.tensor;
   checkCompressible(tensor, "compressed allreduce");
-  TORCH_CHECK_VALUE(g.host.has_value() == g.across.has_value(), "ddlcomm: two levels need both the host's and the "
-                    "across-hosts' collectives");
   const int rank = g.group.values->getRank(), size = g.group.values->getSize();
   const size_t numel = size_t(tensor.numel());
   checkResidual(args.workerResidual, int64_t(numel), "worker residual", tensor.device());
@@ -392,17 +356,36 @@ void checkAllreduceArgs(const CollectiveGroup& g, const CollectiveAllreduceArgs&
                 tensor.device());
 }
 
+// Random-k sends a random sample, which can miss a non-finite entry; a non-finite value on any
+// rank must still make the result non-finite everywhere (GradScaler then skips the step), and
+// no residual may take it in. One flag all-reduced over the group (a float32 sum is finite only
+// if every element is, unless it overflowed: then each element is checked).
+bool nonFiniteAnywhere(const CollectiveGroup& g, const at::Tensor& flat) {
+  const bool finite = at::isfinite(flat.sum(at::kFloat)).item<bool>() || at::isfinite(flat).all().item<bool>();
+  const c10::Device device = g.staged ? c10::Device(at::kCPU) : flat.device();
+  std::vector<at::Tensor> flag{at::full({1}, finite ? 0 : 1, at::TensorOptions().dtype(at::kByte).device(device))};
+  c10d::AllreduceOptions max;
+  max.reduceOp = c10d::ReduceOp::MAX;
+  wait(*g.group.payloads, g.group.payloads->allreduce(flag, max));
+  return flag[0].item<uint8_t>() != 0;
+}
+
+// The whole call on the calling thread (the executor's, or the caller's).
 void compressedAllreduceOverCollectives(const CollectiveGroup& g, const CollectiveAllreduceArgs& args) {
   checkAllreduceArgs(g, args);
   const at::Tensor& tensor = args.tensor;
   const int rank = g.group.values->getRank(), size = g.group.values->getSize();
   const size_t numel = size_t(tensor.numel());
   if (numel == 0) return;
+  at::Tensor flat = tensor.is_contiguous() ? tensor.view({-1}) : tensor.contiguous().view({-1});
+  if (compress::findFormat(uint8_t(args.config.format))->samplesRandomly && nonFiniteAnywhere(g, flat)) {
+    tensor.fill_(std::numeric_limits<float>::quiet_NaN());
+    return;
+  }
   const c10::Device device = tensor.device();
   const Codec codec(args.config, device);
   const Wire wire(args.config, device, g.staged);
   const float scale = args.average ? 1.f / float(size) : 1.f;
-  at::Tensor flat = tensor.is_contiguous() ? tensor.view({-1}) : tensor.contiguous().view({-1});
   const at::Tensor* worker = args.workerResidual ? &*args.workerResidual : nullptr;
   const at::Tensor* server = args.serverResidual ? &*args.serverResidual : nullptr;
   if (g.host) {
@@ -418,65 +401,39 @@ void compressedAllreduceOverCollectives(const CollectiveGroup& g, const Collecti
   if (!tensor.is_contiguous()) tensor.copy_(flat.view(tensor.sizes()));
 }
 
-void checkReduceScatterArgs(const CollectiveGroup& g, const CollectiveReduceScatterArgs& args) {
-  checkCompressible(args.output, "compressed reduce-scatter");
-  checkReduceScatterShapes(args.output, args.input, g.group.values->getSize());
-  checkResidual(args.workerResidual, args.input.numel(), "worker residual", args.input.device());
+}  // namespace
+
+CompressedAllreduce::CompressedAllreduce(compress::Config config, CollectiveGroup group,
+                                         c10::intrusive_ptr<ProcessGroupDdlcomm> engine)
+    : config_(config), group_(std::move(group)), engine_(std::move(engine)) {
+  TORCH_CHECK_VALUE(group_.host.has_value() == group_.across.has_value(), "ddlcomm: two levels need both the "
+                    "host's and the across-hosts' collectives");
 }
 
-void compressedReduceScatterOverCollectives(const CollectiveGroup& g, const CollectiveReduceScatterArgs& args) {
-  checkReduceScatterArgs(g, args);
-  const int rank = g.group.values->getRank(), n = g.group.values->getSize();
-  const size_t m = size_t(args.output.numel());
-  const c10::Device device = args.input.device();
-  const Codec codec(args.config, device);
-  const Wire wire(args.config, device, g.staged);
-  at::Tensor flat = args.input.contiguous().view({-1});
-  std::vector<int> owners;  // whose chunk each chunk of `flat` is
-  c10d::Backend* among = g.group.payloads.get();
-  if (g.host) {
-    // The host's sums of the chunks of the ranks at each place on every host, place by place:
-    // this rank receives those of the ranks at its own place, which it then reduces among.
-    const Topology topology = Topology::ofHosts(g.identities, rank);
-    const std::vector<int>& hostRanks = topology.hostRanks();
-    const size_t local = size_t(std::find(hostRanks.begin(), hostRanks.end(), rank) - hostRanks.begin());
-    std::vector<at::Tensor> byPlace;
-    for (size_t place = 0; place < hostRanks.size(); ++place) {
-      for (int h = 0; h < topology.hosts(); ++h) {
-        const size_t o = size_t(topology.ranksOfHost(h)[place]);
-        byPlace.push_back(slice(flat, o * m, (o + 1) * m));
-        if (place == local) owners.push_back(int(o));
-      }
-    }
-    at::Tensor input = at::cat(byPlace);
-    flat = at::empty({int64_t(owners.size() * m)}, flat.options());
-    c10d::ReduceScatterOptions sum;
-    sum.reduceOp = c10d::ReduceOp::SUM;
-    wait(*g.host->values, g.host->values->_reduce_scatter_base(flat, input, sum));
-    among = g.across->payloads.get();
-  } else {
-    for (int o = 0; o < n; ++o) owners.push_back(o);
+c10::intrusive_ptr<c10d::Work> CompressedAllreduce::start(at::Tensor tensor, std::optional<at::Tensor> workerResidual,
+                                                          std::optional<at::Tensor> serverResidual, bool average,
+                                                          uint64_t stream) const {
+  CollectiveAllreduceArgs args{config_, std::move(tensor), std::move(workerResidual), std::move(serverResidual),
+                               average, stream};
+  const c10::Device device = args.tensor.device();
+  if (!engine_) {
+    compressedAllreduceOverCollectives(group_, args);
+    auto done = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()));
+    done->markCompleted(c10::IValue(std::vector<at::Tensor>{args.tensor}));
+    return c10d::Work::create_from_future(done);
   }
-  const int k = int(owners.size());
-  const size_t bytes = codec.bytes(m), slot = payloadSlot(args.config, m);
-  at::Tensor outgoing = at::empty({int64_t(size_t(k) * slot)}, flat.options().dtype(at::kByte));
-  for (int i = 0; i < k; ++i) {
-    const size_t o = size_t(owners[size_t(i)]);
-    const at::Tensor residual = args.workerResidual ? slice(*args.workerResidual, o * m, (o + 1) * m) : at::Tensor();
-    codec.encode(slice(flat, size_t(i) * m, size_t(i + 1) * m), args.workerResidual ? &residual : nullptr,
-                 encodeStream(args.stream, rank, 0, int(o), n, 0),
-                 slice(outgoing, size_t(i) * slot, size_t(i + 1) * slot));
-  }
-  at::Tensor incoming = wire.empty(size_t(k) * slot);
-  at::Tensor sent = wire.send(outgoing);
-  std::vector<int64_t> even;  // empty: equal splits
-  wait(*among, among->alltoall_base(incoming, sent, even, even));
-  const at::Tensor rows = wire.receive(incoming.view({k, int64_t(slot)}), std::vector<size_t>(size_t(k), bytes),
-                                       std::vector<size_t>(size_t(k), m));
-  at::Tensor acc = accumulatorFor(args.output);
-  for (int j = 0; j < k; ++j) codec.decode(rows[j], bytes, acc, true);
-  if (args.average) acc.mul_(1.f / float(n));
-  if (!acc.is_same(args.output)) args.output.copy_(acc.view(args.output.sizes()));
+  if (device.is_cpu()) checkTensor(args.tensor, "compressed allreduce");
+  auto self = c10::intrusive_ptr<c10d::Backend>::reclaim_copy(engine_.get());
+  // A CUDA tensor's payloads cross to pinned host memory for the engine's collectives.
+  CollectiveGroup levels{{self, self}, group_.host, group_.across, group_.identities, !device.is_cpu()};
+  checkAllreduceArgs(levels, args);
+  const DeviceWork onDevice(device);
+  std::vector<at::Tensor> outputs{args.tensor};
+  return engine_->enqueue(c10d::OpType::ALLREDUCE, std::move(outputs),
+                          [levels = std::move(levels), args = std::move(args), onDevice](Communicator& comm) {
+                            if (levels.host) ++comm.counters().hierarchicalCompressedAllreduces;
+                            onDevice.run([&] { compressedAllreduceOverCollectives(levels, args); });
+                          });
 }
 
 }  // namespace ddlcomm::torch_glue

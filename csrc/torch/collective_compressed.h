@@ -2,9 +2,9 @@
 // device: the plan of csrc/collectives/compressed_plan.h run over c10d backends' collectives
 // (all-to-all and all-gather of the payloads; all-reduce and reduce-scatter for the exact sums
 // inside a host). The backends are the adapters: a ddlcomm group's own (its transport; its
-// CPU tensors' all-reduce runs as one operation on its executor, ProcessGroupDdlcomm::
-// compressedAllreduce), the ddlcomm backend over a gloo group's send and recv (the same, for
-// that group's CPU tensors), NCCL's, or any backend's called from the caller's thread.
+// CPU tensors' all-reduce runs as one operation on its executor, startCompressedAllreduce),
+// the ddlcomm backend over a gloo group's send and recv (the same, for that group's CPU
+// tensors), NCCL's, or any backend's called from the caller's thread.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "compress/compress.h"
+#include "torch/backend.h"
 
 namespace ddlcomm::torch_glue {
 
@@ -56,13 +57,6 @@ struct CollectiveReduceScatterArgs {
   uint64_t stream = 0;
 };
 
-// Runs the whole call on the caller's thread: kernels and device copies are enqueued on the
-// current stream of the tensor's device; a backend whose collectives run on that device (NCCL)
-// orders them there, so nothing waits on the host. Every rank ends with the same bits.
-void compressedAllreduceOverCollectives(const CollectiveGroup& group, const CollectiveAllreduceArgs& args);
-// Its argument checks (TypeError, ValueError), for a caller that runs it later.
-void checkAllreduceArgs(const CollectiveGroup& group, const CollectiveAllreduceArgs& args);
-
 // The compressed reduce-scatter: chunk o of the input, encoded with its worker residual and
 // randomness stream encodeStream(stream, rank, 0, o, n, 0), goes to rank o in one all-to-all;
 // each rank sums what it receives in float32 in rank order, scales it for an average and
@@ -70,7 +64,39 @@ void checkAllreduceArgs(const CollectiveGroup& group, const CollectiveAllreduceA
 // the chunks of the ranks at each place on every host, in the tensors' dtype), then the same
 // among the ranks at this rank's place, whose residuals hold that host sum's error.
 void compressedReduceScatterOverCollectives(const CollectiveGroup& group, const CollectiveReduceScatterArgs& args);
-// Its argument checks.
-void checkReduceScatterArgs(const CollectiveGroup& group, const CollectiveReduceScatterArgs& args);
+
+// The compressed all-reduce bound to a group and a compressor: over which collectives, and
+// where it runs. With an `engine` (a ddlcomm backend: a ddlcomm group's own, or one over a gloo
+// group's send and recv, ProcessGroupDdlcomm.over), as one operation on its executor, in order
+// with the group's others, whose collectives (the engine's own, and the two levels' where the
+// group takes them) run inline on the executor thread; a CUDA tensor's kernels then run on a
+// stream of torch's pool after the caller's stream, its payloads through pinned host memory
+// (DeviceWork). Without one, on the caller's thread: kernels and device copies on the current
+// stream of the tensor's device, which a backend whose collectives run there (NCCL) orders,
+// so nothing waits on the host. Made once per group, device and compressor
+// (ddlcomm.compressed.route_of); a DDP hook starts it once per bucket. Every rank ends with
+// the same bits.
+class CompressedAllreduce {
+ public:
+  CompressedAllreduce(compress::Config config, CollectiveGroup group, c10::intrusive_ptr<ProcessGroupDdlcomm> engine);
+
+  // All-reduces `tensor` in place: returns at once (on the caller's thread, once its work is
+  // issued), its arguments checked, with a Work whose future holds [tensor].
+  c10::intrusive_ptr<c10d::Work> start(at::Tensor tensor, std::optional<at::Tensor> workerResidual,
+                                       std::optional<at::Tensor> serverResidual, bool average, uint64_t stream) const;
+
+ private:
+  compress::Config config_;
+  CollectiveGroup group_;  // for an engine: the two levels (its own collectives are the group's)
+  c10::intrusive_ptr<ProcessGroupDdlcomm> engine_;
+};
+
+// The compressed reduce-scatter of CPU tensors on a ddlcomm backend's executor, as the
+// all-reduce above; the Work's future holds [output].
+c10::intrusive_ptr<c10d::Work> startCompressedReduceScatter(ProcessGroupDdlcomm& engine,
+                                                            CollectiveReduceScatterArgs args,
+                                                            std::optional<CollectiveLevel> host,
+                                                            std::optional<CollectiveLevel> across,
+                                                            std::vector<std::string> identities);
 
 }  // namespace ddlcomm::torch_glue

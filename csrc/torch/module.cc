@@ -208,38 +208,21 @@ PYBIND11_MODULE(_C, m) {
            py::call_guard<py::gil_scoped_release>(),
            "dist.all_reduce(tensor, op) without c10d's dispatch: blocking, in place (ddlcomm.all_reduce_).")
       .def(
-          "compressed_allreduce",
-          [](ProcessGroupDdlcomm& pg, at::Tensor tensor, const ddlcomm::compress::Config& config,
-             std::optional<at::Tensor> workerResidual, std::optional<at::Tensor> serverResidual, bool average,
-             uint64_t stream, std::optional<Level> host, std::optional<Level> across,
-             std::vector<std::string> identities) {
-            return pg.compressedAllreduce(
-                {config, std::move(tensor), std::move(workerResidual), std::move(serverResidual), average, stream},
-                optionalLevel(host), optionalLevel(across), std::move(identities));
-          },
-          py::arg("tensor"), py::arg("config"), py::arg("worker_residual") = py::none(),
-          py::arg("server_residual") = py::none(), py::arg("average") = true, py::arg("stream") = 0,
-          py::arg("host") = py::none(), py::arg("across") = py::none(),
-          py::arg("identities") = std::vector<std::string>{}, py::call_guard<py::gil_scoped_release>(),
-          "Compressed all-reduce with error feedback of a CPU tensor over this group's own collectives, one "
-          "operation on its executor; returns a Work whose future holds [tensor]. host and across (with "
-          "identities, every rank's host_identity()): the two levels' (backend, backend), as "
-          "compressed_allreduce_over_collectives takes them.")
-      .def(
           "compressed_reduce_scatter",
           [](ProcessGroupDdlcomm& pg, at::Tensor output, at::Tensor input, const ddlcomm::compress::Config& config,
              std::optional<at::Tensor> workerResidual, bool average, uint64_t stream, std::optional<Level> host,
              std::optional<Level> across, std::vector<std::string> identities) {
-            return pg.compressedReduceScatter(
-                {config, std::move(output), std::move(input), std::move(workerResidual), average, stream},
+            return ddlcomm::torch_glue::startCompressedReduceScatter(
+                pg, {config, std::move(output), std::move(input), std::move(workerResidual), average, stream},
                 optionalLevel(host), optionalLevel(across), std::move(identities));
           },
           py::arg("output"), py::arg("input"), py::arg("config"), py::arg("worker_residual") = py::none(),
           py::arg("average") = true, py::arg("stream") = 0, py::arg("host") = py::none(),
           py::arg("across") = py::none(), py::arg("identities") = std::vector<std::string>{},
           py::call_guard<py::gil_scoped_release>(),
-          "Compressed reduce-scatter with error feedback of CPU tensors (ddlcomm.fsdp), likewise; the Work's "
-          "future holds [output].")
+          "Compressed reduce-scatter with error feedback of CPU tensors (ddlcomm.fsdp) over this group's own "
+          "collectives, one operation on its executor; returns a Work whose future holds [output]. host and across "
+          "(with identities, every rank's host_identity()): the two levels' (backend, backend).")
       .def(
           "stats",
           [](ProcessGroupDdlcomm& pg) {
@@ -328,21 +311,33 @@ PYBIND11_MODULE(_C, m) {
           },
           py::arg("config"), py::arg("numel"), py::arg("size"),
           "Payload bytes each rank sends in one compressed reduce-scatter of `numel` output elements.");
-  m.def(
-      "compressed_allreduce_over_collectives",
-      [](at::Tensor tensor, const ddlcomm::compress::Config& config, std::optional<at::Tensor> workerResidual,
-         std::optional<at::Tensor> serverResidual, bool average, uint64_t stream, Level group,
-         std::optional<Level> host, std::optional<Level> across, std::vector<std::string> identities, bool staged) {
-        ddlcomm::torch_glue::compressedAllreduceOverCollectives(
-            collectiveGroup(group, host, across, std::move(identities), staged), {config, std::move(tensor), std::move(workerResidual), std::move(serverResidual), average, stream});
-      },
-      py::arg("tensor"), py::arg("config"), py::arg("worker_residual"), py::arg("server_residual"),
-      py::arg("average"), py::arg("stream"), py::arg("group"), py::arg("host"), py::arg("across"),
-      py::arg("identities"), py::arg("staged"), py::call_guard<py::gil_scoped_release>(),
-      "The compressed all-reduce over c10d collectives, for tensors on any device (ddlcomm.compressed's path "
-      "for CUDA tensors): group, host and across are (backend of the tensor's device, backend of the "
+  py::class_<ddlcomm::torch_glue::CompressedAllreduce, std::shared_ptr<ddlcomm::torch_glue::CompressedAllreduce>>(
+      m, "CompressedAllreduce",
+      "The compressed all-reduce with error feedback bound to a group and a compressor (made by "
+      "ddlcomm.compressed.route_of): group, host and across are (backend of the tensor's device, backend of the "
       "payloads); host and across (with identities, every rank's host_identity()) for two levels over hosts; "
-      "staged: the payloads cross to pinned host memory. Blocking on the host only where a backend is.");
+      "staged: the payloads cross to pinned host memory. With an engine (a ProcessGroupDdlcomm), each call is "
+      "one operation on its executor over the engine's own collectives (group unused); without, it runs on the "
+      "caller's thread, blocking on the host only where a backend is.")
+      .def(py::init([](const ddlcomm::compress::Config& config, std::optional<Level> group, std::optional<Level> host,
+                       std::optional<Level> across, std::vector<std::string> identities, bool staged,
+                       std::optional<c10::intrusive_ptr<ProcessGroupDdlcomm>> engine) {
+             TORCH_CHECK_VALUE(group || engine, "ddlcomm: a compressed all-reduce needs a group's backends or an "
+                               "engine");
+             ddlcomm::torch_glue::CollectiveGroup levels{
+                 {}, optionalLevel(host), optionalLevel(across), std::move(identities), staged};
+             if (group) levels.group = {group->first, group->second};
+             return std::make_shared<ddlcomm::torch_glue::CompressedAllreduce>(
+                 config, std::move(levels), engine ? *engine : c10::intrusive_ptr<ProcessGroupDdlcomm>());
+           }),
+           py::arg("config"), py::arg("group") = py::none(), py::arg("host") = py::none(),
+           py::arg("across") = py::none(), py::arg("identities") = std::vector<std::string>{},
+           py::arg("staged") = false, py::arg("engine") = py::none())
+      .def("start", &ddlcomm::torch_glue::CompressedAllreduce::start, py::arg("tensor"),
+           py::arg("worker_residual") = py::none(), py::arg("server_residual") = py::none(),
+           py::arg("average") = true, py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>(),
+           "All-reduces tensor (float32, float16 or bfloat16, CPU or CUDA) in place; returns at once with a Work "
+           "whose future holds [tensor] (on the caller's thread, once its work is issued).");
   m.def(
       "compressed_reduce_scatter_over_collectives",
       [](at::Tensor output, at::Tensor input, const ddlcomm::compress::Config& config,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import logging
 import os
@@ -111,10 +112,12 @@ def non_finite() -> None:
     compressed_all_reduce skips the whole random-k reduction when any rank holds a non-finite
     value: the result is NaN everywhere on every rank and both residuals are left as they were
     (bit for bit). The NaN sits where rank 1's random-k sample takes it and the inf where it does
-    not, so neither reason alone explains the result. The next (finite) step is finite."""
+    not, so neither reason alone explains the result. The next (finite) step is finite. On the
+    ddlcomm group and on a gloo group."""
     rank, n = init()
+    gloo = dist.new_group(backend="gloo")
     encode_stream = ProcessGroupDdlcomm.encode_stream
-    for name, make in COMPRESSORS.items():
+    for (name, make), group in itertools.product(COMPRESSORS.items(), (None, gloo)):
         comp = make()
         numel = 4096
         g = torch.Generator().manual_seed(rank)
@@ -134,7 +137,7 @@ def non_finite() -> None:
             x[nan_at] = float("nan")
             x[inf_at] = float("inf")
         w_before, s_before = wres.clone(), sres.clone()
-        out = compressed_all_reduce(x, comp, wres, sres).wait()
+        out = compressed_all_reduce(x, comp, wres, sres, group=group).wait()
         assert not torch.isfinite(out).all(), f"{name}: non-finite input vanished from the result"
         assert torch.isfinite(wres).all() and torch.isfinite(sres).all(), f"{name}: residual poisoned"
         if comp.format == "random_k":
@@ -142,7 +145,7 @@ def non_finite() -> None:
             assert torch.equal(wres, w_before), f"{name}: the skipped reduction changed the worker residual"
             assert torch.equal(sres, s_before), f"{name}: the skipped reduction changed the server residual"
         y = torch.ones(numel)
-        out = compressed_all_reduce(y, comp, wres, sres).wait()
+        out = compressed_all_reduce(y, comp, wres, sres, group=group).wait()
         assert torch.isfinite(out).all(), f"{name}: the step after a non-finite one is still non-finite"
 
 
