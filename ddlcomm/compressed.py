@@ -47,7 +47,7 @@ from .wire import Agreement, collectives_on_gpu
 
 __all__ = [
     "all_reduce_over_collectives", "check_agreement", "compressed_all_reduce", "compressed_reduce_scatter",
-    "engine_of", "route_of", "start_compressed_all_reduce",
+    "engine_of", "route_of",
     "host_levels_of", "server_chunks",
     "server_residual_numel", "native_backend", "reduce_scatter_wire_bytes", "two_levels", "wire_bytes",
 ]
@@ -198,7 +198,8 @@ def compressed_all_reduce(
 
     A communication failure raises from the Future's ``wait()`` as torch's ``Future.then``
     reports it: a RuntimeError quoting the ``DistBackendError``. To catch the
-    ``DistBackendError`` itself, wait on the first future of ``start_compressed_all_reduce``.
+    ``DistBackendError`` itself, wait on the Work of ``route_of(...).start(...)``, the same
+    call without the checks (``check_agreement`` is ``verify``'s).
 
     Args:
         tensor: float32, float16 or bfloat16 tensor, on the CPU or a GPU; overwritten
@@ -221,26 +222,6 @@ def compressed_all_reduce(
             over its hosts (``two_levels``); every rank must pass the same. The server
             residual's places differ between the two plans (``server_chunks``).
     """
-    return start_compressed_all_reduce(tensor, compressor, worker_residual, server_residual, group, average, stream,
-                                       verify, flat)[1]
-
-
-def start_compressed_all_reduce(
-    tensor: torch.Tensor,
-    compressor: Compressor,
-    worker_residual: Optional[torch.Tensor] = None,
-    server_residual: Optional[torch.Tensor] = None,
-    group: Optional[dist.ProcessGroup] = None,
-    average: bool = True,
-    stream: int = 0,
-    verify: bool = True,
-    flat: bool = False,
-) -> tuple[torch.futures.Future, torch.futures.Future]:
-    """``compressed_all_reduce``, returning (the communication's own future, the tensor's).
-
-    Waiting on the first raises a failure as itself (``DistBackendError``); torch's
-    ``Future.then``, which makes the second, would wrap it in a RuntimeError.
-    """
     if not isinstance(tensor, torch.Tensor) or not isinstance(compressor, Compressor):
         raise TypeError(f"compressed_all_reduce takes a tensor and a ddlcomm.compressors compressor, got "
                         f"{type(tensor).__name__} and {type(compressor).__name__}")
@@ -251,8 +232,8 @@ def start_compressed_all_reduce(
     route = route_of(tensor, compressor, group, flat)
     if verify:
         check_agreement(tensor, compressor, group)
-    raw = route.start(tensor, worker_residual, server_residual, average, int(stream)).get_future()
-    return raw, raw.then(lambda fut: fut.value()[0])
+    work = route.start(tensor, worker_residual, server_residual, average, int(stream))
+    return work.get_future().then(lambda fut: fut.value()[0])
 
 
 def route_of(tensor: torch.Tensor, compressor: Compressor, group: Optional[dist.ProcessGroup] = None,
