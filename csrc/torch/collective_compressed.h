@@ -1,10 +1,10 @@
 // The compressed all-reduce and reduce-scatter, the one implementation for every group and
 // device: the plan of csrc/collectives/compressed_plan.h run over c10d backends' collectives
 // (all-to-all and all-gather of the payloads; all-reduce and reduce-scatter for the exact sums
-// inside a host). The backends are the adapters: a ddlcomm group's own (its transport; its
-// CPU tensors' all-reduce runs as one operation on its executor, startCompressedAllreduce),
-// the ddlcomm backend over a gloo group's send and recv (the same, for that group's CPU
-// tensors), NCCL's, or any backend's called from the caller's thread.
+// inside a host). The backends are the adapters: a ddlcomm group's own (its transport; where
+// the group's collectives run on the CPU a call is one operation on its executor), the ddlcomm
+// backend over a gloo group's send and recv (the same, for that group), NCCL's, or any
+// backend's called from the caller's thread (CompressedAllreduce).
 #pragma once
 
 #include <ATen/ATen.h>
