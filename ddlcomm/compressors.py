@@ -287,14 +287,6 @@ class Compressor:
         _native.check_payload_config(header.data_ptr(), header.numel(), self._config)
         return int(header[_NUMEL_OFFSET:_NUMEL_OFFSET + 8].view(torch.int64))
 
-    def _check_received(self, payload: torch.Tensor, numel: int) -> None:
-        """Validates a payload in host memory completely (header, size, indices, codes) as one
-        of this compressor for ``numel`` elements, before it goes to a GPU to be decoded."""
-        _native.check_payload_config(payload.data_ptr(), payload.numel(), self._config)
-        carried = _native.inspect(payload.data_ptr(), payload.numel())["numel"]
-        if carried != numel:
-            raise ValueError(f"the payload carries {carried} elements, {numel} were expected")
-
     def _decode_device(self, payload: torch.Tensor, out: torch.Tensor, accumulate: bool) -> torch.Tensor:
         """The CUDA decode of a payload already checked (or produced here) for ``out.numel()``
         elements: enqueued on the current stream, no host synchronization."""
