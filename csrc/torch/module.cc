@@ -244,6 +244,7 @@ PYBIND11_MODULE(_C, m) {
             d["network"] = s.transport.network;
             d["connections_per_peer"] = s.transport.connectionsPerPeer;
             d["bytes_sent"] = s.transport.bytesSent;
+            d["bytes_retransmitted"] = s.transport.bytesRetransmitted;
             d["shared_memory_peers"] = s.transport.sharedMemoryPeers;
             d["shared_memory_bytes_sent"] = s.transport.sharedMemoryBytesSent;
             d["spin_us"] = s.transport.spinMicros;
@@ -256,8 +257,8 @@ PYBIND11_MODULE(_C, m) {
           "hierarchical_compressed_allreduces: exact inside hosts, compressed across), "
           "the hosts its ranks are on (topology: '2 hosts x 2 ranks'), the network transport (network: 'tcp' or "
           "'ucx', the same on every rank) and its connections to each rank (connections_per_peer) and bytes_sent on them (TCP: TCP_INFO "
-          "tcpi_bytes_sent, frame headers, the handshake and retransmissions included; UCX: header and payload "
-          "bytes of completed sends), the ranks reached through shared "
+          "tcpi_bytes_sent, frame headers, the handshake and retransmissions included, of which bytes_retransmitted; "
+          "UCX: header and payload bytes of completed sends), the ranks reached through shared "
           "memory (shared_memory_peers) and the message bytes written to their rings (shared_memory_bytes_sent), "
           "and how long a wait polls before it sleeps in the network transport (spin_us) and in shared memory "
           "(shared_memory_spin_us).")

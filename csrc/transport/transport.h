@@ -56,6 +56,8 @@ struct TransportStats {
   // What the network transport sent: TCP, TCP_INFO tcpi_bytes_sent summed over its open sockets
   // (retransmissions too); UCX, header and payload bytes of completed sends.
   uint64_t bytesSent = 0;
+  // Of those, retransmitted (TCP_INFO tcpi_bytes_retrans; 0 for UCX).
+  uint64_t bytesRetransmitted = 0;
   int sharedMemoryPeers = 0;           // ranks reached through shared memory
   uint64_t sharedMemoryBytesSent = 0;  // message bytes (headers included) written to their rings
   // How long a wait polls before sleeping, in the network transport and in shared memory.

@@ -152,6 +152,9 @@ TransportStats TcpTransport::stats() const {
     if (info.tcpi_state == 1) ++s.connectionsPerPeer[size_t(c.peer)];  // TCP_ESTABLISHED (uapi names no states)
     // Kernels before 4.19 return a shorter struct: the counters are then left out (0).
     if (length >= offsetof(tcp_info, tcpi_bytes_sent) + sizeof info.tcpi_bytes_sent) s.bytesSent += info.tcpi_bytes_sent;
+    if (length >= offsetof(tcp_info, tcpi_bytes_retrans) + sizeof info.tcpi_bytes_retrans) {
+      s.bytesRetransmitted += info.tcpi_bytes_retrans;
+    }
   }
   s.spinMicros = spin_.duration.count();
   return s;
