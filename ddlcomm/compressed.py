@@ -253,16 +253,10 @@ def route_of(tensor: torch.Tensor, compressor: Compressor, group: Optional[dist.
     if cached is not None and cached[0] is group:
         return cached[1]
     _forget_destroyed_groups()
-    payloads = _collectives_device(tensor, group)
-    engine = engine_of(group) if payloads.type == "cpu" else None
-    levels = host_levels_of(group) if dist.get_world_size(group) > 1 and not flat else None
-    host = across = None
-    identities: list[str] = []
-    if levels is not None:
-        host, across, identities = (_backends(levels.host, tensor, payloads), _backends(levels.across, tensor, payloads),
-                                    levels.identities)
-    route = _C.CompressedAllreduce(compressor.config, None if engine is not None else _backends(group, tensor, payloads),
-                                   host, across, identities, payloads != tensor.device, engine)
+    engine = engine_of(group) if _collectives_device(tensor, group).type == "cpu" else None
+    backends, host, across, identities, staged = _levels_of(tensor, group, flat)
+    route = _C.CompressedAllreduce(compressor.config, None if engine is not None else backends, host, across,
+                                   identities, staged, engine)
     _routes[key] = (group, route)
     return route
 
@@ -289,10 +283,11 @@ def all_reduce_over_collectives(tensor: torch.Tensor, compressor: Compressor, wo
     (``engine_of``): the same C++ implementation, bytes and sums either way (the tests and
     ``bench.engine`` compare them). Blocking only where the group's backend blocks."""
     group = group or dist.group.WORLD
-    _, host, across, identities, staged = _collectives_of(tensor, compressor, group, verify, flat)
-    route = _C.CompressedAllreduce(compressor.config, _backends(group, tensor, _collectives_device(tensor, group)),
-                                   host, across, identities, staged)
-    route.start(tensor, worker_residual, server_residual, average, int(stream)).wait()
+    levels = _levels_of(tensor, group, flat)
+    if verify:
+        check_agreement(tensor, compressor, group)
+    _C.CompressedAllreduce(compressor.config, *levels).start(tensor, worker_residual, server_residual, average,
+                                                             int(stream)).wait()
 
 
 def compressed_reduce_scatter(output: torch.Tensor, input: torch.Tensor, compressor: Compressor,
@@ -307,7 +302,9 @@ def compressed_reduce_scatter(output: torch.Tensor, input: torch.Tensor, compres
     rank reduces alike (a ValueError on every rank if not). CPU tensors: one operation on the
     executor of the group's ddlcomm backend (``engine_of``), waited for; others on the caller's
     thread."""
-    levels = _collectives_of(input, compressor, group, verify, False)
+    levels = _levels_of(input, group, False)
+    if verify:
+        check_agreement(input, compressor, group)
     engine = engine_of(group) if not input.is_cuda else None
     if engine is not None:
         _, host, across, identities, _ = levels
@@ -318,16 +315,15 @@ def compressed_reduce_scatter(output: torch.Tensor, input: torch.Tensor, compres
                                                   *levels)
 
 
-def _collectives_of(tensor: torch.Tensor, compressor: Compressor, group: dist.ProcessGroup, verify: bool,
-                    flat: bool) -> tuple[Any, ...]:
-    """The group as the collectives path takes it (group, host, across, identities, staged), after
-    the check that every rank reduces the same (before the first exchange, and before the exact
-    sums inside a host, which gloo cannot check). Payloads of a CUDA tensor over a backend whose
-    collectives run on the CPU travel through pinned host memory, where what arrives is validated."""
+def _levels_of(tensor: torch.Tensor, group: dist.ProcessGroup, flat: bool) -> tuple[Any, ...]:
+    """The group as the C++ implementation takes it: (its backends, the host's and the
+    across-hosts' where it takes two levels (else None), every rank's host identity, staged).
+    Each is (the backend of the tensor's device, that of its payloads): payloads of a CUDA
+    tensor over a backend whose collectives run on the CPU travel through pinned host memory
+    (staged), where what arrives is validated. Collective the first time on a group."""
     levels = host_levels_of(group) if dist.get_world_size(group) > 1 and not flat else None
     payloads = _collectives_device(tensor, group)
     staged = payloads != tensor.device
-    Agreement(tensor, compressor, group, dist.get_world_size(group), verify, payloads).wait()
     if levels is None:
         return _backends(group, tensor, payloads), None, None, [], staged
     return (_backends(group, tensor, payloads), _backends(levels.host, tensor, payloads),

@@ -5,6 +5,28 @@
 #include <c10/util/Exception.h>
 
 namespace ddlcomm::torch_glue {
+namespace {
+
+// An event at what `device`'s current stream has issued so far.
+std::shared_ptr<c10::Event> markCurrentStream(c10::Device device) {
+  auto mark = std::make_shared<c10::Event>(device.type());
+  mark->record(c10::impl::VirtualGuardImpl(device.type()).getStream(device));
+  return mark;
+}
+
+// `issue` on a stream from torch's pool of `device`, after `after` (when given), waited for
+// on the host.
+void onPoolStream(c10::Device device, const c10::Event* after, const std::function<void()>& issue) {
+  const c10::Stream stream = c10::impl::VirtualGuardImpl(device.type()).getStreamFromGlobalPool(device);
+  c10::StreamGuard guard(stream);
+  if (after) after->block(stream);
+  issue();
+  c10::Event done(device.type());
+  done.record(stream);
+  done.synchronize();
+}
+
+}  // namespace
 
 bool DeviceStaging::needed(const std::vector<at::Tensor>& tensors) {
   for (const auto& t : tensors) {
@@ -70,10 +92,7 @@ std::vector<std::vector<at::Tensor>> DeviceStaging::output(const std::vector<std
 }
 
 void DeviceStaging::recordCopies() {
-  if (!device_) return;
-  c10::impl::VirtualGuardImpl impl(device_->type());
-  copied_ = std::make_shared<c10::Event>(device_->type());
-  copied_->record(impl.getStream(*device_));
+  if (device_) copied_ = markCurrentStream(*device_);
 }
 
 void DeviceStaging::waitForCopies() const {
@@ -82,36 +101,23 @@ void DeviceStaging::waitForCopies() const {
 
 void DeviceStaging::copyBack() const {
   if (!device_ || outputs_.empty()) return;
-  c10::impl::VirtualGuardImpl impl(device_->type());
-  const c10::Stream stream = impl.getStreamFromGlobalPool(*device_);
-  c10::StreamGuard guard(stream);
-  for (const auto& o : outputs_) o.user.copy_(o.host, /*non_blocking=*/true);
-  c10::Event done(device_->type());
-  done.record(stream);
-  done.synchronize();
+  onPoolStream(*device_, nullptr, [&] {
+    for (const auto& o : outputs_) o.user.copy_(o.host, /*non_blocking=*/true);
+  });
 }
 
 DeviceWork::DeviceWork(c10::Device device) {
   if (device.is_cpu()) return;
   device_ = device;
-  c10::impl::VirtualGuardImpl impl(device.type());
-  called_ = std::make_shared<c10::Event>(device.type());
-  called_->record(impl.getStream(device));
+  called_ = markCurrentStream(device);
 }
 
 void DeviceWork::run(const std::function<void()>& issue) const {
-  if (!device_) {
+  if (device_) {
+    onPoolStream(*device_, called_.get(), issue);
+  } else {
     issue();
-    return;
   }
-  c10::impl::VirtualGuardImpl impl(device_->type());
-  const c10::Stream stream = impl.getStreamFromGlobalPool(*device_);
-  c10::StreamGuard guard(stream);
-  called_->block(stream);
-  issue();
-  c10::Event done(device_->type());
-  done.record(stream);
-  done.synchronize();
 }
 
 std::vector<at::Tensor> DeviceStaging::userOutputs() const {
