@@ -250,11 +250,6 @@ class FSDPCompressionState(CompressionOptions):
             self.stats.count(ring, ring, compressed=False)
             dist.reduce_scatter_tensor(output, input, op=op, group=group)
             return
-        # Random-k sends a sample, which can miss a non-finite entry: as compressed_all_reduce
-        # does, a non-finite gradient on any rank makes the output NaN everywhere.
-        if self.compressor.samples_randomly and self._poisoned(flat, [group]):
-            output.fill_(float("nan"))
-            return
         residual = self._memory(self.residuals, name, flat.numel(), flat.device) if self.error_feedback else None
         stream = call_stream(calls, index)
         # Every rank compresses alike: checked at a module's first call, with a clear error.

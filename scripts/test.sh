@@ -27,9 +27,11 @@ if [ $# -gt 0 ]; then  # the caller chose the tests (and markers): one run
   echo "== pytest $*"
   exec .venv/bin/pytest -q --durations=40 "$@"
 fi
-echo "== pytest"
-.venv/bin/pytest -q --durations=40 -m "not trainers"
+echo "== pytest -m \"not trainers and not slow\""
+.venv/bin/pytest -q --durations=40 -m "not trainers and not slow"
 # The trainer integrations (Lightning, Accelerate, the Hugging Face Trainer: tests/test_trainers.py,
-# tests/test_lightning.py) as a step of their own, so that a failure there is told apart.
-echo "== pytest -m trainers"
-exec .venv/bin/pytest -q --durations=10 -m trainers
+# tests/test_lightning.py) and the long benchmark-like tests (a benchmark's shortest form of
+# over ten seconds, torchft's restarts) as a step of their own, so that a failure there is told
+# apart and the main step stays well inside its time.
+echo "== pytest -m \"trainers or slow\""
+exec .venv/bin/pytest -q --durations=20 -m "trainers or slow"

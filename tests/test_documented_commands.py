@@ -101,7 +101,7 @@ CASES: dict[str, Case] = {
     # run, then one killed twice and resumed): about a minute on 2 cores.
     "bench.outer_steps": Case(
         ("--recipes", "mlp-nesterov", "--settings", "1:0.5", "--seeds", "1", "--steps", "2", "--sync-every", "1",
-         "--out", "{out}"), files=("README.md",), line="| 1 | 0.5 | "),
+         "--out", "{out}"), files=("README.md",), line="| 1 | 0.5 | ", slow=True),
     "bench.elastic_soak": Case(
         ("--minutes", "0.01", "--paths", "ddp-fp16", "--json", "{out}/elastic_soak.json"),
         files=("elastic_soak.json",), line="1 passed", slow=True),
@@ -132,7 +132,7 @@ CASES: dict[str, Case] = {
     "bench.slownet.run_time_to_accuracy": Case(
         ("--rates", "1gbit", "--tasks", "lm", "--steps", "1", "--methods", "gloo fp32", "--out", "{out}"),
         files=("time_to_accuracy.json", "time_to_accuracy.md"), plots=("time_to_accuracy.png",),
-        line="| gloo fp32 | ", needs="slownet"),
+        line="| gloo fp32 | ", needs="slownet", slow=True),
     # 4 hosts; a narrow CNN, one failure in each of the two ways of recovering (torchft's
     # rejoin, torchrun's restart of every rank): the replica restarted under torchft may come
     # back after the others finished (then stopped after --grace, and said so).
@@ -140,7 +140,7 @@ CASES: dict[str, Case] = {
         ("--rates", "1gbit", "--configs", "ddlcomm-ternary,elastic-ternary", "--faults", "faults", "--die-at", "2",
          "--outer-steps", "4", "--width", "64", "--grace", "3", "--out", "{out}"),
         files=("torchft_faults.json", "torchft_faults.md"), line="| torchrun restarts, ternary | ranks lost",
-        needs="slownet"),
+        needs="slownet", slow=True),
     "bench.slownet.run_tcp_streams": Case(
         ("--rates", "1gbit", "--streams", "1", "--repeats", "1", "--bytes", "1000000"),
         line="1 stream(s) each way", needs="slownet"),

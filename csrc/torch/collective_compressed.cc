@@ -172,6 +172,16 @@ void wait(const c10d::Backend& backend, const c10::intrusive_ptr<c10d::Work>& wo
   }
 }
 
+bool nonFiniteAnywhere(c10d::Backend& group, bool staged, const at::Tensor& flat) {
+  const bool finite = at::isfinite(flat.sum(at::kFloat)).item<bool>() || at::isfinite(flat).all().item<bool>();
+  const c10::Device device = staged ? c10::Device(at::kCPU) : flat.device();
+  std::vector<at::Tensor> flag{at::full({1}, finite ? 0 : 1, at::TensorOptions().dtype(at::kByte).device(device))};
+  c10d::AllreduceOptions max;
+  max.reduceOp = c10d::ReduceOp::MAX;
+  wait(group, group.allreduce(flag, max));
+  return flag[0].item<uint8_t>() != 0;
+}
+
 // -- The all-reduce ----------------------------------------------------------------------
 
 namespace {
@@ -356,20 +366,6 @@ void checkAllreduceArgs(const CollectiveGroup& g, const CollectiveAllreduceArgs&
                 tensor.device());
 }
 
-// Random-k sends a random sample, which can miss a non-finite entry; a non-finite value on any
-// rank must still make the result non-finite everywhere (GradScaler then skips the step), and
-// no residual may take it in. One flag all-reduced over the group (a float32 sum is finite only
-// if every element is, unless it overflowed: then each element is checked).
-bool nonFiniteAnywhere(const CollectiveGroup& g, const at::Tensor& flat) {
-  const bool finite = at::isfinite(flat.sum(at::kFloat)).item<bool>() || at::isfinite(flat).all().item<bool>();
-  const c10::Device device = g.staged ? c10::Device(at::kCPU) : flat.device();
-  std::vector<at::Tensor> flag{at::full({1}, finite ? 0 : 1, at::TensorOptions().dtype(at::kByte).device(device))};
-  c10d::AllreduceOptions max;
-  max.reduceOp = c10d::ReduceOp::MAX;
-  wait(*g.group.payloads, g.group.payloads->allreduce(flag, max));
-  return flag[0].item<uint8_t>() != 0;
-}
-
 // The whole call on the calling thread (the executor's, or the caller's).
 void compressedAllreduceOverCollectives(const CollectiveGroup& g, const CollectiveAllreduceArgs& args) {
   checkAllreduceArgs(g, args);
@@ -378,7 +374,8 @@ void compressedAllreduceOverCollectives(const CollectiveGroup& g, const Collecti
   const size_t numel = size_t(tensor.numel());
   if (numel == 0) return;
   at::Tensor flat = tensor.is_contiguous() ? tensor.view({-1}) : tensor.contiguous().view({-1});
-  if (compress::findFormat(uint8_t(args.config.format))->samplesRandomly && nonFiniteAnywhere(g, flat)) {
+  if (compress::findFormat(uint8_t(args.config.format))->samplesRandomly &&
+      nonFiniteAnywhere(*g.group.payloads, g.staged, flat)) {
     tensor.fill_(std::numeric_limits<float>::quiet_NaN());
     return;
   }

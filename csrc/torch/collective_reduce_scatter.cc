@@ -1,6 +1,7 @@
 // The compressed reduce-scatter over c10d collectives (collective_compressed.h): ddlcomm.fsdp's,
 // for every group and device.
 #include <algorithm>
+#include <limits>
 
 #include "collectives/compressed_plan.h"
 #include "common/error.h"
@@ -29,6 +30,11 @@ void compressedReduceScatterOverCollectives(const CollectiveGroup& g, const Coll
   const Codec codec(args.config, device);
   const Wire wire(args.config, device, g.staged);
   at::Tensor flat = args.input.contiguous().view({-1});
+  if (compress::findFormat(uint8_t(args.config.format))->samplesRandomly &&
+      nonFiniteAnywhere(*g.group.payloads, g.staged, flat)) {
+    args.output.fill_(std::numeric_limits<float>::quiet_NaN());
+    return;
+  }
   std::vector<int> owners;  // whose chunk each chunk of `flat` is
   c10d::Backend* among = g.group.payloads.get();
   if (g.host) {

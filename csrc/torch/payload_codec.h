@@ -66,6 +66,13 @@ class Wire {
 // peer by its address).
 void wait(const c10d::Backend& backend, const c10::intrusive_ptr<c10d::Work>& work);
 
+// Random-k sends a random sample, which can miss a non-finite entry; a non-finite value on any
+// rank must still make the result non-finite everywhere (GradScaler then skips the step), and
+// no residual may take it in. Whether any rank of `group` holds one in `flat`: one flag
+// all-reduced (a float32 sum is finite only if every element is, unless it overflowed: then
+// each element is checked). Both compressed collectives ask it first.
+bool nonFiniteAnywhere(c10d::Backend& group, bool staged, const at::Tensor& flat);
+
 // Where float32 sums are accumulated: `out` itself when it is float32 and contiguous (its
 // values were encoded already), else a new tensor. Zeroed either way. On the CPU a new tensor
 // of a large chunk costs its page faults on every call, which is why the output is preferred.
