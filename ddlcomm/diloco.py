@@ -186,6 +186,14 @@ class DiLoCo:
                 "DiLoCo: outer steps through %r ended further above DDP's loss than through Ternary() on the "
                 "transformer of docs/results/diloco.md (top-k at 5%% too: docs/results/diloco_topk); consider "
                 "Ternary()", compressor)
+        if isinstance(inner_optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+            logger.warning(
+                "DiLoCo: outer steps over replicas trained with %s missed DDP's loss by more than 2%% on the "
+                "transformer of docs/results/outer_steps (+2.1%% to +2.3%% with the default outer settings, float32 "
+                "and ternary; +1.9%% or more at every setting tried) and lost 0.65-0.73 points of its CNN's accuracy; "
+                "a 10-step warm-up through the outer compressor (warmup_steps=10, warmup_compressor=Ternary()) "
+                "brought both to +1.7%% and -0.42 (docs/diloco.md, \"What to try first\")",
+                type(inner_optimizer).__name__)
         if warmup_steps:
             self._hook = inner_optimizer.register_step_pre_hook(self._average_gradients)
             if not isinstance(warmup_compressor, (type(None), FP16, BF16)) and \
