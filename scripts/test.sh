@@ -11,6 +11,26 @@ if command -v nvcc >/dev/null 2>&1 && [ -f csrc/cuda/CMakeLists.txt ]; then
   echo "== compiling the CUDA kernels (standalone, no GPU needed)"
   cmake -S csrc/cuda -B build/cuda -G Ninja >/dev/null
   ninja -C build/cuda
+  # The extension's CUDA-only code (#ifdef DDLCOMM_WITH_CUDA: the compressed collectives' CUDA
+  # branches, the CUDA bindings) builds only against a CUDA torch; against this torch's headers
+  # and CUDA's, a compile error in it shows here rather than on a GPU machine.
+  echo "== checking the extension's CUDA-only code (syntax, against torch's and CUDA's headers)"
+  .venv/bin/python - <<'PY'
+import os, subprocess, sys, sysconfig
+import torch
+torch_dir = os.path.dirname(torch.__file__)
+cuda = os.environ.get("CUDA_HOME", "/usr/local/cuda")
+files = sorted(os.path.join(d, f) for d, _, fs in os.walk("csrc") if not d.startswith("csrc/cuda")
+               for f in fs if f.endswith(".cc") and "DDLCOMM_WITH_CUDA" in open(os.path.join(d, f)).read())
+flags = ["-std=c++17", "-fsyntax-only", "-w", "-DDDLCOMM_WITH_CUDA=1",
+         f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}", "-Icsrc",
+         f"-I{torch_dir}/include", f"-I{torch_dir}/include/torch/csrc/api/include", f"-I{cuda}/include",
+         f"-I{sysconfig.get_paths()['include']}"]
+for f in files:
+    print("  ", f, flush=True)
+    if subprocess.call([os.environ.get("CXX", "g++"), *flags, f]) != 0:
+        sys.exit(f"{f}: its CUDA-only code does not compile")
+PY
 fi
 # The CUDA kernels' CPU-emulator test program (tests/test_cuda_emulator.py runs it): a build
 # step, so it is done here, outside pytest's time; the test rebuilds it if it is stale.
