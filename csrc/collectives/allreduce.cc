@@ -243,6 +243,14 @@ void reduceScatter(Communicator& comm, const void* input, void* output, size_t c
       if (output != input) std::memcpy(output, input, count * es);
       return;
     }
+    SharedWindows* windows = comm.transport().sharedWindows();
+    if (comm.options().allreduceAlgorithm == AllreduceAlgorithm::Auto && windows &&
+        shared::windowsFit(*windows, n, dtype)) {
+      ++comm.counters().sharedMemoryReduceScatters;
+      shared::reduceScatterInWindows(call, *windows, static_cast<const char*>(input), static_cast<char*>(output),
+                                     count, dtype, op);
+      return;
+    }
     char* work = comm.scratch(total * es, 1);
     char* mine = work + size_t(r) * count * es;
     if (layeredByHost(comm)) {
@@ -263,6 +271,12 @@ void allgather(Communicator& comm, const void* input, void* output, size_t count
     const int n = comm.size(), r = comm.rank();
     char* out = static_cast<char*>(output);
     if (count == 0) return;
+    SharedWindows* windows = comm.transport().sharedWindows();
+    if (comm.options().allreduceAlgorithm == AllreduceAlgorithm::Auto && windows && n > 1) {
+      ++comm.counters().sharedMemoryAllgathers;
+      shared::allgatherInWindows(call, *windows, static_cast<const char*>(input), out, count, dtype);
+      return;
+    }
     if (layeredByHost(comm)) {
       ++comm.counters().hierarchicalAllgathers;
       hierarchicalAllgather(call, static_cast<const char*>(input), out, comm.scratch(size_t(n) * count * es, 1), count,

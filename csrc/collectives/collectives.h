@@ -95,8 +95,17 @@ void allgatherInPlace(Call& call, char* data, const ring::Chunks& chunks, DataTy
 }  // namespace halving
 
 namespace shared {
-// All-reduce through the windows of a shared-memory group (shared_allreduce.cc).
+// Collectives through the windows of a shared-memory group (shared_windows.cc).
 void allreduceInWindows(Call& call, SharedWindows& windows, char* data, size_t count, DataType dtype, ReduceOp op);
+// Whether a fill holds one element of every rank (the reduce-scatter's; the others need less).
+bool windowsFit(const SharedWindows& windows, int n, DataType dtype);
+// `output` (count elements) = the reduction of chunk `rank` of every rank's `input` (n * count).
+void reduceScatterInWindows(Call& call, SharedWindows& windows, const char* input, char* output, size_t count,
+                            DataType dtype, ReduceOp op);
+// `output` (n * count elements) = every rank's `input` (count), in rank order; `input` may be
+// this rank's place in `output`.
+void allgatherInWindows(Call& call, SharedWindows& windows, const char* input, char* output, size_t count,
+                        DataType dtype);
 }  // namespace shared
 
 }  // namespace ddlcomm

@@ -53,6 +53,8 @@ struct CollectiveCounters {
   uint64_t recursiveDoublingAllreduces = 0;
   uint64_t halvingDoublingAllreduces = 0;  // flat: forced, or auto over one-rank hosts
   uint64_t sharedMemoryAllreduces = 0;
+  uint64_t sharedMemoryReduceScatters = 0;
+  uint64_t sharedMemoryAllgathers = 0;
   uint64_t hierarchicalAllreduces = 0;
   uint64_t hierarchicalReduceScatters = 0;
   uint64_t hierarchicalAllgathers = 0;

@@ -236,6 +236,8 @@ PYBIND11_MODULE(_C, m) {
             d["recursive_doubling_allreduces"] = s.collectives.recursiveDoublingAllreduces;
             d["halving_doubling_allreduces"] = s.collectives.halvingDoublingAllreduces;
             d["shared_memory_allreduces"] = s.collectives.sharedMemoryAllreduces;
+            d["shared_memory_reduce_scatters"] = s.collectives.sharedMemoryReduceScatters;
+            d["shared_memory_allgathers"] = s.collectives.sharedMemoryAllgathers;
             d["hierarchical_allreduces"] = s.collectives.hierarchicalAllreduces;
             d["hierarchical_reduce_scatters"] = s.collectives.hierarchicalReduceScatters;
             d["hierarchical_allgathers"] = s.collectives.hierarchicalAllgathers;

@@ -76,6 +76,38 @@ def shared_memory_used() -> None:
             w.wait()
         assert_equal(y, torch.full((1000,), float(peer)), "send/recv")
         assert ddlcomm_stats()["bytes_sent"] - after["bytes_sent"] >= 4000
+    windowed_reduce_scatter_and_all_gather(rank, n)
+
+
+def windowed_reduce_scatter_and_all_gather(rank: int, n: int) -> None:
+    """Reduce-scatters and all-gathers between ranks of one host go through the shared windows
+    (several fills each, a partial last one), equal to the reduction computed here from every
+    rank's input, every rank's output the same bits as the plain reduction's in rank order; in
+    place too (the input being this rank's place in the output)."""
+    before = ddlcomm_stats()
+    m = (1 << 18) + 3  # the 1 MiB windows take 2^16 float32 of each of 4 ranks a fill
+    inputs = [torch.randn(n * m, generator=torch.Generator().manual_seed(10 + r)).to(torch.bfloat16)
+              for r in range(n)]
+    mine = slice(rank * m, (rank + 1) * m)
+    for op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG, dist.ReduceOp.MAX):
+        out = torch.empty(m, dtype=torch.bfloat16)
+        dist.reduce_scatter_tensor(out, inputs[rank].clone(), op=op)
+        expected = inputs[0][mine].float()
+        for r in range(1, n):  # rank order, in float32 as ddlcomm's reduction of bfloat16 does
+            expected = torch.maximum(expected, inputs[r][mine].float()) if op == dist.ReduceOp.MAX else \
+                (expected + inputs[r][mine].float()).bfloat16().float()
+        if op == dist.ReduceOp.AVG:
+            expected = expected / n
+        torch.testing.assert_close(out.float(), expected.bfloat16().float(), rtol=0, atol=0, msg=f"reduce_scatter {op}")
+    gathered = torch.empty(n * m)
+    gathered[mine] = inputs[rank][mine].float()
+    dist.all_gather_into_tensor(gathered, gathered[mine])  # in place
+    assert_equal(gathered, torch.cat([inputs[r][r * m:(r + 1) * m].float() for r in range(n)]), "all_gather in place")
+    after = ddlcomm_stats()
+    assert after["shared_memory_reduce_scatters"] == before["shared_memory_reduce_scatters"] + 3, (before, after)
+    assert after["shared_memory_allgathers"] == before["shared_memory_allgathers"] + 1, (before, after)
+    tcp, = totals([after["bytes_sent"] - before["bytes_sent"]])
+    assert tcp == 0, f"{tcp} bytes went over TCP"
 
 
 def mixed_hosts() -> None:
