@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The test command (README, .ci/run): set up, the front door (the README's main command in its
-# short form), then the whole suite, with the trainer integrations as a step of their own.
+# The test command (README, .ci/run): set up, the CUDA code's compile checks (where nvcc is),
+# the front door (the README's main command in its short form), fuzzing, then the whole suite
+# in two steps: the trainer integrations and the long benchmark-like tests (marked slow) apart.
 # pytest's exit status is the script's, so "no tests collected" (exit 5) fails too.
 set -euo pipefail
 cd "$(dirname "$0")/.."
