@@ -253,8 +253,8 @@ def route_of(tensor: torch.Tensor, compressor: Compressor, group: Optional[dist.
     if cached is not None and cached[0] is group:
         return cached[1]
     _forget_destroyed_groups()
-    engine = engine_of(group) if _collectives_device(tensor, group).type == "cpu" else None
     backends, host, across, identities, staged = _levels_of(tensor, group, flat)
+    engine = engine_of(group) if staged or tensor.device.type == "cpu" else None
     route = _C.CompressedAllreduce(compressor.config, None if engine is not None else backends, host, across,
                                    identities, staged, engine)
     _routes[key] = (group, route)

@@ -141,6 +141,12 @@ void hierarchicalAllgather(Call& call, const char* input, char* output, char* wo
   });
 }
 
+// The shared-memory windows (every rank of the group on this host), where the algorithm is
+// ddlcomm's to choose; else null.
+SharedWindows* windowsOf(Communicator& comm) {
+  return comm.options().allreduceAlgorithm == AllreduceAlgorithm::Auto ? comm.transport().sharedWindows() : nullptr;
+}
+
 }  // namespace
 
 bool layeredByHost(AllreduceAlgorithm algorithm, const Topology& topology) {
@@ -157,8 +163,7 @@ void allreduce(Communicator& comm, void* data, size_t count, DataType dtype, Red
   comm.run(OpCode::Allreduce, dtype, count, [&](Call& call) {
     if (comm.size() == 1 || count == 0) return;
     AllreduceAlgorithm algo = comm.options().allreduceAlgorithm;
-    SharedWindows* windows = comm.transport().sharedWindows();
-    if (algo == AllreduceAlgorithm::Auto && windows) {
+    if (SharedWindows* windows = windowsOf(comm)) {
       ++comm.counters().sharedMemoryAllreduces;
       shared::allreduceInWindows(call, *windows, static_cast<char*>(data), count, dtype, op);
       return;
@@ -243,9 +248,8 @@ void reduceScatter(Communicator& comm, const void* input, void* output, size_t c
       if (output != input) std::memcpy(output, input, count * es);
       return;
     }
-    SharedWindows* windows = comm.transport().sharedWindows();
-    if (comm.options().allreduceAlgorithm == AllreduceAlgorithm::Auto && windows &&
-        shared::windowsFit(*windows, n, dtype)) {
+    SharedWindows* windows = windowsOf(comm);
+    if (windows && shared::windowsFit(*windows, n, dtype)) {
       ++comm.counters().sharedMemoryReduceScatters;
       shared::reduceScatterInWindows(call, *windows, static_cast<const char*>(input), static_cast<char*>(output),
                                      count, dtype, op);
@@ -271,8 +275,8 @@ void allgather(Communicator& comm, const void* input, void* output, size_t count
     const int n = comm.size(), r = comm.rank();
     char* out = static_cast<char*>(output);
     if (count == 0) return;
-    SharedWindows* windows = comm.transport().sharedWindows();
-    if (comm.options().allreduceAlgorithm == AllreduceAlgorithm::Auto && windows && n > 1) {
+    SharedWindows* windows = windowsOf(comm);
+    if (windows && n > 1) {
       ++comm.counters().sharedMemoryAllgathers;
       shared::allgatherInWindows(call, *windows, static_cast<const char*>(input), out, count, dtype);
       return;

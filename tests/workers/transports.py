@@ -85,7 +85,9 @@ def windowed_reduce_scatter_and_all_gather(rank: int, n: int) -> None:
     rank's input, every rank's output the same bits as the plain reduction's in rank order; in
     place too (the input being this rank's place in the output)."""
     before = ddlcomm_stats()
-    m = (1 << 18) + 3  # the 1 MiB windows take 2^16 float32 of each of 4 ranks a fill
+    # A 1 MiB window takes 2^17 bfloat16 of each of 4 ranks a reduce-scatter fill (3 fills here)
+    # and 2^18 float32 an all-gather fill (2).
+    m = (1 << 18) + 3
     inputs = [torch.randn(n * m, generator=torch.Generator().manual_seed(10 + r)).to(torch.bfloat16)
               for r in range(n)]
     mine = slice(rank * m, (rank + 1) * m)
