@@ -39,6 +39,10 @@ def test_compressed_mismatch_on_gloo_is_refused_on_every_rank() -> None:
     assert_all_ok(launch(faults.compressed_mismatch_on_gloo, 2, timeout=60))
 
 
+def test_engine_over_gloo_checks_each_calls_first_message() -> None:
+    assert_all_ok(launch(faults.carrier_mismatch, 2, timeout=60))
+
+
 @pytest.mark.parametrize("backend", ["ddlcomm", "gloo"])
 def test_hook_raises_distbackenderror_when_a_peer_dies(backend: str) -> None:
     results = launch(faults.hook_peer_killed, 4, timeout=90, args=(backend,))

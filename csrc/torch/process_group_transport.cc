@@ -3,29 +3,31 @@
 #include <ATen/Functions.h>
 
 #include <algorithm>
+#include <cstring>
 #include <thread>
 
 namespace ddlcomm::torch_glue {
 namespace {
 
 constexpr int kTagBit = 1 << 30;
-constexpr uint32_t kStepLimit = 1u << 14;  // steps per peer per call: 15 bits hold the step and the lowest bit
+constexpr uint32_t kStepLimit = 1u << 15;  // steps per peer per call
 constexpr uint64_t kSignatureMagic = 0x474953444c4443ull;  // "CDLDSIG"
+using Header = std::array<uint64_t, 5>;  // magic, op and dtype, call tag, count, the message's bytes
 
-int tagOf(const Signature& signature, bool isSignature) {
+int tagOf(const Signature& signature) {
   DDLCOMM_CHECK(signature.step < kStepLimit, ErrorKind::InvalidArgument, signature.describe(),
                 ": more messages between two ranks in one call than a process group's tags number (",
                 kStepLimit, ")");
-  return kTagBit | int((signature.tag & 0x7fff) << 15) | int(signature.step << 1) | (isSignature ? 0 : 1);
+  return kTagBit | int((signature.tag & 0x7fff) << 15) | int(signature.step);
 }
 
 at::Tensor bytesAt(void* data, size_t bytes) {
   return at::from_blob(data, {int64_t(bytes)}, at::TensorOptions().dtype(at::kByte));
 }
 
-std::array<uint64_t, 4> headerOf(const Request& r) {
+Header headerOf(const Request& r) {
   return {kSignatureMagic, (uint64_t(r.signature.op) << 8) | uint64_t(r.signature.dtype), r.signature.tag,
-          r.signature.count};
+          r.signature.count, uint64_t(r.bytes)};
 }
 
 }  // namespace
@@ -48,18 +50,25 @@ void ProcessGroupTransport::post(Request& r, bool isRecv) {
   throwIfBroken();
   InFlight f;
   f.isRecv = isRecv;
-  auto move = [&](void* data, size_t bytes, bool isSignature) {
+  auto move = [&](void* data, size_t bytes) {
     std::vector<at::Tensor> tensors{bytesAt(data, bytes)};
-    const int tag = tagOf(r.signature, isSignature);
+    const int tag = tagOf(r.signature);
     return isRecv ? carrier_->recv(tensors, r.peer, tag) : carrier_->send(tensors, r.peer, tag);
   };
   guarded([&] {
     try {
-      if (r.signature.step == 0) {  // a receive's header is filled by the peer's signature
-        f.header = std::make_shared<std::array<uint64_t, 4>>(isRecv ? std::array<uint64_t, 4>{} : headerOf(r));
-        f.signature = move(f.header->data(), sizeof(*f.header), true);
+      if (r.signature.step == 0) {
+        // The call's first message to this peer: its signature in front of its bytes, one
+        // message (a separate one would cost the carrier's latency once more per call).
+        f.staging = at::empty({int64_t(sizeof(Header) + r.bytes)}, at::TensorOptions().dtype(at::kByte));
+        uint8_t* staging = f.staging.data_ptr<uint8_t>();
+        const Header header = isRecv ? Header{} : headerOf(r);  // a receive's is filled by the peer's
+        std::memcpy(staging, header.data(), sizeof(Header));
+        if (!isRecv && r.bytes) std::memcpy(staging + sizeof(Header), r.data, r.bytes);
+        f.work = move(staging, size_t(f.staging.numel()));
+      } else if (r.bytes) {
+        f.work = move(r.data, r.bytes);
       }
-      if (r.bytes) f.payload = move(r.data, r.bytes, false);
     } catch (const std::exception& e) {
       fail(ErrorKind::PeerFailure, isRecv ? "receiving " : "sending ", r.signature.describe(),
            isRecv ? " from rank " : " to rank ", r.peer, " over the ", carrier_->getBackendName(), " group: ",
@@ -89,12 +98,15 @@ void ProcessGroupTransport::waitWork(const c10::intrusive_ptr<c10d::Work>& work,
   });
 }
 
-void ProcessGroupTransport::checkSignature(const Request& r, const std::array<uint64_t, 4>& theirs) {
-  const std::array<uint64_t, 4> mine = headerOf(r);
+void ProcessGroupTransport::checkSignature(const Request& r, const Header& theirs) {
+  const Header mine = headerOf(r);
   if (theirs == mine) return;
   guarded([&] {
     DDLCOMM_CHECK(theirs[0] == kSignatureMagic, ErrorKind::Protocol, "rank ", r.peer, " sent a message tagged as ",
                   r.signature.describe(), " that is not ddlcomm's");
+    DDLCOMM_CHECK(!std::equal(mine.begin(), mine.end() - 1, theirs.begin()), ErrorKind::Mismatch, "rank ", r.peer,
+                  " sent ", theirs[4], " bytes in ", r.signature.describe(), " where rank ", rank_, " expects ",
+                  r.bytes);
     Signature other = r.signature;
     other.op = OpCode(uint8_t(theirs[1] >> 8));
     other.dtype = DataType(uint8_t(theirs[1] & 0xff));
@@ -113,9 +125,15 @@ void ProcessGroupTransport::wait(Request& r, Deadline deadline) {
   }
   InFlight f = std::move(it->second);
   inFlight_.erase(it);
-  waitWork(f.signature, r, deadline);
-  if (f.isRecv && f.header) checkSignature(r, *f.header);
-  waitWork(f.payload, r, deadline);
+  waitWork(f.work, r, deadline);
+  if (f.isRecv && f.staging.defined()) {
+    // A shorter message than expected fills the staging buffer's front only: the header
+    // then names another size or call (a longer one is refused by the carrier itself).
+    Header theirs;
+    std::memcpy(theirs.data(), f.staging.data_ptr<uint8_t>(), sizeof(Header));
+    checkSignature(r, theirs);
+    if (r.bytes) std::memcpy(r.data, f.staging.data_ptr<uint8_t>() + sizeof(Header), r.bytes);
+  }
   r.transfersLeft = 0;
 }
 

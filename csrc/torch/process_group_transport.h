@@ -2,11 +2,12 @@
 // lets a group of any backend run the compressed collectives on a ddlcomm executor, over
 // ddlcomm's own collectives (ProcessGroupDdlcomm's carrier constructor; ddlcomm.compressed.engine_of). Like tcp/ and ucx/ it
 // moves tagged messages; unlike them it adds no frame to each one: the first message of a
-// call between two ranks is preceded by the call's signature, so a rank in another collective,
-// with another count or dtype, fails with Mismatch instead of reading the wrong bytes.
+// call between two ranks carries the call's signature and its own size in front of its bytes,
+// so a rank in another collective, with another count, dtype or split, fails with Mismatch
+// instead of reading the wrong bytes.
 //
-// Tags: bit 30 set, the call's sequence number (15 bits) and the message's step (15 bits, the
-// lowest for "signature or payload"): user point-to-point on the same group, with tags below
+// Tags: bit 30 set, the call's sequence number (15 bits) and the message's step (15 bits):
+// user point-to-point on the same group, with tags below
 // 2^30, never meets them. Driven by one thread (the executor), as every transport.
 #pragma once
 
@@ -37,18 +38,19 @@ class ProcessGroupTransport final : public Transport {
   TransportStats stats() const override;
 
  private:
-  // A request's c10d Works: the signature message (first message of a call only) and the payload.
+  // A request's c10d Work; the first message of a call to a peer travels through `staging`:
+  // the header (the signature and the message's size), then the bytes.
   struct InFlight {
-    c10::intrusive_ptr<c10d::Work> signature, payload;
-    std::shared_ptr<std::array<uint64_t, 4>> header;  // sent, or the peer's as received
+    c10::intrusive_ptr<c10d::Work> work;
+    at::Tensor staging;
     bool isRecv = false;
   };
-  // Posts the request's signature (the first message of a call to a peer) and payload.
+  // Posts the request's message (with the signature in front, the first of a call to a peer).
   void post(Request& request, bool isRecv);
   // Waits for one Work, up to `deadline`; a failure aborts the transport and throws.
   void waitWork(const c10::intrusive_ptr<c10d::Work>& work, const Request& request, Deadline deadline);
-  // Throws Mismatch unless the peer's signature (received) is this request's.
-  void checkSignature(const Request& request, const std::array<uint64_t, 4>& theirs);
+  // Throws Mismatch unless the peer's header (received) is this request's.
+  void checkSignature(const Request& request, const std::array<uint64_t, 5>& theirs);
 
   c10::intrusive_ptr<c10d::Backend> carrier_;
   const int rank_;

@@ -148,6 +148,42 @@ def compressed_mismatch_on_gloo() -> None:
         assert torch.equal(x, torch.ones(1000)), f"{name}: the group is unusable after a refused call"
 
 
+def carrier_mismatch() -> None:
+    """The engine over a gloo group's send and recv (``engine_of``; gloo's messages carry no
+    frame) checks the first message of every call from each peer against what the receiving rank
+    expects: an all-to-all whose splits disagree and ranks in different collectives raise
+    naming both, instead of reading short or foreign bytes."""
+    import datetime
+
+    from ddlcomm.compressed import engine_of
+
+    rank, n = init(timeout_s=30)
+    # A group a case: the first mismatch breaks the engine of its group.
+    splits = engine_of(dist.new_group(backend="gloo"))
+    received = torch.empty(30 if rank == 1 else 20)
+    mine = torch.arange(20.0)
+    # Rank 1 expects 20 elements from rank 0, which sends 10.
+    call = lambda: splits.alltoall_base(received, mine, [20, 10] if rank == 1 else [10, 10], [10, 10],
+                                        dist.AllToAllOptions()).wait()
+    if rank == 1:
+        text = expect(dist.DistBackendError, call, "rank 0 sent 40 bytes", "all_to_all", "rank 1 expects 80")
+        print(f"rank 1: {text.splitlines()[0][:300]}")
+    else:
+        call()  # what rank 1 sent is what rank 0 expected
+    # Rank 0 in an all-reduce, rank 1 in a broadcast of the same bytes: rank 1 names both; rank 0
+    # waits for rank 1's half of the exchange until the group's timeout or rank 1's exit.
+    ops = engine_of(dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=3)))
+    if rank == 1:
+        root = dist.BroadcastOptions()
+        root.rootRank = 0
+        text = expect(dist.DistBackendError, lambda: ops.broadcast([torch.ones(100)], root).wait(),
+                      "rank 0 is in allreduce", "while rank 1 is in broadcast")
+    else:
+        text = expect(dist.DistBackendError, lambda: ops.allreduce([torch.ones(100)], dist.AllreduceOptions()).wait(),
+                      "allreduce", "with rank 1")
+    print(f"rank {rank}: {text.splitlines()[0][:300]}")
+
+
 def hook_peer_killed(backend: str) -> None:
     """A rank dies in the middle of compressed DDP training on a `backend` group: every survivor's
     backward() raises DistBackendError naming it (not torch's RuntimeError wrapper of a future's
