@@ -28,3 +28,9 @@ def test_cuda_kernels_on_cpu_emulator():
     run = subprocess.run([str(build / "test_cuda_kernels_emu"), "--quick", "--seed=1"], capture_output=True,
                          text=True, timeout=900)
     assert run.returncode == 0 and " 0 failed" in run.stdout, run.stdout[-6000:] + run.stderr[-3000:]
+    # docs/results/cuda_launches.md's counter: a row per compressor and world size, every kernel counted.
+    run = subprocess.run([str(build / "cuda_launches_emu"), "--bucket-mb=1"], capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    rows = [line.split("|")[3:7] for line in run.stdout.splitlines() if line.startswith("| ") and "ranks" not in line]
+    assert len(rows) == 7 * 4 and all(int(count) >= 1 for row in rows for count in row), run.stdout

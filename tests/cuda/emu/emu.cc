@@ -192,7 +192,14 @@ void syncThreads() {
   }
 }
 
+namespace {
+uint64_t enqueued = 0;  // kernel launches and stream memsets and copies (tests/cuda/emu/launches.cc)
+}  // namespace
+
+uint64_t operations() { return enqueued; }
+
 void runGrid(uint64_t grid, unsigned block, const std::function<void()>& kernelBody) {
+  ++enqueued;
   if (grid == 0 || grid > 0x7fffffffull) fatal("invalid grid size");
   if (block == 0 || block > 1024) fatal("invalid block size");
   g_gridDim = dim3(unsigned(grid));
@@ -313,13 +320,17 @@ cudaError_t cudaMemcpy(void* dst, const void* src, size_t bytes, cudaMemcpyKind)
   return cudaSuccess;
 }
 cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind, cudaStream_t) {
+  ++emu::enqueued;
   return cudaMemcpy(dst, src, bytes, kind);
 }
 cudaError_t cudaMemset(void* dst, int value, size_t bytes) {
   if (bytes) std::memset(dst, value, bytes);
   return cudaSuccess;
 }
-cudaError_t cudaMemsetAsync(void* dst, int value, size_t bytes, cudaStream_t) { return cudaMemset(dst, value, bytes); }
+cudaError_t cudaMemsetAsync(void* dst, int value, size_t bytes, cudaStream_t) {
+  ++emu::enqueued;
+  return cudaMemset(dst, value, bytes);
+}
 
 cudaError_t cudaStreamCreate(cudaStream_t* stream) {
   *stream = reinterpret_cast<cudaStream_t>(new char);

@@ -37,6 +37,8 @@ void runGrid(uint64_t grid, unsigned block, const std::function<void()>& body);
 void warpExchange(uint64_t mine, uint64_t* all);
 void syncThreads();
 [[noreturn]] void fatal(const char* what);
+// Kernel launches and stream memsets and copies since the program started.
+uint64_t operations();
 }  // namespace emu
 
 #define threadIdx (::emu::currentThreadIdx())
