@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from . import _C
 from .compressors import Compressor
-from .host_levels import HostLevels, host_levels
+from .host_levels import HostLevels, destroyed, forget_groups, host_levels
 from .wire import Agreement, collectives_on_gpu
 
 __all__ = [
@@ -120,18 +120,18 @@ def engine_of(group: Optional[dist.ProcessGroup] = None) -> Optional[_C.ProcessG
 
 
 def _forget_destroyed_groups() -> None:
-    """Drops the engines and routes of destroyed groups: each holds its group's connections."""
+    """Drops the engines, routes and levels of destroyed groups: each holds its group's connections."""
     for cache in (_engines, _routes):
         for key, (group, _) in list(cache.items()):
-            try:
-                dist.get_process_group_ranks(group)
-            except (KeyError, ValueError, RuntimeError):
+            if destroyed(group):
                 del cache[key]
+    forget_groups()
 
 
 def _forget_all() -> None:
     _routes.clear()
     _engines.clear()
+    forget_groups(every=True)
 
 
 # Joined while the interpreter is whole, not in its teardown.

@@ -126,7 +126,6 @@ class FSDPCompressionState(CompressionOptions):
         self.calls: dict[str, int] = {}
         self._index: dict[str, int] = {}  # module name -> its position, for the randomness streams
         self._verified: set[Any] = set()  # modules (and ("replica", module)) whose agreement was checked
-        self._saved_world: Optional[tuple[int, int]] = None
 
     def _advise(self, compressor: Compressor, momentum: float, adam_betas: Optional[tuple[float, float]]) -> None:
         """Says once where these options lost accuracy in docs/results/fsdp_training.md."""

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from . import _C
 
-__all__ = ["HostLevels", "host_levels"]
+__all__ = ["HostLevels", "destroyed", "forget_groups", "host_levels"]
 
 logger = logging.getLogger("ddlcomm.compressed")
 
@@ -85,18 +85,35 @@ def host_levels(group: dist.ProcessGroup, algorithm: Optional[str] = None,
     return levels
 
 
+def destroyed(group: dist.ProcessGroup) -> bool:
+    """Whether ``group`` was destroyed (``destroy_process_group``, its own or its world's)."""
+    try:
+        dist.get_process_group_ranks(group)
+    except (KeyError, ValueError, RuntimeError):
+        return True
+    return False
+
+
+def forget_groups(every: bool = False) -> None:
+    """Drops the levels and subgroups kept for destroyed groups, or with ``every`` for all (at
+    exit): each entry holds a group, and with it its backend, whose threads must be joined while
+    the interpreter is whole (a gloo group's release Python objects as they finish their work)."""
+    for key, (group, _) in list(_levels.items()):
+        if every or destroyed(group):
+            del _levels[key]
+    for key, subgroup in list(_subgroups.items()):
+        if every or destroyed(subgroup):
+            del _subgroups[key]
+
+
 def _subgroup(group: dist.ProcessGroup, ranks: list[int], backend: str) -> dist.ProcessGroup:
     """The subgroup of ``group``'s ``ranks`` (made by its members only), reused where a group of
     the same global ranks exists (its name is their hash: a second one could not be made)."""
     members = tuple(dist.get_global_rank(group, r) for r in ranks)
     key = (members, backend)
     existing = _subgroups.get(key)
-    if existing is not None:
-        try:
-            dist.get_process_group_ranks(existing)  # destroyed with its world?
-            return existing
-        except (KeyError, ValueError, RuntimeError):
-            pass
+    if existing is not None and not destroyed(existing):  # destroyed with its world?
+        return existing
     made = dist.new_group(list(members), backend=backend, use_local_synchronization=True)
     _subgroups[key] = made
     return made

@@ -12,7 +12,6 @@ namespace {
 constexpr int kTagBit = 1 << 30;
 constexpr uint32_t kStepLimit = 1u << 15;  // steps per peer per call
 constexpr uint64_t kSignatureMagic = 0x474953444c4443ull;  // "CDLDSIG"
-using Header = std::array<uint64_t, 5>;  // magic, op and dtype, call tag, count, the message's bytes
 
 int tagOf(const Signature& signature) {
   DDLCOMM_CHECK(signature.step < kStepLimit, ErrorKind::InvalidArgument, signature.describe(),
@@ -25,7 +24,7 @@ at::Tensor bytesAt(void* data, size_t bytes) {
   return at::from_blob(data, {int64_t(bytes)}, at::TensorOptions().dtype(at::kByte));
 }
 
-Header headerOf(const Request& r) {
+std::array<uint64_t, 5> headerOf(const Request& r) {
   return {kSignatureMagic, (uint64_t(r.signature.op) << 8) | uint64_t(r.signature.dtype), r.signature.tag,
           r.signature.count, uint64_t(r.bytes)};
 }

@@ -7,14 +7,14 @@
 // instead of reading the wrong bytes.
 //
 // Tags: bit 30 set, the call's sequence number (15 bits) and the message's step (15 bits):
-// user point-to-point on the same group, with tags below
-// 2^30, never meets them. Driven by one thread (the executor), as every transport.
+// user point-to-point on the same group, with tags below 2^30, never meets them. Driven by one
+// thread (the executor), as every transport.
 #pragma once
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
+#include <array>
 #include <map>
-#include <memory>
 #include <string>
 
 #include "transport/transport.h"
@@ -38,8 +38,11 @@ class ProcessGroupTransport final : public Transport {
   TransportStats stats() const override;
 
  private:
+  // What the first message of a call to a peer carries in front of its bytes: a magic number,
+  // op and dtype, the call's tag and count, the message's bytes.
+  using Header = std::array<uint64_t, 5>;
   // A request's c10d Work; the first message of a call to a peer travels through `staging`:
-  // the header (the signature and the message's size), then the bytes.
+  // the header, then the bytes.
   struct InFlight {
     c10::intrusive_ptr<c10d::Work> work;
     at::Tensor staging;
@@ -50,7 +53,7 @@ class ProcessGroupTransport final : public Transport {
   // Waits for one Work, up to `deadline`; a failure aborts the transport and throws.
   void waitWork(const c10::intrusive_ptr<c10d::Work>& work, const Request& request, Deadline deadline);
   // Throws Mismatch unless the peer's header (received) is this request's.
-  void checkSignature(const Request& request, const std::array<uint64_t, 5>& theirs);
+  void checkSignature(const Request& request, const Header& theirs);
 
   c10::intrusive_ptr<c10d::Backend> carrier_;
   const int rank_;
