@@ -22,7 +22,9 @@ rank's.
 With ``--ddp`` it times DDP steps of an MLP (SGD) with the 1-bit hook on each group instead, against
 the same step without DDP (compute alone) and the 1-bit all-reduces of its gradient in DDP's
 25 MB buckets one after another (communication alone): a step below their sum overlaps the
-backward pass with communication. Run it on emulated hosts, e.g.
+backward pass with communication. Compute alone and the groups' steps are timed in turns, one
+of each a round: the same steps timed back to back ran up to 1.5x slower on a 2-core machine,
+which would make any step look overlapped. Run it on emulated hosts, e.g.
 ``python -m ddlcomm.slownet --ranks 4 --rate 1gbit -- python -m bench.engine --ddp``.
 """
 
@@ -57,16 +59,24 @@ COMPRESSORS: dict[str, Callable[[], compressors.Compressor]] = {
 
 def slowest_median(call: Callable[[], None], repeats: int) -> float:
     """Median over `repeats` of the slowest rank's seconds for `call` (after one warm-up)."""
-    call()
-    times = []
-    for _ in range(repeats):
-        dist.barrier()
-        start = time.perf_counter()
+    return slowest_medians({"call": call}, repeats)["call"]
+
+
+def slowest_medians(calls: dict[str, Callable[[], None]], repeats: int) -> dict[str, float]:
+    """``slowest_median`` of each call, timed in turns (one call of each a round, the order
+    reversed every round), so that the machine's drift falls on all of them alike."""
+    for call in calls.values():
         call()
-        times.append(time.perf_counter() - start)
-    slowest = torch.tensor(times)
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for round_ in range(repeats):
+        for name in (list(calls) if round_ % 2 == 0 else list(calls)[::-1]):
+            dist.barrier()
+            start = time.perf_counter()
+            calls[name]()
+            times[name].append(time.perf_counter() - start)
+    slowest = torch.tensor([times[name] for name in calls])
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    return statistics.median(slowest.tolist())
+    return {name: statistics.median(row) for name, row in zip(calls, slowest.tolist())}
 
 
 def payload_move(compressor: compressors.Compressor, numel: int, gloo: dist.ProcessGroup) -> Callable[[], None]:
@@ -141,29 +151,33 @@ def ddp_rows(groups: dict[str, dist.ProcessGroup], width: int, depth: int, batch
             opt.step()
         return step
 
-    compute = slowest_median(stepper(model), repeats)
     numel = sum(p.numel() for p in model.parameters())
     bucket = (25 << 20) // 4
-    rows = []
+    steps = {"compute": stepper(model)}
+    comm = {}
     for label, group in groups.items():
         grads = [torch.randn(min(bucket, numel - b)) for b in range(0, numel, bucket)]
         memory = [(torch.zeros(g.numel()), torch.zeros(server_residual_numel(g.numel(), r, n))) for g in grads]
-        steps = iter(range(1 << 30))
+        streams = iter(range(1 << 30))
 
         def communicate() -> None:
             for g, (w, s) in zip(grads, memory):
-                compressed_all_reduce(g, compressors.OneBit(), w, s, group=group, stream=next(steps),
+                compressed_all_reduce(g, compressors.OneBit(), w, s, group=group, stream=next(streams),
                                       verify=False).wait()
-        comm = slowest_median(communicate, repeats)
+        comm[label] = slowest_median(communicate, repeats)
         ddp = DistributedDataParallel(copy.deepcopy(model), process_group=group)
         ddp.register_comm_hook(hooks.CompressionState(group, compressors.OneBit(), start_compress_iter=2),
                                hooks.compressed_hook)
-        ddp_step = stepper(ddp)
+        steps[label] = stepper(ddp)
         for _ in range(3):  # past the hook's warm-up and DDP's bucket rebuild
-            ddp_step()
-        step = slowest_median(ddp_step, repeats)
-        rows.append(f"| {label} | {step * 1e3:.1f} | {compute * 1e3:.1f} | {comm * 1e3:.1f} | "
-                    f"{step / (compute + comm):.2f} |")
+            steps[label]()
+    # Compute alone and each group's DDP step in turns: timed one after another, the first would
+    # take the machine's drift alone.
+    step = slowest_medians(steps, repeats)
+    rows = []
+    for label in groups:
+        rows.append(f"| {label} | {step[label] * 1e3:.1f} | {step['compute'] * 1e3:.1f} | {comm[label] * 1e3:.1f} | "
+                    f"{step[label] / (step['compute'] + comm[label]):.2f} |")
         if r == 0:
             print(rows[-1], flush=True)
     return rows
