@@ -23,8 +23,8 @@ With ``--ddp`` it times DDP steps of an MLP (SGD) with the 1-bit hook on each gr
 the same step without DDP (compute alone) and the 1-bit all-reduces of its gradient in DDP's
 25 MB buckets one after another (communication alone): a step below their sum overlaps the
 backward pass with communication. Compute alone and the groups' steps are timed in turns, one
-of each a round: the same steps timed back to back ran up to 1.5x slower on a 2-core machine,
-which would make any step look overlapped. Run it on emulated hosts, e.g.
+of each a round: timed back to back, compute alone came out slower on a 2-core machine
+(docs/results/engine.md), which made the steps look overlapped. Run it on emulated hosts, e.g.
 ``python -m ddlcomm.slownet --ranks 4 --rate 1gbit -- python -m bench.engine --ddp``.
 """
 

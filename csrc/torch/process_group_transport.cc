@@ -32,7 +32,10 @@ std::array<uint64_t, 5> headerOf(const Request& r) {
 }  // namespace
 
 ProcessGroupTransport::ProcessGroupTransport(c10::intrusive_ptr<c10d::Backend> carrier)
-    : carrier_(std::move(carrier)), rank_(carrier_->getRank()), size_(carrier_->getSize()) {}
+    : carrier_(std::move(carrier)),
+      rank_(carrier_->getRank()),
+      size_(carrier_->getSize()),
+      staging_(2 * size_t(size_)) {}
 
 // Work still posted belongs to a failed group: the carrier cannot cancel it, only finish or fail it.
 ProcessGroupTransport::~ProcessGroupTransport() = default;
@@ -59,12 +62,12 @@ void ProcessGroupTransport::post(Request& r, bool isRecv) {
       if (r.signature.step == 0) {
         // The call's first message to this peer: its signature in front of its bytes, one
         // message (a separate one would cost the carrier's latency once more per call).
-        f.staging = at::empty({int64_t(sizeof(Header) + r.bytes)}, at::TensorOptions().dtype(at::kByte));
-        uint8_t* staging = f.staging.data_ptr<uint8_t>();
+        std::vector<uint8_t>& staging = stagingFor(r.peer, isRecv, sizeof(Header) + r.bytes);
         const Header header = isRecv ? Header{} : headerOf(r);  // a receive's is filled by the peer's
-        std::memcpy(staging, header.data(), sizeof(Header));
-        if (!isRecv && r.bytes) std::memcpy(staging + sizeof(Header), r.data, r.bytes);
-        f.work = move(staging, size_t(f.staging.numel()));
+        std::memcpy(staging.data(), header.data(), sizeof(Header));
+        if (!isRecv && r.bytes) std::memcpy(staging.data() + sizeof(Header), r.data, r.bytes);
+        f.staging = staging.data();
+        f.work = move(staging.data(), sizeof(Header) + r.bytes);
       } else if (r.bytes) {
         f.work = move(r.data, r.bytes);
       }
@@ -78,6 +81,12 @@ void ProcessGroupTransport::post(Request& r, bool isRecv) {
   r.failed = false;
   r.transfersLeft = 1;
   inFlight_[&r] = std::move(f);
+}
+
+std::vector<uint8_t>& ProcessGroupTransport::stagingFor(int peer, bool isRecv, size_t bytes) {
+  std::vector<uint8_t>& staging = staging_[2 * size_t(peer) + (isRecv ? 1 : 0)];
+  if (staging.size() < bytes) staging.resize(bytes);
+  return staging;
 }
 
 void ProcessGroupTransport::waitWork(const c10::intrusive_ptr<c10d::Work>& work, const Request& r,
@@ -103,9 +112,10 @@ void ProcessGroupTransport::checkSignature(const Request& r, const Header& their
   guarded([&] {
     DDLCOMM_CHECK(theirs[0] == kSignatureMagic, ErrorKind::Protocol, "rank ", r.peer, " sent a message tagged as ",
                   r.signature.describe(), " that is not ddlcomm's");
-    DDLCOMM_CHECK(!std::equal(mine.begin(), mine.end() - 1, theirs.begin()), ErrorKind::Mismatch, "rank ", r.peer,
-                  " sent ", theirs[4], " bytes in ", r.signature.describe(), " where rank ", rank_, " expects ",
-                  r.bytes);
+    if (std::equal(mine.begin(), mine.end() - 1, theirs.begin())) {  // the same call: only the size differs
+      fail(ErrorKind::Mismatch, "rank ", r.peer, " sent ", theirs[4], " bytes in ", r.signature.describe(),
+           " where rank ", rank_, " expects ", r.bytes);
+    }
     Signature other = r.signature;
     other.op = OpCode(uint8_t(theirs[1] >> 8));
     other.dtype = DataType(uint8_t(theirs[1] & 0xff));
@@ -125,13 +135,13 @@ void ProcessGroupTransport::wait(Request& r, Deadline deadline) {
   InFlight f = std::move(it->second);
   inFlight_.erase(it);
   waitWork(f.work, r, deadline);
-  if (f.isRecv && f.staging.defined()) {
+  if (f.isRecv && f.staging) {
     // A shorter message than expected fills the staging buffer's front only: the header
     // then names another size or call (a longer one is refused by the carrier itself).
     Header theirs;
-    std::memcpy(theirs.data(), f.staging.data_ptr<uint8_t>(), sizeof(Header));
+    std::memcpy(theirs.data(), f.staging, sizeof(Header));
     checkSignature(r, theirs);
-    if (r.bytes) std::memcpy(r.data, f.staging.data_ptr<uint8_t>() + sizeof(Header), r.bytes);
+    if (r.bytes) std::memcpy(r.data, f.staging + sizeof(Header), r.bytes);
   }
   r.transfersLeft = 0;
 }

@@ -16,6 +16,7 @@
 #include <array>
 #include <map>
 #include <string>
+#include <vector>
 
 #include "transport/transport.h"
 
@@ -41,17 +42,21 @@ class ProcessGroupTransport final : public Transport {
   // What the first message of a call to a peer carries in front of its bytes: a magic number,
   // op and dtype, the call's tag and count, the message's bytes.
   using Header = std::array<uint64_t, 5>;
-  // A request's c10d Work; the first message of a call to a peer travels through `staging`:
-  // the header, then the bytes.
+  // A request's c10d Work; the first message of a call to a peer travels through `staging`
+  // (the header, then the bytes), else null.
   struct InFlight {
     c10::intrusive_ptr<c10d::Work> work;
-    at::Tensor staging;
+    uint8_t* staging = nullptr;
     bool isRecv = false;
   };
   // Posts the request's message (with the signature in front, the first of a call to a peer).
   void post(Request& request, bool isRecv);
   // Waits for one Work, up to `deadline`; a failure aborts the transport and throws.
   void waitWork(const c10::intrusive_ptr<c10d::Work>& work, const Request& request, Deadline deadline);
+  // The staging buffer of the first message to (send) or from (receive) `peer`, of at least
+  // `bytes`: one a direction per peer, kept, since a call has one such message each way and
+  // the carrier may still hold one a failed call posted.
+  std::vector<uint8_t>& stagingFor(int peer, bool isRecv, size_t bytes);
   // Throws Mismatch unless the peer's header (received) is this request's.
   void checkSignature(const Request& request, const Header& theirs);
 
@@ -59,6 +64,7 @@ class ProcessGroupTransport final : public Transport {
   const int rank_;
   const int size_;
   std::map<Request*, InFlight> inFlight_;
+  std::vector<std::vector<uint8_t>> staging_;  // by peer: [2 * peer] sends, [2 * peer + 1] receives
   bool broken_ = false;
   ErrorKind brokenKind_ = ErrorKind::Aborted;
   std::string brokenReason_;

@@ -12,7 +12,7 @@
 // two NCCL calls (all-to-all, all-gather). A sparse format: one encode of the bucket, n
 // decode-accumulates, the same two torch operations, one NCCL all-gather (random-k first checks
 // for a non-finite entry, which reads a flag on the host: torch's sum, isfinite and fill, an
-// all-reduce). Counted with random normal gradients: top-k's launches do not depend on the values.
+// all-reduce). Counted with random normal gradients.
 #include <cuda_runtime.h>  // the emulator's: emu::operations()
 
 #include <cstdio>
