@@ -19,13 +19,17 @@ path of CUDA tensors and nccl groups, here on the CPU tensors). Calls pass ``ver
 the DDP hooks do after a bucket's first call. Each time is the median of --repeats, the slowest
 rank's.
 
-With ``--ddp`` it times DDP steps of an MLP (SGD) with the 1-bit hook on each group instead, against
-the same step without DDP (compute alone) and the 1-bit all-reduces of its gradient in DDP's
-25 MB buckets one after another (communication alone): a step below their sum overlaps the
-backward pass with communication. Compute alone and the groups' steps are timed in turns, one
-of each a round: timed back to back, compute alone came out slower on a 2-core machine
-(docs/results/engine.md), which made the steps look overlapped. Run it on emulated hosts, e.g.
-``python -m ddlcomm.slownet --ranks 4 --rate 1gbit -- python -m bench.engine --ddp``.
+The calls on the two groups, over gloo's collectives and gloo moving the payload are timed in
+turns (one of each a round): timed one after another, the first takes the machine's drift alone.
+
+With ``--ddp`` it times DDP steps of an MLP (SGD) with the 1-bit hook on each group instead,
+against the same step with the hook waited inside (the bucket's all-reduce done before backward
+goes on: no overlap), DDP without communication (a hook that returns its bucket as it is: the
+backward pass with DDP's own bucket copies) and the 1-bit all-reduces of its gradient in DDP's
+25 MB buckets one after another (communication alone), all in turns. A step below "without +
+communication", and below the waited step, overlaps the backward pass with communication. Run
+it on emulated hosts too, e.g. ``python -m ddlcomm.slownet --ranks 2 --rate 1gbit -- python -m
+bench.engine --ddp``.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ import shlex
 import statistics
 import sys
 import time
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -57,14 +61,10 @@ COMPRESSORS: dict[str, Callable[[], compressors.Compressor]] = {
 }
 
 
-def slowest_median(call: Callable[[], None], repeats: int) -> float:
-    """Median over `repeats` of the slowest rank's seconds for `call` (after one warm-up)."""
-    return slowest_medians({"call": call}, repeats)["call"]
-
-
 def slowest_medians(calls: dict[str, Callable[[], None]], repeats: int) -> dict[str, float]:
-    """``slowest_median`` of each call, timed in turns (one call of each a round, the order
-    reversed every round), so that the machine's drift falls on all of them alike."""
+    """The median over `repeats` of the slowest rank's seconds for each call (after one warm-up),
+    timed in turns (one call of each a round, the order reversed every round), so that the
+    machine's drift falls on all of them alike."""
     for call in calls.values():
         call()
     times: dict[str, list[float]] = {name: [] for name in calls}
@@ -103,18 +103,24 @@ def payload_move(compressor: compressors.Compressor, numel: int, gloo: dist.Proc
 
 
 def measure(name: str, numel: int, groups: dict[str, dist.ProcessGroup], repeats: int) -> dict[str, float]:
+    """The call on each group, over gloo's collectives, and gloo moving its payload, timed in
+    turns; then the host time of the call on each group."""
     compressor = COMPRESSORS[name]()
     n, r = dist.get_world_size(), dist.get_rank()
-    row: dict[str, float] = {}
+    grad = torch.randn(numel, generator=torch.Generator().manual_seed(r))
+    worker = torch.zeros(numel)
+    server = torch.zeros(server_residual_numel(numel, r, n))
+    steps = iter(range(1 << 30))
+
+    def on(group: dist.ProcessGroup) -> Callable[[], None]:
+        return lambda: compressed_all_reduce(grad, compressor, worker, server, group=group, stream=next(steps),
+                                             verify=False).wait()
+    calls = {label: on(group) for label, group in groups.items()}
+    calls["collectives"] = lambda: all_reduce_over_collectives(grad, compressor, worker, server, groups["gloo"],
+                                                               True, next(steps), False, False)
+    calls["move"] = payload_move(compressor, numel, groups["gloo"])
+    row = slowest_medians(calls, repeats)
     for label, group in groups.items():
-        grad = torch.randn(numel, generator=torch.Generator().manual_seed(r))
-        worker = torch.zeros(numel)
-        server = torch.zeros(server_residual_numel(numel, r, n))
-        steps = iter(range(1 << 30))
-        row[label] = slowest_median(
-            lambda: compressed_all_reduce(grad, compressor, worker, server, group=group, stream=next(steps),
-                                          verify=False).wait(),
-            repeats)
         hosts = []
         for _ in range(repeats):
             dist.barrier()
@@ -123,16 +129,13 @@ def measure(name: str, numel: int, groups: dict[str, dist.ProcessGroup], repeats
             hosts.append(time.perf_counter() - start)
             fut.wait()
         row[label + " host"] = statistics.median(hosts)
-    steps = iter(range(1 << 30))
-    row["collectives"] = slowest_median(
-        lambda: all_reduce_over_collectives(grad, compressor, worker, server, groups["gloo"], True, next(steps),
-                                            False, False), repeats)
-    row["move"] = slowest_median(payload_move(compressor, numel, groups["gloo"]), repeats)
     return row
 
 
 def ddp_rows(groups: dict[str, dist.ProcessGroup], width: int, depth: int, batch: int, repeats: int) -> list[str]:
-    """Step, compute alone and communication alone per group, in ms; their ratio step / (sum)."""
+    """Per group: the DDP step with the 1-bit hook, the same hook waited inside (no overlap), DDP
+    without communication (a hook that returns its bucket) and the all-reduces alone, in ms, all
+    timed in turns; the step over their sum and over the waited step."""
     r, n = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     layers: list[torch.nn.Module] = []
@@ -151,33 +154,46 @@ def ddp_rows(groups: dict[str, dist.ProcessGroup], width: int, depth: int, batch
             opt.step()
         return step
 
+    # DDP rejects a hook whose annotations are not dist.GradBucket and Future[Tensor] themselves,
+    # and this module's annotations are strings: the two hooks go without.
+    def returned(state, bucket):  # type: ignore[no-untyped-def]
+        fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        fut.set_result(bucket.buffer())
+        return fut
+
+    def waited(state, bucket):  # type: ignore[no-untyped-def]
+        fut = hooks.compressed_hook(state, bucket)
+        fut.wait()
+        return fut
+
     numel = sum(p.numel() for p in model.parameters())
     bucket = (25 << 20) // 4
-    steps = {"compute": stepper(model)}
-    comm = {}
+    calls: dict[str, Callable[[], None]] = {}
     for label, group in groups.items():
         grads = [torch.randn(min(bucket, numel - b)) for b in range(0, numel, bucket)]
         memory = [(torch.zeros(g.numel()), torch.zeros(server_residual_numel(g.numel(), r, n))) for g in grads]
-        streams = iter(range(1 << 30))
 
-        def communicate() -> None:
+        def communicate(group: dist.ProcessGroup = group, grads: list[torch.Tensor] = grads,
+                        memory: list[tuple[torch.Tensor, torch.Tensor]] = memory,
+                        streams: Iterator[int] = iter(range(1 << 30))) -> None:
             for g, (w, s) in zip(grads, memory):
                 compressed_all_reduce(g, compressors.OneBit(), w, s, group=group, stream=next(streams),
                                       verify=False).wait()
-        comm[label] = slowest_median(communicate, repeats)
-        ddp = DistributedDataParallel(copy.deepcopy(model), process_group=group)
-        ddp.register_comm_hook(hooks.CompressionState(group, compressors.OneBit(), start_compress_iter=2),
-                               hooks.compressed_hook)
-        steps[label] = stepper(ddp)
-        for _ in range(3):  # past the hook's warm-up and DDP's bucket rebuild
-            steps[label]()
-    # Compute alone and each group's DDP step in turns: timed one after another, the first would
-    # take the machine's drift alone.
-    step = slowest_medians(steps, repeats)
+        calls[f"{label} communication"] = communicate
+        for kind, hook in (("step", hooks.compressed_hook), ("waited", waited), ("without", returned)):
+            ddp = DistributedDataParallel(copy.deepcopy(model), process_group=group)
+            ddp.register_comm_hook(None if hook is returned else
+                                   hooks.CompressionState(group, compressors.OneBit(), start_compress_iter=2), hook)
+            calls[f"{label} {kind}"] = stepper(ddp)
+            for _ in range(3):  # past the hook's warm-up and DDP's bucket rebuild
+                calls[f"{label} {kind}"]()
+    ms = {name: seconds * 1e3 for name, seconds in slowest_medians(calls, repeats).items()}
     rows = []
     for label in groups:
-        rows.append(f"| {label} | {step[label] * 1e3:.1f} | {step['compute'] * 1e3:.1f} | {comm[label] * 1e3:.1f} | "
-                    f"{step[label] / (step['compute'] + comm[label]):.2f} |")
+        step, waited_step, without, comm = (ms[f"{label} {kind}"] for kind in ("step", "waited", "without",
+                                                                              "communication"))
+        rows.append(f"| {label} | {step:.1f} | {waited_step:.1f} | {without:.1f} | {comm:.1f} | "
+                    f"{step / (without + comm):.2f} | {step / waited_step:.2f} |")
         if r == 0:
             print(rows[-1], flush=True)
     return rows
@@ -207,8 +223,9 @@ def main() -> None:
     lines = [f"{dist.get_world_size()} ranks on {args.where}, median of {args.repeats}, the slowest rank's. "
              f"Command: {command}", ""]
     if args.ddp:
-        lines += ["| 1-bit hook on | DDP step ms | compute alone ms | communication alone ms | step / (sum) |",
-                  "|---|---|---|---|---|"]
+        lines += ["| 1-bit hook on | DDP step ms | hook waited inside ms | DDP without communication ms | "
+                  "communication alone ms | step / (without + communication) | step / waited |",
+                  "|---|---|---|---|---|---|---|"]
         lines += ddp_rows(groups, args.width, args.depth, args.batch, args.repeats)
     else:
         lines += ["| compressor, gradient | ddlcomm group ms | gloo group ms | gloo moving the payload ms | ratio | "
