@@ -27,7 +27,11 @@ against the same step with the hook waited inside (the bucket's all-reduce done 
 goes on: no overlap), DDP without communication (a hook that returns its bucket as it is: the
 backward pass with DDP's own bucket copies) and the 1-bit all-reduces of its gradient in DDP's
 25 MB buckets one after another (communication alone), all in turns. A step below "without +
-communication", and below the waited step, overlaps the backward pass with communication. Run
+communication", and below the waited step, overlaps the backward pass with communication. "hook
+ms per bucket" is how long the hook takes to return a bucket's future, on the wall clock and in
+the CPU time of the thread that calls it (the median over the timed steps' buckets but each
+iteration's last, which waits for all of them; the slowest rank's): what a bucket costs the
+backward pass, and how much of that is the hook's own work rather than waiting for a core. Run
 it on emulated hosts too, e.g. ``python -m ddlcomm.slownet --ranks 2 --rate 1gbit -- python -m
 bench.engine --ddp``.
 """
@@ -36,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import math
 import os
 import shlex
 import statistics
@@ -166,9 +171,21 @@ def ddp_rows(groups: dict[str, dist.ProcessGroup], width: int, depth: int, batch
         fut.wait()
         return fut
 
+    def timed(seconds: list[tuple[float, float]]) -> Callable[..., torch.futures.Future[torch.Tensor]]:
+        """The hook, appending the wall and the calling thread's CPU seconds of each call but the
+        iteration's last (which waits for every bucket's communication) to `seconds`."""
+        def hook(state, bucket):  # type: ignore[no-untyped-def]
+            wall, cpu = time.perf_counter(), time.thread_time()
+            fut = hooks.compressed_hook(state, bucket)
+            if not bucket.is_last():
+                seconds.append((time.perf_counter() - wall, time.thread_time() - cpu))
+            return fut
+        return hook
+
     numel = sum(p.numel() for p in model.parameters())
     bucket = (25 << 20) // 4
     calls: dict[str, Callable[[], None]] = {}
+    hook_seconds: dict[str, list[tuple[float, float]]] = {label: [] for label in groups}
     for label, group in groups.items():
         grads = [torch.randn(min(bucket, numel - b)) for b in range(0, numel, bucket)]
         memory = [(torch.zeros(g.numel()), torch.zeros(server_residual_numel(g.numel(), r, n))) for g in grads]
@@ -180,20 +197,25 @@ def ddp_rows(groups: dict[str, dist.ProcessGroup], width: int, depth: int, batch
                 compressed_all_reduce(g, compressors.OneBit(), w, s, group=group, stream=next(streams),
                                       verify=False).wait()
         calls[f"{label} communication"] = communicate
-        for kind, hook in (("step", hooks.compressed_hook), ("waited", waited), ("without", returned)):
+        for kind, hook in (("step", timed(hook_seconds[label])), ("waited", waited), ("without", returned)):
             ddp = DistributedDataParallel(copy.deepcopy(model), process_group=group)
             ddp.register_comm_hook(None if hook is returned else
                                    hooks.CompressionState(group, compressors.OneBit(), start_compress_iter=2), hook)
             calls[f"{label} {kind}"] = stepper(ddp)
             for _ in range(3):  # past the hook's warm-up and DDP's bucket rebuild
                 calls[f"{label} {kind}"]()
+        hook_seconds[label].clear()
     ms = {name: seconds * 1e3 for name, seconds in slowest_medians(calls, repeats).items()}
+    # A model of one bucket has no bucket but the last: nan.
+    host = torch.tensor([[statistics.median(t[i] for t in hook_seconds[label]) * 1e3 if hook_seconds[label] else
+                          math.nan for i in (0, 1)] for label in groups])
+    dist.all_reduce(host, op=dist.ReduceOp.MAX)
     rows = []
-    for label in groups:
+    for label, (wall_ms, cpu_ms) in zip(groups, host.tolist()):
         step, waited_step, without, comm = (ms[f"{label} {kind}"] for kind in ("step", "waited", "without",
                                                                               "communication"))
         rows.append(f"| {label} | {step:.1f} | {waited_step:.1f} | {without:.1f} | {comm:.1f} | "
-                    f"{step / (without + comm):.2f} | {step / waited_step:.2f} |")
+                    f"{step / (without + comm):.2f} | {step / waited_step:.2f} | {wall_ms:.3f} / {cpu_ms:.3f} |")
         if r == 0:
             print(rows[-1], flush=True)
     return rows
@@ -224,8 +246,8 @@ def main() -> None:
              f"Command: {command}", ""]
     if args.ddp:
         lines += ["| 1-bit hook on | DDP step ms | hook waited inside ms | DDP without communication ms | "
-                  "communication alone ms | step / (without + communication) | step / waited |",
-                  "|---|---|---|---|---|---|---|"]
+                  "communication alone ms | step / (without + communication) | step / waited | "
+                  "hook ms per bucket, wall / CPU |", "|---|---|---|---|---|---|---|---|"]
         lines += ddp_rows(groups, args.width, args.depth, args.batch, args.repeats)
     else:
         lines += ["| compressor, gradient | ddlcomm group ms | gloo group ms | gloo moving the payload ms | ratio | "

@@ -270,12 +270,12 @@ def test_documented_benchmark_runs_in_its_shortest_form(module: str, tmp_path: P
 
 
 def test_engine_ddp_form_runs_and_writes_its_table(tmp_path: Path):
-    """``bench.engine --ddp`` (engine.md's DDP tables): one row per group with all six figures."""
+    """``bench.engine --ddp`` (engine.md's DDP tables): one row per group with all seven figures."""
     args = ("--ddp", "--width", "16", "--depth", "1", "--batch", "2", "--repeats", "1", "--out", f"{tmp_path}/e.md")
     result = run(command("bench.engine", Case(args, torchrun=True), tmp_path), ROOT, environment())
     assert result.returncode == 0, _tail(result)
     rows = [line for line in (tmp_path / "e.md").read_text().splitlines() if line.startswith(("| ddlcomm |", "| gloo |"))]
-    assert len(rows) == 2 and all(len(row.strip("|").split("|")) == 7 for row in rows), rows
+    assert len(rows) == 2 and all(len(row.strip("|").split("|")) == 8 for row in rows), rows
 
 # Options below what a benchmark can run, each with the minimum its usage error must name. Both
 # are refused before any rank starts (plain python, no torchrun): one usage line, exit 2.
