@@ -8,16 +8,16 @@ Run under torchrun from the repository root, e.g.::
 Both groups run the one C++ implementation as an operation on the executor of their ddlcomm
 backend (``ddlcomm.compressed.engine_of``): the ddlcomm group's own collectives on its
 transport, the gloo group's over gloo's send and recv. "gloo moving the payload" is gloo's own
-``all_to_all_single`` of the bytes each rank scatters plus ``all_gather_single`` of the bytes
-it gathers (one call each for all pieces, a floor). The ratio is gloo group / (ddlcomm group +
-gloo moving the payload): at 1 the call on a gloo group costs what its computation costs plus
-what gloo takes to move its bytes. "host ms" is how long the caller spends in
-``compressed_all_reduce`` before it has a future back (what a DDP hook costs the backward pass
-per bucket). "gloo collectives path" is the same implementation on the caller's thread over
-gloo's own all-to-all and all-gather (``ddlcomm.compressed.all_reduce_over_collectives``, the
-path of CUDA tensors and nccl groups, here on the CPU tensors). Calls pass ``verify=False``, as
-the DDP hooks do after a bucket's first call. Each time is the median of --repeats, the slowest
-rank's.
+``all_to_all_single`` of the bytes each rank scatters plus ``all_gather_single`` of the bytes it
+gathers (one call each for all pieces, a floor). The ratio is gloo group / (ddlcomm group + gloo
+moving the payload): at 1 the call on a gloo group costs what its computation costs plus what
+gloo takes to move its bytes. "host ms" is how long the caller spends in
+``compressed_all_reduce`` before it has a future back (the C++ call a DDP hook makes per bucket;
+``--ddp`` times the whole hook). "gloo collectives path" is the same implementation on the
+caller's thread over gloo's own all-to-all and all-gather
+(``ddlcomm.compressed.all_reduce_over_collectives``, the path of CUDA tensors and nccl groups,
+here on the CPU tensors). Calls pass ``verify=False``, as the DDP hooks do after a bucket's
+first call. Each time is the median of --repeats, the slowest rank's.
 
 The calls on the two groups, over gloo's collectives and gloo moving the payload are timed in
 turns (one of each a round): timed one after another, the first takes the machine's drift alone.
