@@ -5,6 +5,7 @@ that fails ends with its own exception's exit, not an abort or a hang."""
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -35,7 +36,7 @@ raise RuntimeError("training failed")
 # the threads left, a gloo group's among them while anything still holds the group.
 ON_GLOO = """
 import atexit, os
-atexit.register(lambda: print(f"threads at exit: {len(os.listdir('/proc/self/task'))}", flush=True))
+atexit.register(lambda: os.write(1, f"threads at exit: {len(os.listdir('/proc/self/task'))}\\n".encode()))
 import torch, torch.distributed as dist
 from ddlcomm import compressors
 from ddlcomm.compressed import compressed_all_reduce
@@ -82,6 +83,7 @@ def test_a_gloo_group_that_ran_compressed_calls_is_released_before_the_interpret
     for calls in (0, 5):
         done = _torchrun(tmp_path, ON_GLOO.replace("CALLS", str(calls)))
         assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-        threads[calls] = sorted(line for line in done.stdout.splitlines() if line.startswith("threads at exit"))
+        # Both ranks write to torchrun's one stdout: one write each, read wherever it lands.
+        threads[calls] = sorted(re.findall(r"threads at exit: (\d+)", done.stdout))
         assert len(threads[calls]) == 2, done.stdout
     assert threads[5] == threads[0], threads
