@@ -24,16 +24,16 @@ turns (one of each a round): timed one after another, the first takes the machin
 
 With ``--ddp`` it times DDP steps of an MLP (SGD) with the 1-bit hook on each group instead,
 against the same step with the hook waited inside (the bucket's all-reduce done before backward
-goes on: no overlap), DDP without communication (a hook that returns its bucket as it is: the
-backward pass with DDP's own bucket copies) and the 1-bit all-reduces of its gradient in DDP's
-25 MB buckets one after another (communication alone), all in turns. A step below "without +
-communication", and below the waited step, overlaps the backward pass with communication. "hook
-ms per bucket" is how long the hook takes to return a bucket's future, on the wall clock and in
-the CPU time of the thread that calls it (the median over the timed steps' buckets but each
-iteration's last, which waits for all of them; the slowest rank's): what a bucket costs the
-backward pass, and how much of that is the hook's own work rather than waiting for a core. Run
-it on emulated hosts too, e.g. ``python -m ddlcomm.slownet --ranks 2 --rate 1gbit -- python -m
-bench.engine --ddp``.
+goes on: no overlap), DDP without communication (torch's ``noop_hook``, which returns each
+bucket as it is: the backward pass with DDP's own bucket copies) and the 1-bit all-reduces of
+its gradient in DDP's 25 MB buckets one after another (communication alone), all in turns. A
+step below "without + communication", and below the waited step, overlaps the backward pass with
+communication. "hook ms per bucket" is how long the hook takes to return a bucket's future, on
+the wall clock and in the CPU time of the thread that calls it (the median over the timed steps'
+buckets but each iteration's last, which waits for all of them; the slowest rank's): what a
+bucket costs the backward pass, and how much of that is the hook's own work rather than waiting
+for a core. Run it on emulated hosts too, e.g. ``python -m ddlcomm.slownet --ranks 2 --rate
+1gbit -- python -m bench.engine --ddp``.
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 
+from torch.distributed.algorithms.ddp_comm_hooks.debugging_hooks import noop_hook
 from torch.nn.parallel import DistributedDataParallel
 
 from ddlcomm import _C, compressors, hooks
@@ -139,7 +140,7 @@ def measure(name: str, numel: int, groups: dict[str, dist.ProcessGroup], repeats
 
 def ddp_rows(groups: dict[str, dist.ProcessGroup], width: int, depth: int, batch: int, repeats: int) -> list[str]:
     """Per group: the DDP step with the 1-bit hook, the same hook waited inside (no overlap), DDP
-    without communication (a hook that returns its bucket) and the all-reduces alone, in ms, all
+    without communication (torch's ``noop_hook``) and the all-reduces alone, in ms, all
     timed in turns; the step over their sum and over the waited step."""
     r, n = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
@@ -160,12 +161,7 @@ def ddp_rows(groups: dict[str, dist.ProcessGroup], width: int, depth: int, batch
         return step
 
     # DDP rejects a hook whose annotations are not dist.GradBucket and Future[Tensor] themselves,
-    # and this module's annotations are strings: the two hooks go without.
-    def returned(state, bucket):  # type: ignore[no-untyped-def]
-        fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-        fut.set_result(bucket.buffer())
-        return fut
-
+    # and this module's annotations are strings: the hooks below go without.
     def waited(state, bucket):  # type: ignore[no-untyped-def]
         fut = hooks.compressed_hook(state, bucket)
         fut.wait()
@@ -197,9 +193,9 @@ def ddp_rows(groups: dict[str, dist.ProcessGroup], width: int, depth: int, batch
                 compressed_all_reduce(g, compressors.OneBit(), w, s, group=group, stream=next(streams),
                                       verify=False).wait()
         calls[f"{label} communication"] = communicate
-        for kind, hook in (("step", timed(hook_seconds[label])), ("waited", waited), ("without", returned)):
+        for kind, hook in (("step", timed(hook_seconds[label])), ("waited", waited), ("without", noop_hook)):
             ddp = DistributedDataParallel(copy.deepcopy(model), process_group=group)
-            ddp.register_comm_hook(None if hook is returned else
+            ddp.register_comm_hook(None if hook is noop_hook else
                                    hooks.CompressionState(group, compressors.OneBit(), start_compress_iter=2), hook)
             calls[f"{label} {kind}"] = stepper(ddp)
             for _ in range(3):  # past the hook's warm-up and DDP's bucket rebuild

@@ -24,12 +24,12 @@ at::Tensor bytesAt(void* data, size_t bytes) {
   return at::from_blob(data, {int64_t(bytes)}, at::TensorOptions().dtype(at::kByte));
 }
 
-std::array<uint64_t, 5> headerOf(const Request& r) {
+}  // namespace
+
+ProcessGroupTransport::Header ProcessGroupTransport::headerOf(const Request& r) {
   return {kSignatureMagic, (uint64_t(r.signature.op) << 8) | uint64_t(r.signature.dtype), r.signature.tag,
           r.signature.count, uint64_t(r.bytes)};
 }
-
-}  // namespace
 
 ProcessGroupTransport::ProcessGroupTransport(c10::intrusive_ptr<c10d::Backend> carrier)
     : carrier_(std::move(carrier)),

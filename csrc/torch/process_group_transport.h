@@ -42,6 +42,8 @@ class ProcessGroupTransport final : public Transport {
   // What the first message of a call to a peer carries in front of its bytes: a magic number,
   // op and dtype, the call's tag and count, the message's bytes.
   using Header = std::array<uint64_t, 5>;
+  // This rank's header for `request` (what its peer's must equal).
+  static Header headerOf(const Request& request);
   // A request's c10d Work; the first message of a call to a peer travels through `staging`
   // (the header, then the bytes), else null.
   struct InFlight {
