@@ -7,7 +7,9 @@ Run under torchrun from the repository root, e.g.::
 
 Both groups run the one C++ implementation as an operation on the executor of their ddlcomm
 backend (``ddlcomm.compressed.engine_of``): the ddlcomm group's own collectives on its
-transport, the gloo group's over gloo's send and recv. "gloo moving the payload" is gloo's own
+transport, the gloo group's over gloo's send and recv, or through shared memory where the group
+is on one host as on loopback (``DDLCOMM_TRANSPORT=tcp``: over gloo's send and recv there too,
+and TCP for the ddlcomm group). "gloo moving the payload" is gloo's own
 ``all_to_all_single`` of the bytes each rank scatters plus ``all_gather_single`` of the bytes it
 gathers (one call each for all pieces, a floor). The ratio is gloo group / (ddlcomm group + gloo
 moving the payload): at 1 the call on a gloo group costs what its computation costs plus what

@@ -39,8 +39,9 @@ def test_compressed_mismatch_on_gloo_is_refused_on_every_rank() -> None:
     assert_all_ok(launch(faults.compressed_mismatch_on_gloo, 2, timeout=60))
 
 
-def test_engine_over_gloo_checks_each_calls_first_message() -> None:
-    assert_all_ok(launch(faults.carrier_mismatch, 2, timeout=60))
+@pytest.mark.parametrize("transport", ["tcp", "auto"], ids=["over gloo", "shared memory"])
+def test_engine_over_gloo_checks_each_calls_first_message(transport: str) -> None:
+    assert_all_ok(launch(faults.carrier_mismatch, 2, timeout=60, env={"DDLCOMM_TRANSPORT": transport}))
 
 
 @pytest.mark.parametrize("backend", ["ddlcomm", "gloo"])

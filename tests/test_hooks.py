@@ -15,11 +15,20 @@ from harness import assert_all_ok, launch, named_hosts
 from workers import collective_paths, compression
 
 
-def test_every_path_agrees_bitwise() -> None:
-    # The ddlcomm group over shared memory (the default here), the gloo group over gloo's send and
-    # recv, and the collectives path (CUDA tensors') over gloo's collectives; test_soak runs compressed all-reduces over
-    # every transport. Two threads per rank, so that the largest vector's chunks are split across threads.
-    assert_all_ok(launch(compression.paths_agree, 4, timeout=180, env={"DDLCOMM_NUM_THREADS": "2"}))
+@pytest.mark.parametrize("transport", ["auto", "tcp"])
+def test_every_path_agrees_bitwise(transport: str) -> None:
+    # The ddlcomm group and the gloo group (its engine's messages through shared memory under
+    # auto, over TCP and gloo's send and recv under tcp), and the collectives path (CUDA
+    # tensors') over gloo's collectives; test_soak runs compressed all-reduces over every
+    # transport. Two threads per rank, so that the largest vector's chunks are split across threads.
+    assert_all_ok(launch(compression.paths_agree, 4, timeout=180,
+                         env={"DDLCOMM_NUM_THREADS": "2", "DDLCOMM_TRANSPORT": transport}))
+
+
+@pytest.mark.parametrize("transport", ["auto", "tcp"])
+def test_engine_of_a_gloo_group_takes_shared_memory_within_one_host(transport: str) -> None:
+    assert_all_ok(launch(compression.engine_transport, 4, timeout=120, rank_env=named_hosts(),
+                         env={"DDLCOMM_TRANSPORT": transport}))
 
 
 def test_every_path_agrees_bitwise_over_hosts() -> None:

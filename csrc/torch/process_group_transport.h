@@ -33,6 +33,7 @@ class ProcessGroupTransport final : public Transport {
   void postRecv(Request& request) override;
   void wait(Request& request, Deadline deadline) override;
   void poll(std::chrono::milliseconds timeout) override;
+  bool pollProgresses() const override { return false; }
   void wakeup() override {}
   void abort(ErrorKind kind, const std::string& reason) noexcept override;
   void throwIfBroken() const override;

@@ -94,10 +94,12 @@ std::unique_ptr<Transport> connectTcp(Setup& s, const TransportEntry& self, std:
 }
 
 // The network transport connects first: it proves the group key, so the store entries the
-// shared-memory layer then reads were written by members of this group.
+// shared-memory layer then reads were written by members of this group (another backend's,
+// given, has no key: its group's store is trusted as that backend trusts it).
 std::unique_ptr<Transport> layerShm(Setup& s, const TransportEntry& self, std::unique_ptr<Transport> network) {
   shm::ShmOptions options = s.shm;
   options.required = s.options.choice == self.name;  // every rank must be local, no fallback
+  options.wholeGroupOnly = !network->pollProgresses();
   return shm::ShmTransport::layer(std::move(network), s.store, options, s.spin(self));
 }
 
@@ -204,13 +206,17 @@ std::vector<std::string> transportNames() {
   return names;
 }
 
-Connection connectTransport(int rank, int size, KeyValueStore& store, const TransportOptions& options) {
+Connection connectTransport(int rank, int size, KeyValueStore& store, const TransportOptions& options,
+                            std::unique_ptr<Transport> network) {
   Setup setup(rank, size, store, options);
-  const TransportEntry* network = nullptr;
-  for (const TransportEntry& e : kTransports) {
-    if (e.built && e.role == TransportEntry::Network && e.applies(e, setup)) network = &e;
+  std::unique_ptr<Transport> transport = std::move(network);
+  if (!transport) {
+    const TransportEntry* chosen = nullptr;
+    for (const TransportEntry& e : kTransports) {
+      if (e.built && e.role == TransportEntry::Network && e.applies(e, setup)) chosen = &e;
+    }
+    transport = chosen->connect(setup, *chosen, nullptr);
   }
-  std::unique_ptr<Transport> transport = network->connect(setup, *network, nullptr);
   for (const TransportEntry& e : kTransports) {
     if (e.built && e.role == TransportEntry::Layer && e.applies(e, setup)) {
       transport = e.connect(setup, e, std::move(transport));

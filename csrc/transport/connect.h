@@ -50,6 +50,10 @@ struct Connection {
 };
 
 // Connects rank `rank` of `size` through `store`; returns once every peer is reachable.
-Connection connectTransport(int rank, int size, KeyValueStore& store, const TransportOptions& options);
+// `network`, when given, is a transport that already reaches every peer (another backend's
+// send and recv): it takes the place of the table's network entries, and the layers that
+// apply (shared memory between the ranks of a host) go over it.
+Connection connectTransport(int rank, int size, KeyValueStore& store, const TransportOptions& options,
+                            std::unique_ptr<Transport> network = nullptr);
 
 }  // namespace ddlcomm

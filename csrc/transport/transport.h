@@ -111,6 +111,10 @@ class Transport {
   virtual TransportStats stats() const = 0;
   // Null unless every rank of the group can read every other's memory.
   virtual SharedWindows* sharedWindows() { return nullptr; }
+  // Whether poll() moves and completes requests. False for one whose requests move only while
+  // waited for (another backend's send and recv): nothing may then be layered over it that
+  // polls it while waiting on something else.
+  virtual bool pollProgresses() const { return true; }
   // How a wait polls before it sleeps; connectTransport sets it once connected.
   virtual void setSpin(SpinPolicy spin) { spin_ = spin; }
 

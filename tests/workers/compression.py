@@ -97,6 +97,32 @@ def paths_agree() -> None:
             assert_paths_agree(name, numel, gloo, stream=11)
 
 
+def engine_transport() -> None:
+    """Where the engine of a gloo group sends its bytes (ranks on named hosts, two a host): over
+    gloo's send and recv for all ranks, which span hosts, and through shared memory for a group
+    of one host's ranks (unless DDLCOMM_TRANSPORT=tcp); the same bits either way."""
+    rank, n = init()
+    shared = os.environ.get("DDLCOMM_TRANSPORT", "auto") != "tcp"
+    world = dist.new_group(backend="gloo")
+    hosts = [dist.new_group([r, r + 1], backend="gloo") for r in range(0, n, 2)]
+    host = hosts[rank // 2]
+    comp = compressors.OneBit()
+    for group, local in ((world, False), (host, shared)):
+        engine = engine_of(group)
+        before = engine.stats()
+        x = torch.randn(10_000, generator=torch.Generator().manual_seed(rank))
+        y = x.clone()
+        compressed_all_reduce(x, comp, group=group).wait()
+        compressed.all_reduce_over_collectives(y, comp, None, None, group, True, 0, False, False)
+        assert torch.equal(x, y), f"rank {rank}: the engine and gloo's collectives disagree"
+        after = engine.stats()
+        moved = after["shared_memory_bytes_sent"] - before["shared_memory_bytes_sent"]
+        carried = after["bytes_sent"] - before["bytes_sent"]
+        assert after["network"] == "c10d:gloo", after
+        assert after["shared_memory_peers"] == (dist.get_world_size(group) - 1 if local else 0), after
+        assert (moved > 0, carried > 0) == (local, not local), (local, moved, carried)
+
+
 def pieces_agree() -> None:
     """A vector longer than one piece (the second one short): the pipeline over its pieces on
     both groups and the collectives path's loop over them give the same bits, on every rank."""

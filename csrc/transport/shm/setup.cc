@@ -33,7 +33,7 @@ std::unique_ptr<Transport> ShmTransport::layer(std::unique_ptr<Transport> networ
   DDLCOMM_CHECK(!options.required || elsewhere.empty(), ErrorKind::InvalidArgument,
                 "transport shm (DDLCOMM_TRANSPORT or ddlcomm.Options) needs every rank on this host, but ", elsewhere,
                 " (use transport auto to mix shared memory and the network)");
-  if (local.size() == 1) return network;
+  if (local.size() == 1 || (options.wholeGroupOnly && !elsewhere.empty())) return network;
 
   std::unique_ptr<ShmTransport> t(new ShmTransport(std::move(network), options));
   t->setSpin(spin);

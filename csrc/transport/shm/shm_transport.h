@@ -29,6 +29,9 @@ struct ShmOptions {
   // the caches between being written, reduced and copied out (docs/transports.md).
   size_t windowBytes = 1 << 20;
   bool required = false;  // DDLCOMM_TRANSPORT=shm: every rank must be local, no fallback
+  // Layered only where every rank is local: a wait on shared memory polls the network, which
+  // must then never be needed (one whose poll does not progress, Transport::pollProgresses).
+  bool wholeGroupOnly = false;
 
   static ShmOptions fromEnvironment();
 };
