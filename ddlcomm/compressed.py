@@ -94,12 +94,11 @@ def engine_of(group: Optional[dist.ProcessGroup] = None) -> Optional[_C.ProcessG
     A ddlcomm group's own backend; on a group of another backend with CPU collectives (gloo, a
     third party's), a ddlcomm backend whose messages travel as that backend's send and recv
     (``ProcessGroupDdlcomm.over``), made at the group's first compressed call: that call is
-    collective (every rank connects through the group's store, or gives its host in one
-    all-gather for a group torch did not make). Its tags have bit 30 set: the user's own send and
-    recv on the group keep tags below 2**30, and its collectives never interleave with the user's
-    on the group. Ranks on one host exchange through shared memory instead, as on a ddlcomm group
-    (``DDLCOMM_TRANSPORT=tcp``: over the group's backend too), where torch holds the group's
-    store. None where the group has no CPU backend (nccl only)."""
+    collective (every rank connects through the group's store). Its tags have bit 30 set: the
+    user's own send and recv on the group keep tags below 2**30, and its collectives never
+    interleave with the user's on the group. Where every rank of the group is on one host they
+    exchange through shared memory instead, as on a ddlcomm group (``DDLCOMM_TRANSPORT=tcp``:
+    over the group's backend there too). None where the group has no CPU backend (nccl only)."""
     group = group or dist.group.WORLD
     native = native_backend(group)
     if native is not None:
@@ -112,16 +111,12 @@ def engine_of(group: Optional[dist.ProcessGroup] = None) -> Optional[_C.ProcessG
     except RuntimeError:
         return None
     _forget_destroyed_groups()
-    identities: list[Optional[str]] = []
-    try:
-        store = dist.distributed_c10d._get_process_group_store(group)
-    except KeyError:  # a group torch did not register (torchft's): its ranks tell their hosts
-        store = None
-        identities = [None] * dist.get_world_size(group)
-        dist.all_gather_object(identities, _C.ProcessGroupDdlcomm.host_identity(), group=group)
+    # Registered with torch: the compressed collectives take only such groups (their sizes and
+    # ranks come from torch's registry).
+    store = dist.distributed_c10d._get_process_group_store(group)
     timeout = getattr(getattr(carrier, "options", None), "_timeout", None) or datetime.timedelta(minutes=30)
     # Its own collectives are flat: the two levels, where the group takes them, are host_levels_of's.
-    engine = _C.ProcessGroupDdlcomm.over(carrier, store, identities, timeout, group.group_name, "ring")
+    engine = _C.ProcessGroupDdlcomm.over(carrier, store, timeout, group.group_name, "ring")
     _engines[group.group_name] = (group, engine)
     return engine
 

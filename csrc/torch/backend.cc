@@ -166,7 +166,6 @@ ProcessGroupDdlcomm::ProcessGroupDdlcomm(const c10::intrusive_ptr<c10d::Store>& 
 
 ProcessGroupDdlcomm::ProcessGroupDdlcomm(const c10::intrusive_ptr<c10d::Backend>& carrier,
                                          const c10::intrusive_ptr<c10d::Store>& store,
-                                         const std::vector<std::string>& hostIdentities,
                                          std::chrono::milliseconds timeout, std::string groupName,
                                          const c10::intrusive_ptr<Options>& options)
     : Backend(carrier->getRank(), carrier->getSize()),
@@ -176,27 +175,19 @@ ProcessGroupDdlcomm::ProcessGroupDdlcomm(const c10::intrusive_ptr<c10d::Backend>
   overCarrier_ = true;
   prefix_.insert(prefix_.size() - 2, c10::str(" over ", carrier->getBackendName()));
   workPrefix_ = std::make_shared<const std::string>(prefix_);
-  TORCH_CHECK_VALUE(store || hostIdentities.size() == size_t(size_), prefix_, hostIdentities.size(),
-                    " host identities for a group of ", size_, " ranks");
+  TORCH_CHECK_VALUE(store, prefix_, "the group's store is needed to connect its ranks");
   try {
     auto collectiveOptions = CollectiveOptions::fromEnvironment(timeout, options_->allreduceAlgorithm);
     compress::configuredThreads();
-    auto network = std::make_unique<ProcessGroupTransport>(carrier);
-    std::unique_ptr<Communicator> comm;
+    // The group's own store, which its backend trusts with its addresses as well. Under a prefix
+    // of its own: the group's backend keeps its keys there too.
+    StoreAdapter kv(attemptStore(c10::make_intrusive<c10d::PrefixStore>("ddlcomm/engine", store), size_));
+    Connection connection = connectTransport(rank_, size_, kv, TransportOptions::resolve(options_->transport, timeout),
+                                             std::make_unique<ProcessGroupTransport>(carrier));
     // No failure records in the store: a failure is the carrier's (or a local peer's exit, which
     // every rank of the host sees) to report.
-    if (store) {
-      // The group's own store, which its backend trusts with its addresses as well. Under a
-      // prefix of its own: the group's backend keeps its keys there too.
-      auto kv = StoreAdapter(attemptStore(c10::make_intrusive<c10d::PrefixStore>("ddlcomm/engine", store), size_));
-      Connection connection =
-          connectTransport(rank_, size_, kv, TransportOptions::resolve(options_->transport, timeout), std::move(network));
-      comm = std::make_unique<Communicator>(std::move(connection.transport), std::move(connection.topology), nullptr,
-                                            collectiveOptions);
-    } else {
-      comm = std::make_unique<Communicator>(std::move(network), Topology::ofHosts(hostIdentities, rank_), nullptr,
-                                            collectiveOptions);
-    }
+    auto comm = std::make_unique<Communicator>(std::move(connection.transport), std::move(connection.topology),
+                                               nullptr, collectiveOptions);
     executor_ = std::make_unique<Executor>(std::move(comm));
   } catch (const Error& e) {
     if (reportedAs(e.kind(), true) == Reported::Value) TORCH_CHECK_VALUE(false, prefix_, e.what());

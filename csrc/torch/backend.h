@@ -93,15 +93,14 @@ class ProcessGroupDdlcomm : public c10d::Backend {
                       std::chrono::milliseconds timeout, std::vector<int64_t> globalRanks, std::string groupName,
                       const c10::intrusive_ptr<Options>& options = {});
   // A ddlcomm backend over `carrier`'s point-to-point (ProcessGroupTransport): where a group of
-  // another backend runs its compressed collectives (ddlcomm.compressed.engine_of). Given the
-  // group's `store`, the ranks of one host exchange through shared memory instead, as a
-  // ddlcomm group's do (connectTransport's layers, under its options' transport choice); without
-  // it every message goes over the carrier, and `hostIdentities` (every rank's hostIdentity(),
-  // by rank) give the hosts. The options' allreduce_algorithm decides its own collectives'
+  // another backend runs its compressed collectives (ddlcomm.compressed.engine_of). Its ranks
+  // connect through the group's `store`, as a ddlcomm group's do (connectTransport's layers,
+  // under its options' transport choice): where the group is on one host they exchange through
+  // shared memory instead. The options' allreduce_algorithm decides its own collectives'
   // levels over hosts.
   ProcessGroupDdlcomm(const c10::intrusive_ptr<c10d::Backend>& carrier, const c10::intrusive_ptr<c10d::Store>& store,
-                      const std::vector<std::string>& hostIdentities, std::chrono::milliseconds timeout,
-                      std::string groupName, const c10::intrusive_ptr<Options>& options = {});
+                      std::chrono::milliseconds timeout, std::string groupName,
+                      const c10::intrusive_ptr<Options>& options = {});
   ~ProcessGroupDdlcomm() override;
 
   const std::string getBackendName() const override { return "ddlcomm"; }

@@ -189,20 +189,17 @@ PYBIND11_MODULE(_C, m) {
       .def_static(
           "over",
           [](const c10::intrusive_ptr<c10d::Backend>& carrier, const c10::intrusive_ptr<c10d::Store>& store,
-             std::vector<std::string> identities, std::chrono::milliseconds timeout, std::string groupName,
-             std::optional<std::string> algorithm) {
+             std::chrono::milliseconds timeout, std::string groupName, std::optional<std::string> algorithm) {
             auto options = c10::make_intrusive<Options>(timeout);
             options->allreduceAlgorithm = std::move(algorithm);
-            return c10::make_intrusive<ProcessGroupDdlcomm>(carrier, store, identities, timeout,
-                                                            std::move(groupName), options);
+            return c10::make_intrusive<ProcessGroupDdlcomm>(carrier, store, timeout, std::move(groupName), options);
           },
-          py::arg("carrier"), py::arg("store"), py::arg("identities"), py::arg("timeout"), py::arg("group_name") = "",
+          py::arg("carrier"), py::arg("store"), py::arg("timeout"), py::arg("group_name") = "",
           py::arg("algorithm") = std::nullopt, py::call_guard<py::gil_scoped_release>(),
           "A ddlcomm backend whose messages travel as `carrier`'s send and recv (a gloo group's backend): "
           "the compressed collectives on a group of another backend. store: the group's store, through "
-          "which the ranks of one host connect by shared memory (DDLCOMM_TRANSPORT=tcp: not), or None: "
-          "everything over the carrier; identities: without a store, every rank's host_identity(); "
-          "algorithm: as Options.allreduce_algorithm (unset: DDLCOMM_ALLREDUCE_ALGO).")
+          "which its ranks connect (those of a group on one host by shared memory, unless "
+          "DDLCOMM_TRANSPORT=tcp); algorithm: as Options.allreduce_algorithm (unset: DDLCOMM_ALLREDUCE_ALGO).")
       .def("__repr__", &ProcessGroupDdlcomm::describe)
       .def_property_readonly("options", &ProcessGroupDdlcomm::getBackendOptions,
                              "ddlcomm.Options the group was created with (a copy), with the timeout of the next "
