@@ -21,13 +21,13 @@ def test_every_path_agrees_bitwise(transport: str) -> None:
     # auto, over TCP and gloo's send and recv under tcp), and the collectives path (CUDA
     # tensors') over gloo's collectives; test_soak runs compressed all-reduces over every
     # transport. Two threads per rank, so that the largest vector's chunks are split across threads.
-    assert_all_ok(launch(compression.paths_agree, 4, timeout=180,
+    assert_all_ok(launch(collective_paths.paths_agree, 4, timeout=180,
                          env={"DDLCOMM_NUM_THREADS": "2", "DDLCOMM_TRANSPORT": transport}))
 
 
 @pytest.mark.parametrize("transport", ["auto", "tcp"])
 def test_engine_of_a_gloo_group_takes_shared_memory_within_one_host(transport: str) -> None:
-    assert_all_ok(launch(compression.engine_transport, 4, timeout=120, rank_env=named_hosts(),
+    assert_all_ok(launch(collective_paths.engine_transport, 4, timeout=120, rank_env=named_hosts(),
                          env={"DDLCOMM_TRANSPORT": transport}))
 
 
@@ -49,7 +49,7 @@ def test_collectives_path_over_a_ddlcomm_group_agrees_bitwise() -> None:
 
 
 def test_every_path_agrees_bitwise_over_pieces() -> None:
-    assert_all_ok(launch(compression.pieces_agree, 4, timeout=240))
+    assert_all_ok(launch(collective_paths.pieces_agree, 4, timeout=240))
 
 
 def test_hook_on_ddp_own_gloo_group_with_unused_parameters() -> None:
@@ -112,7 +112,7 @@ def test_state_refuses_options_it_would_ignore_or_misuse(options: dict, error: t
 
 
 def test_native_backend_is_found_under_the_debug_wrapper() -> None:
-    assert_all_ok(launch(compression.debug_wrapper, 2, timeout=120, env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}))
+    assert_all_ok(launch(collective_paths.debug_wrapper, 2, timeout=120, env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}))
 
 
 @pytest.fixture

@@ -7,7 +7,6 @@ import itertools
 import json
 import logging
 import os
-import warnings
 
 import torch
 import torch.distributed as dist
@@ -15,8 +14,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from common import init, run
 from ddlcomm import ProcessGroupDdlcomm, compressors, hooks, optim
-from ddlcomm import compressed
-from ddlcomm.compressed import compressed_all_reduce, engine_of, native_backend, server_residual_numel
+from ddlcomm.compressed import compressed_all_reduce, server_residual_numel
 from ddlcomm.host_levels import host_levels
 
 COMPRESSORS = {
@@ -31,105 +29,6 @@ COMPRESSORS = {
     "fp16": compressors.FP16,
     "bf16": compressors.BF16,
 }
-
-
-def _collectives_path(x: torch.Tensor, comp, wres: torch.Tensor, sres: torch.Tensor, gloo: dist.ProcessGroup,
-                      stream: int) -> torch.Tensor:
-    """The plan over the group's own collectives, as CUDA tensors and nccl groups take it, on CPU tensors."""
-    compressed.all_reduce_over_collectives(x, comp, wres, sres, gloo, True, stream, True, False)
-    return x
-
-
-def assert_paths_agree(name: str, numel: int, gloo: dist.ProcessGroup, stream: int,
-                       dtype: torch.dtype = torch.float32, strided: bool = False) -> None:
-    """One compressed all-reduce on the ddlcomm group (its executor and transport), one on `gloo`
-    (its ddlcomm executor, over gloo's send and recv) and one over gloo's own collectives on the
-    caller's thread (CUDA tensors' path over NCCL),
-    from the same inputs and residuals: the same result and residuals, and the same on every rank.
-    `strided`: the tensor is every other element of a larger one (reduced in place all the same)."""
-    rank, n = dist.get_rank(), dist.get_world_size()
-    comp = COMPRESSORS[name]()
-    results = []
-    for path in ("ddlcomm", "gloo", "collectives"):
-        x = torch.randn(numel * (2 if strided else 1), generator=torch.Generator().manual_seed(rank * 7 + numel))
-        x = x.to(dtype)[::2] if strided else x.to(dtype)
-        wres = torch.randn(numel, generator=torch.Generator().manual_seed(99 + rank)) * 0.1
-        sres = torch.randn(server_residual_numel(numel, rank, n),
-                           generator=torch.Generator().manual_seed(55 + rank)) * 0.1
-        if path == "collectives":
-            out = _collectives_path(x, comp, wres, sres, gloo, stream)
-        else:
-            out = compressed_all_reduce(x, comp, wres, sres, group=gloo if path == "gloo" else None,
-                                        stream=stream).wait()
-        results.append((path, (out, wres, sres)))
-    (_, first), rest = results[0], results[1:]
-    for path, other in rest:
-        for a, b, what in zip(first, other, ("result", "worker residual", "server residual")):
-            assert torch.equal(a, b), \
-                f"{name} {dtype} x{numel}: the ddlcomm group's and the {path} path's {what} differ"
-    everyone = [torch.empty_like(first[0]) for _ in range(n)]
-    dist.all_gather(everyone, first[0], group=gloo)
-    assert all(torch.equal(e, first[0]) for e in everyone), f"{name} x{numel}: ranks hold different results"
-
-
-def paths_agree() -> None:
-    """The ddlcomm group, the gloo group and the collectives path give the same bits, and ddlcomm's
-    own calls raise no deprecation warning."""
-    warnings.simplefilter("error", FutureWarning)
-    warnings.simplefilter("error", DeprecationWarning)
-    init()
-    gloo = dist.new_group(backend="gloo")
-    assert native_backend(None) is not None and native_backend(gloo) is None
-    engine = engine_of(gloo)
-    assert "over gloo" in repr(engine)
-    try:  # it runs the collectives; send and recv go over the group itself
-        engine.send([torch.ones(1)], (dist.get_rank() + 1) % dist.get_world_size(), 0)
-    except RuntimeError as e:
-        assert "use the carrier group itself" in str(e), e
-    else:
-        raise AssertionError("the gloo group's ddlcomm backend took a send")
-    for name in COMPRESSORS:
-        # 70_001: several reduce tiles per chunk; 8_400_003: chunks split across threads, for one
-        # compressor of each reduction (blocks of scales, 2-bit codes, sparse sums, casts): the
-        # variants of one share its threading
-        large = (8_400_003,) if name in ("onebit", "ternary", "topk_2bit", "bf16") else ()
-        for numel in (1, 5, 1000, 70_001) + large:
-            assert_paths_agree(name, numel, gloo, stream=11)
-
-
-def engine_transport() -> None:
-    """Where the engine of a gloo group sends its bytes (ranks on named hosts, two a host): over
-    gloo's send and recv for all ranks, which span hosts, and through shared memory for a group
-    of one host's ranks (unless DDLCOMM_TRANSPORT=tcp); the same bits either way."""
-    rank, n = init()
-    shared = os.environ.get("DDLCOMM_TRANSPORT", "auto") != "tcp"
-    world = dist.new_group(backend="gloo")
-    hosts = [dist.new_group([r, r + 1], backend="gloo") for r in range(0, n, 2)]
-    host = hosts[rank // 2]
-    comp = compressors.OneBit()
-    for group, local in ((world, False), (host, shared)):
-        engine = engine_of(group)
-        before = engine.stats()
-        x = torch.randn(10_000, generator=torch.Generator().manual_seed(rank))
-        y = x.clone()
-        compressed_all_reduce(x, comp, group=group).wait()
-        compressed.all_reduce_over_collectives(y, comp, None, None, group, True, 0, False, False)
-        assert torch.equal(x, y), f"rank {rank}: the engine and gloo's collectives disagree"
-        after = engine.stats()
-        moved = after["shared_memory_bytes_sent"] - before["shared_memory_bytes_sent"]
-        carried = after["bytes_sent"] - before["bytes_sent"]
-        assert after["network"] == "c10d:gloo", after
-        assert after["shared_memory_peers"] == (dist.get_world_size(group) - 1 if local else 0), after
-        assert (moved > 0, carried > 0) == (local, not local), (local, moved, carried)
-
-
-def pieces_agree() -> None:
-    """A vector longer than one piece (the second one short): the pipeline over its pieces on
-    both groups and the collectives path's loop over them give the same bits, on every rank."""
-    init()
-    gloo = dist.new_group(backend="gloo")
-    for name in ("onebit", "ternary", "bf16"):
-        assert_paths_agree(name, ProcessGroupDdlcomm.piece_elements + 70_001, gloo, stream=4)
 
 
 def non_finite() -> None:
@@ -342,16 +241,6 @@ def warmup_boundary() -> None:
             got = (state.stats.uncompressed_buckets, state.stats.compressed_buckets)
             assert got == expected, f"start_compress_iter={start}, after {done} iterations: " \
                                     f"(uncompressed, compressed) buckets {got}, expected {expected}"
-
-
-def debug_wrapper() -> None:
-    """Under TORCH_DISTRIBUTED_DEBUG=DETAIL torch wraps the backend; the compressed all-reduce
-    still finds the native one (and the bits of every other path)."""
-    init()
-    wrapped = dist.group.WORLD._get_backend(torch.device("cpu"))
-    assert not isinstance(wrapped, ProcessGroupDdlcomm), "the debug mode did not wrap the backend: nothing tested"
-    assert isinstance(native_backend(None), ProcessGroupDdlcomm)
-    assert_paths_agree("onebit", 70_001, dist.new_group(backend="gloo"), stream=3)
 
 
 def direction_mode() -> None:
