@@ -32,5 +32,10 @@ def test_cuda_kernels_on_cpu_emulator():
     run = subprocess.run([str(build / "cuda_launches_emu"), "--bucket-mb=1"], capture_output=True, text=True,
                          timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    rows = [line.split("|")[3:7] for line in run.stdout.splitlines() if line.startswith("| ") and "ranks" not in line]
-    assert len(rows) == 7 * 4 and all(int(count) >= 1 for row in rows for count in row), run.stdout
+    rows = [[cell.strip() for cell in line.split("|")[1:4]] for line in run.stdout.splitlines()
+            if line.startswith("| ") and "ranks" not in line]
+    launches = {(name, int(ranks)): int(count) for name, ranks, count in rows}
+    assert len(launches) == 7 * 4 and all(count >= 1 for count in launches.values()), run.stdout
+    # A quantizer's or cast's chunks go to one launch per call at every rank count.
+    for name in ("1-bit", "ternary", "fp16", "bf16"):
+        assert launches[name, 8] == launches[name, 1], run.stdout

@@ -10,8 +10,9 @@
 //                                  forEachY(fn) calls fn(y) for the lane's elements in order
 //   storeScale(scales, f, b, s)    block b's scales (called by lane 0)
 //   loadScale(scales, f, b)        read back (the pack path; decoding passes Params{})
-//   code(y, s, f, i)               the code of element i
+//   code(y, s, f, stream, i)       the code of element i of a chunk encoded with randomness stream
 //   decode(code, s)                the value a code decodes to
+// A launch takes a table of chunks (common.cuh's Parts); a warp finds its scale block's chunk.
 #pragma once
 
 #include "cuda/common.cuh"
@@ -23,16 +24,6 @@ constexpr int kThreads = 256;
 constexpr int kWarpsPerCta = kThreads / kWarpSize;
 constexpr uint32_t kCachedRounds = 8;  // 8 rounds of 32 elements: the default 256-element block
 constexpr uint32_t kDecodeBatch = 8;
-
-struct Params {
-  uint64_t numel;
-  uint64_t nblocks;
-  uint32_t blockSize;
-  float* scales;     // in the payload
-  uint8_t* codes;    // in the payload
-  uint8_t* payload;  // header destination
-  HeaderWords header;
-};
 
 template <class Code>
 constexpr uint32_t kBits = compress::codeBits(Code::kFormat);
@@ -54,16 +45,22 @@ __device__ __forceinline__ uint32_t codeByte(const uint32_t (&plane)[kCodeBits],
 // Fused encode when blockSize % kPerByte == 0 (blocks start on code-byte boundaries, so no
 // byte is shared between warps). kWriteData = false only stores the scales (generic path).
 template <class Code, typename XT, bool kWriteData>
-__global__ __launch_bounds__(kThreads) void encodeKernel(const typename XT::Raw* __restrict__ x,
-                                                         float* __restrict__ residual, Params p,
-                                                         typename Code::Params f) {
+__global__ __launch_bounds__(kThreads) void encodeKernel(const __grid_constant__ Parts<EncodePart> p,
+                                                         const uint32_t blockSize, const typename Code::Params f) {
   constexpr uint32_t kCodeBits = kBits<Code>, kPer = kPerByte<Code>;
-  writeHeader(p.payload, p.header);
+  writeHeaders(p);
   const uint32_t lane = threadIdx.x % kWarpSize;
   const uint64_t warpStride = uint64_t(gridDim.x) * kWarpsPerCta;
-  for (uint64_t b = uint64_t(blockIdx.x) * kWarpsPerCta + threadIdx.x / kWarpSize; b < p.nblocks; b += warpStride) {
-    const uint64_t base = b * p.blockSize;
-    const uint32_t count = uint32_t(minOf<uint64_t>(p.blockSize, p.numel - base));
+  for (uint64_t g = uint64_t(blockIdx.x) * kWarpsPerCta + threadIdx.x / kWarpSize; g < p.start[p.count];
+       g += warpStride) {
+    const uint32_t j = partOf(p, g);
+    const EncodePart& q = p.part[j];
+    const uint64_t b = g - p.start[j];
+    const auto* __restrict__ x = static_cast<const typename XT::Raw*>(q.x);
+    float* __restrict__ residual = q.residual;
+    uint8_t* __restrict__ codes = q.payload + q.second;
+    const uint64_t base = b * blockSize;
+    const uint32_t count = uint32_t(minOf<uint64_t>(blockSize, q.numel - base));
     const uint32_t rounds = (count + kWarpSize - 1) / kWarpSize;
     auto yAt = [&](uint32_t off) { return loadY<XT>(x, residual, base + off); };
 
@@ -83,20 +80,20 @@ __global__ __launch_bounds__(kThreads) void encodeKernel(const typename XT::Raw*
         if (t * kWarpSize + lane < count) fn(yAt(t * kWarpSize + lane));
     };
     const typename Code::Scale s = Code::blockScale(f, forEachY, count);
-    if (lane == 0) Code::storeScale(p.scales, f, b, s);
+    if (lane == 0) Code::storeScale(reinterpret_cast<float*>(q.payload + q.first), f, b, s);
     if (!kWriteData) continue;
 
     // Pass 2: the codes (one ballot per bit plane per 32 elements) and the residual.
     auto emit = [&](uint32_t t, float y) {
       const uint32_t off = t * kWarpSize + lane;
       const bool in = off < count;
-      const uint32_t code = in ? Code::code(y, s, f, base + off) : 0u;
+      const uint32_t code = in ? Code::code(y, s, f, q.stream, base + off) : 0u;
       if (in && residual) residual[base + off] = residualAfter(y, Code::decode(code, s));
       uint32_t plane[kCodeBits];
 #pragma unroll
       for (uint32_t bit = 0; bit < kCodeBits; ++bit) plane[bit] = __ballot_sync(kFullMask, (code >> bit) & 1u);
       if (lane < kWarpSize / kPer && lane * kPer < count - t * kWarpSize)
-        p.codes[(base + t * kWarpSize) / kPer + lane] = uint8_t(codeByte<kCodeBits>(plane, lane));
+        codes[(base + t * kWarpSize) / kPer + lane] = uint8_t(codeByte<kCodeBits>(plane, lane));
     };
 #pragma unroll
     for (uint32_t t = 0; t < kCachedRounds; ++t)
@@ -108,58 +105,71 @@ __global__ __launch_bounds__(kThreads) void encodeKernel(const typename XT::Raw*
   }
 }
 
-// Generic path (blockSize % kPerByte != 0, where a code byte can span two blocks): after
-// encodeKernel<..., false> stored the scales, one thread per code byte packs its elements.
+// Generic path (blockSize % kPerByte != 0, where a code byte can span two blocks), one chunk
+// a launch: after encodeKernel<..., false> stored the scales, one thread per code byte packs
+// its elements.
 template <class Code, typename XT>
-__global__ __launch_bounds__(kThreads) void packKernel(const typename XT::Raw* __restrict__ x,
-                                                       float* __restrict__ residual, Params p,
-                                                       typename Code::Params f) {
+__global__ __launch_bounds__(kThreads) void packKernel(const __grid_constant__ EncodePart q, const uint32_t blockSize,
+                                                       const typename Code::Params f) {
   constexpr uint32_t kPer = kPerByte<Code>;
-  const uint64_t bytes = (p.numel + kPer - 1) / kPer;
-  for (uint64_t q = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x; q < bytes; q += uint64_t(gridDim.x) * blockDim.x) {
+  const auto* __restrict__ x = static_cast<const typename XT::Raw*>(q.x);
+  const float* scales = reinterpret_cast<const float*>(q.payload + q.first);
+  const uint64_t bytes = (q.numel + kPer - 1) / kPer;
+  for (uint64_t c = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x; c < bytes; c += uint64_t(gridDim.x) * blockDim.x) {
     uint32_t byte = 0;
     for (uint32_t e = 0; e < kPer; ++e) {
-      const uint64_t i = q * kPer + e;
-      if (i >= p.numel) break;
-      const typename Code::Scale s = Code::loadScale(p.scales, f, i / p.blockSize);
-      const float y = loadY<XT>(x, residual, i);
-      const uint32_t code = Code::code(y, s, f, i);
-      if (residual) residual[i] = residualAfter(y, Code::decode(code, s));
+      const uint64_t i = c * kPer + e;
+      if (i >= q.numel) break;
+      const typename Code::Scale s = Code::loadScale(scales, f, i / blockSize);
+      const float y = loadY<XT>(x, q.residual, i);
+      const uint32_t code = Code::code(y, s, f, q.stream, i);
+      if (q.residual) q.residual[i] = residualAfter(y, Code::decode(code, s));
       byte |= code << (kBits<Code> * e);
     }
-    p.codes[q] = uint8_t(byte);
+    q.payload[q.second + c] = uint8_t(byte);
   }
+}
+
+// The code of element i of a payload's codes.
+template <class Code>
+__device__ __forceinline__ uint32_t codeAt(const uint8_t* codes, uint64_t i) {
+  constexpr uint32_t kCodeBits = kBits<Code>, kPer = kPerByte<Code>;
+  return (codes[i / kPer] >> (kCodeBits * (i % kPer))) & ((1u << kCodeBits) - 1u);
 }
 
 // Decode: one warp per scale block (any block size), lanes over its elements.
 template <class Code, typename OutT, bool kAcc>
-__global__ __launch_bounds__(kThreads) void decodeKernel(const float* __restrict__ scales,
-                                                         const uint8_t* __restrict__ codes, uint64_t numel,
-                                                         uint64_t nblocks, uint32_t blockSize,
-                                                         typename OutT::Raw* __restrict__ out) {
-  constexpr uint32_t kCodeBits = kBits<Code>, kPer = kPerByte<Code>;
+__global__ __launch_bounds__(kThreads) void decodeKernel(const __grid_constant__ Parts<DecodePart> p,
+                                                         const uint32_t blockSize) {
   const uint32_t lane = threadIdx.x % kWarpSize;
   const uint64_t warpStride = uint64_t(gridDim.x) * kWarpsPerCta;
-  for (uint64_t b = uint64_t(blockIdx.x) * kWarpsPerCta + threadIdx.x / kWarpSize; b < nblocks; b += warpStride) {
+  for (uint64_t g = uint64_t(blockIdx.x) * kWarpsPerCta + threadIdx.x / kWarpSize; g < p.start[p.count];
+       g += warpStride) {
+    const uint32_t j = partOf(p, g);
+    const DecodePart& q = p.part[j];
+    const uint64_t b = g - p.start[j];
+    const uint8_t* __restrict__ codes = q.payload + q.second;
+    auto* __restrict__ out = static_cast<typename OutT::Raw*>(q.out);
     const uint64_t base = b * blockSize;
-    const uint32_t count = uint32_t(minOf<uint64_t>(blockSize, numel - base));
-    const typename Code::Scale s = Code::loadScale(scales, typename Code::Params{}, b);
+    const uint32_t count = uint32_t(minOf<uint64_t>(blockSize, q.numel - base));
+    const typename Code::Scale s =
+        Code::loadScale(reinterpret_cast<const float*>(q.payload + q.first), typename Code::Params{}, b);
     // 8 rounds at a time, the accumulator loads first, so that they are in flight together.
     for (uint32_t off0 = 0; off0 < count; off0 += kDecodeBatch * kWarpSize) {
       float prev[kDecodeBatch];
 #pragma unroll
-      for (uint32_t q = 0; q < kDecodeBatch; ++q) {
-        const uint32_t off = off0 + q * kWarpSize + lane;
-        prev[q] = kAcc && off < count ? out[base + off] : 0.f;
+      for (uint32_t t = 0; t < kDecodeBatch; ++t) {
+        const uint32_t off = off0 + t * kWarpSize + lane;
+        prev[t] = kAcc && off < count ? out[base + off] : 0.f;
       }
 #pragma unroll
-      for (uint32_t q = 0; q < kDecodeBatch; ++q) {
-        const uint32_t off = off0 + q * kWarpSize + lane;
+      for (uint32_t t = 0; t < kDecodeBatch; ++t) {
+        const uint32_t off = off0 + t * kWarpSize + lane;
         if (off >= count) break;
         const uint64_t i = base + off;
-        const float d = Code::decode((codes[i / kPer] >> (kCodeBits * (i % kPer))) & ((1u << kCodeBits) - 1u), s);
+        const float d = Code::decode(codeAt<Code>(codes, i), s);
         if (kAcc) {
-          out[i] = __fadd_rn(prev[q], d);
+          out[i] = __fadd_rn(prev[t], d);
         } else {
           out[i] = OutT::fromFloat(d);
         }
@@ -168,40 +178,82 @@ __global__ __launch_bounds__(kThreads) void decodeKernel(const float* __restrict
   }
 }
 
+// out = scale * the sum of every part's payload decoded, in part order, from 0 (fromZero) or
+// from out (a later table of the same sum). Every part has the same numel; one warp per
+// scale block, lanes over its elements.
 template <class Code>
-void encode(const EncodeArgs& a, const typename Code::Params& f) {
+__global__ __launch_bounds__(kThreads) void sumKernel(const __grid_constant__ Parts<DecodePart> p,
+                                                      const uint32_t blockSize, const bool fromZero, const float scale,
+                                                      float* __restrict__ out) {
+  const uint64_t numel = p.part[0].numel;
+  const uint32_t lane = threadIdx.x % kWarpSize;
+  const uint64_t warpStride = uint64_t(gridDim.x) * kWarpsPerCta;
+  for (uint64_t b = uint64_t(blockIdx.x) * kWarpsPerCta + threadIdx.x / kWarpSize; b < p.start[1];
+       b += warpStride) {
+    const uint64_t base = b * blockSize;
+    const uint32_t count = uint32_t(minOf<uint64_t>(blockSize, numel - base));
+    for (uint32_t off = lane; off < count; off += kWarpSize) {
+      const uint64_t i = base + off;
+      float sum = fromZero ? 0.f : out[i];
+      for (uint32_t j = 0; j < p.count; ++j) {
+        const DecodePart& q = p.part[j];
+        const typename Code::Scale s =
+            Code::loadScale(reinterpret_cast<const float*>(q.payload + q.first), typename Code::Params{}, b);
+        sum = __fadd_rn(sum, Code::decode(codeAt<Code>(q.payload + q.second, i), s));
+      }
+      out[i] = scale == 1.f ? sum : __fmul_rn(sum, scale);
+    }
+  }
+}
+
+inline uint64_t blocksOf(uint64_t numel, uint32_t blockSize) { return (numel + blockSize - 1) / blockSize; }
+
+template <class Code>
+void encode(const EncodeArgs* a, size_t n, const typename Code::Params& f) {
   constexpr uint32_t kPer = kPerByte<Code>;
-  const Params p{a.numel,
-                 a.layout.nblocks,
-                 a.config.blockSize,
-                 reinterpret_cast<float*>(a.payload + a.layout.first),
-                 a.payload + a.layout.second,
-                 a.payload,
-                 a.header};
-  const uint64_t grid = gridFor(p.nblocks, kWarpsPerCta);
-  withFloatType(a.xType, [&](auto xt) {
+  const uint32_t blockSize = a[0].config.blockSize;
+  const auto blocks = [&](const EncodeArgs& c) { return blocksOf(c.numel, blockSize); };
+  withFloatType(a[0].xType, [&](auto xt) {
     using XT = decltype(xt);
-    const auto* x = static_cast<const typename XT::Raw*>(a.x);
-    if (grid == 0) {  // numel == 0: the header is the whole payload
-      launch(writeHeaderKernel, 1, 32, a.cudaStream, a.payload, a.header);
-    } else if (p.blockSize % kPer == 0) {
-      launch(encodeKernel<Code, XT, true>, grid, kThreads, a.cudaStream, x, a.residual, p, f);
-    } else {
-      launch(encodeKernel<Code, XT, false>, grid, kThreads, a.cudaStream, x, a.residual, p, f);
-      launch(packKernel<Code, XT>, gridFor((p.numel + kPer - 1) / kPer, kThreads), kThreads, a.cudaStream, x,
-             a.residual, p, f);
+    if (blockSize % kPer == 0) {
+      inTables<EncodePart>(a, n, encodePartOf, blocks, [&](const Parts<EncodePart>& p) {
+        // At least one CTA: block 0 writes the headers, of empty chunks too.
+        const uint64_t grid = maxOf<uint64_t>(1, gridFor(p.start[p.count], kWarpsPerCta));
+        launch(encodeKernel<Code, XT, true>, grid, kThreads, a[0].cudaStream, p, blockSize, f);
+      });
+      return;
+    }
+    for (size_t i = 0; i < n; ++i) {  // the generic path, a chunk at a time
+      inTables<EncodePart>(a + i, 1, encodePartOf, blocks, [&](const Parts<EncodePart>& p) {
+        const uint64_t grid = maxOf<uint64_t>(1, gridFor(p.start[1], kWarpsPerCta));
+        launch(encodeKernel<Code, XT, false>, grid, kThreads, a[i].cudaStream, p, blockSize, f);
+      });
+      launch(packKernel<Code, XT>, gridFor((a[i].numel + kPer - 1) / kPer, kThreads), kThreads, a[i].cudaStream,
+             encodePartOf(a[i]), blockSize, f);
     }
   });
 }
 
 template <class Code>
-void decode(const DecodeArgs& a) {
-  withOutput(a.accumulate, a.outType, [&](auto outT, auto acc) {
-    using OutT = decltype(outT);
-    launch(decodeKernel<Code, OutT, decltype(acc)::value>, gridFor(a.layout.nblocks, kWarpsPerCta), kThreads,
-           a.cudaStream, reinterpret_cast<const float*>(a.payload + a.layout.first), a.payload + a.layout.second,
-           a.numel, a.layout.nblocks, a.blockSize, static_cast<typename OutT::Raw*>(a.out));
+void decode(const DecodeArgs* a, size_t n) {
+  const uint32_t blockSize = a[0].blockSize;
+  withOutput(a[0].accumulate, a[0].outType, [&](auto outT, auto acc) {
+    inTables<DecodePart>(a, n, decodePartOf, [&](const DecodeArgs& c) { return blocksOf(c.numel, blockSize); },
+                         [&](const Parts<DecodePart>& p) {
+                           launch(decodeKernel<Code, decltype(outT), decltype(acc)::value>,
+                                  gridFor(p.start[p.count], kWarpsPerCta), kThreads, a[0].cudaStream, p, blockSize);
+                         });
   });
+}
+
+template <class Code>
+void sum(const DecodeArgs* a, size_t n, float scale, float* out) {
+  const uint32_t blockSize = a[0].blockSize;
+  sumInTables(a, n, scale, [&](const DecodeArgs& c) { return blocksOf(c.numel, blockSize); },
+              [&](const Parts<DecodePart>& p, bool fromZero, float s) {
+                launch(sumKernel<Code>, gridFor(p.start[1], kWarpsPerCta), kThreads, a[0].cudaStream, p, blockSize,
+                       fromZero, s, out);
+              });
 }
 
 }  // namespace ddlcomm::gpu::detail::blocks

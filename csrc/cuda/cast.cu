@@ -1,5 +1,6 @@
 // float16 / bfloat16 "compression" (a plain cast, round to nearest even) with error feedback:
-// residual = y - float(cast(y)). Elementwise; each thread keeps 4 independent loads in flight.
+// residual = y - float(cast(y)). Elementwise; each thread keeps 4 independent loads in flight;
+// a launch takes a table of chunks (common.cuh's Parts), a CTA a tile of one chunk at a time.
 #include "cuda/common.cuh"
 #include "cuda/launchers.h"
 
@@ -13,53 +14,63 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kUnroll = 4;
+constexpr uint64_t kTile = uint64_t(kThreads) * kUnroll;  // elements a CTA takes at a time
 
-// Elements are visited as i = start + j * stride (j < kUnroll) so every load is coalesced.
+uint64_t tilesOf(uint64_t numel) { return (numel + kTile - 1) / kTile; }
+
+// Tile g of the launch: elements [t * kTile, (t + 1) * kTile) of its part's chunk (t its
+// index there), thread j taking t * kTile + u * kThreads + j (u < kUnroll), so every load
+// is coalesced.
 template <typename XT, typename PT>
-__global__ __launch_bounds__(kThreads) void castEncodeKernel(const typename XT::Raw* __restrict__ x,
-                                                             float* __restrict__ residual, uint64_t numel,
-                                                             uint16_t* __restrict__ values, uint8_t* payload,
-                                                             HeaderWords header) {
-  writeHeader(payload, header);
-  const uint64_t stride = uint64_t(gridDim.x) * blockDim.x;
-  for (uint64_t start = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x; start < numel; start += stride * kUnroll) {
+__global__ __launch_bounds__(kThreads) void castEncodeKernel(const __grid_constant__ Parts<EncodePart> p) {
+  writeHeaders(p);
+  for (uint64_t g = blockIdx.x; g < p.start[p.count]; g += gridDim.x) {
+    const uint32_t j = partOf(p, g);
+    const EncodePart& q = p.part[j];
+    const auto* __restrict__ x = static_cast<const typename XT::Raw*>(q.x);
+    float* __restrict__ residual = q.residual;
+    auto* __restrict__ values = reinterpret_cast<uint16_t*>(q.payload + q.first);
+    const uint64_t start = (g - p.start[j]) * kTile + threadIdx.x;
     float y[kUnroll];
 #pragma unroll
-    for (int j = 0; j < kUnroll; ++j) {
-      const uint64_t i = start + j * stride;
-      y[j] = i < numel ? loadY<XT>(x, residual, i) : 0.f;
+    for (int u = 0; u < kUnroll; ++u) {
+      const uint64_t i = start + uint64_t(u) * kThreads;
+      y[u] = i < q.numel ? loadY<XT>(x, residual, i) : 0.f;
     }
 #pragma unroll
-    for (int j = 0; j < kUnroll; ++j) {
-      const uint64_t i = start + j * stride;
-      if (i >= numel) break;
-      const uint16_t h = PT::fromFloat(y[j]);
+    for (int u = 0; u < kUnroll; ++u) {
+      const uint64_t i = start + uint64_t(u) * kThreads;
+      if (i >= q.numel) break;
+      const uint16_t h = PT::fromFloat(y[u]);
       values[i] = h;
-      if (residual) residual[i] = residualAfter(y[j], PT::toFloat(h));
+      if (residual) residual[i] = residualAfter(y[u], PT::toFloat(h));
     }
   }
 }
 
 template <typename PT, typename OutT, bool kAcc>
-__global__ __launch_bounds__(kThreads) void castDecodeKernel(const uint16_t* __restrict__ values, uint64_t numel,
-                                                             typename OutT::Raw* __restrict__ out) {
-  const uint64_t stride = uint64_t(gridDim.x) * blockDim.x;
-  for (uint64_t start = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x; start < numel; start += stride * kUnroll) {
+__global__ __launch_bounds__(kThreads) void castDecodeKernel(const __grid_constant__ Parts<DecodePart> p) {
+  for (uint64_t g = blockIdx.x; g < p.start[p.count]; g += gridDim.x) {
+    const uint32_t j = partOf(p, g);
+    const DecodePart& q = p.part[j];
+    const auto* __restrict__ values = reinterpret_cast<const uint16_t*>(q.payload + q.first);
+    auto* __restrict__ out = static_cast<typename OutT::Raw*>(q.out);
+    const uint64_t start = (g - p.start[j]) * kTile + threadIdx.x;
     uint16_t v[kUnroll];
     float prev[kUnroll];
 #pragma unroll
-    for (int j = 0; j < kUnroll; ++j) {
-      const uint64_t i = start + j * stride;
-      v[j] = i < numel ? values[i] : 0;
-      prev[j] = kAcc && i < numel ? out[i] : 0.f;
+    for (int u = 0; u < kUnroll; ++u) {
+      const uint64_t i = start + uint64_t(u) * kThreads;
+      v[u] = i < q.numel ? values[i] : 0;
+      prev[u] = kAcc && i < q.numel ? out[i] : 0.f;
     }
 #pragma unroll
-    for (int j = 0; j < kUnroll; ++j) {
-      const uint64_t i = start + j * stride;
-      if (i >= numel) break;
-      const float d = PT::toFloat(v[j]);
+    for (int u = 0; u < kUnroll; ++u) {
+      const uint64_t i = start + uint64_t(u) * kThreads;
+      if (i >= q.numel) break;
+      const float d = PT::toFloat(v[u]);
       if (kAcc) {
-        out[i] = __fadd_rn(prev[j], d);
+        out[i] = __fadd_rn(prev[u], d);
       } else {
         out[i] = OutT::fromFloat(d);
       }
@@ -67,49 +78,67 @@ __global__ __launch_bounds__(kThreads) void castDecodeKernel(const uint16_t* __r
   }
 }
 
-template <typename XT, typename PT>
-void encodeTyped(const EncodeArgs& a) {
-  const uint64_t grid = gridFor(a.numel, uint64_t(kThreads) * kUnroll);
-  auto* values = reinterpret_cast<uint16_t*>(a.payload + a.layout.first);
-  if (grid == 0) {
-    launch(writeHeaderKernel, 1, 32, a.cudaStream, a.payload, a.header);
-  } else {
-    launch(castEncodeKernel<XT, PT>, grid, kThreads, a.cudaStream, static_cast<const typename XT::Raw*>(a.x),
-           a.residual, a.numel, values, a.payload, a.header);
+// blocks::sumKernel's rule over casts: out = scale * the parts' values summed in order.
+template <typename PT>
+__global__ __launch_bounds__(kThreads) void castSumKernel(const __grid_constant__ Parts<DecodePart> p,
+                                                          const bool fromZero, const float scale,
+                                                          float* __restrict__ out) {
+  const uint64_t numel = p.part[0].numel;
+  for (uint64_t i = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < numel; i += uint64_t(gridDim.x) * blockDim.x) {
+    float sum = fromZero ? 0.f : out[i];
+    for (uint32_t j = 0; j < p.count; ++j) {
+      const DecodePart& q = p.part[j];
+      sum = __fadd_rn(sum, PT::toFloat(reinterpret_cast<const uint16_t*>(q.payload + q.first)[i]));
+    }
+    out[i] = scale == 1.f ? sum : __fmul_rn(sum, scale);
   }
 }
 
-template <typename PT>
-void encodeFormat(const EncodeArgs& a) {
-  withFloatType(a.xType, [&](auto xt) { encodeTyped<decltype(xt), PT>(a); });
-}
+uint64_t encodeTiles(const EncodeArgs& c) { return tilesOf(c.numel); }
+uint64_t decodeTiles(const DecodeArgs& c) { return tilesOf(c.numel); }
 
 template <typename PT>
-void decodeFormat(const DecodeArgs& a) {
-  withOutput(a.accumulate, a.outType, [&](auto outT, auto acc) {
-    using OutT = decltype(outT);
-    launch(castDecodeKernel<PT, OutT, decltype(acc)::value>, gridFor(a.numel, uint64_t(kThreads) * kUnroll), kThreads,
-           a.cudaStream, reinterpret_cast<const uint16_t*>(a.payload + a.layout.first), a.numel,
-           static_cast<typename OutT::Raw*>(a.out));
+void encodeFormat(const EncodeArgs* a, size_t n) {
+  withFloatType(a[0].xType, [&](auto xt) {
+    inTables<EncodePart>(a, n, encodePartOf, encodeTiles, [&](const Parts<EncodePart>& p) {
+      // At least one CTA: block 0 writes the headers, of empty chunks too.
+      const uint64_t grid = maxOf<uint64_t>(1, gridFor(p.start[p.count], 1));
+      launch(castEncodeKernel<decltype(xt), PT>, grid, kThreads, a[0].cudaStream, p);
+    });
   });
 }
 
-}  // namespace
-
-void encodeCast(const EncodeArgs& a) {
-  if (a.config.format == compress::Format::BFloat16) {
-    encodeFormat<BF16>(a);
-  } else {
-    encodeFormat<F16>(a);
-  }
+template <typename PT>
+void decodeFormat(const DecodeArgs* a, size_t n) {
+  withOutput(a[0].accumulate, a[0].outType, [&](auto outT, auto acc) {
+    inTables<DecodePart>(a, n, decodePartOf, decodeTiles, [&](const Parts<DecodePart>& p) {
+      launch(castDecodeKernel<PT, decltype(outT), decltype(acc)::value>, gridFor(p.start[p.count], 1), kThreads,
+             a[0].cudaStream, p);
+    });
+  });
 }
 
-void decodeCast(const DecodeArgs& a) {
-  if (a.format == compress::Format::BFloat16) {
-    decodeFormat<BF16>(a);
-  } else {
-    decodeFormat<F16>(a);
-  }
+template <typename PT>
+void sumFormat(const DecodeArgs* a, size_t n, float scale, float* out) {
+  sumInTables(a, n, scale, decodeTiles, [&](const Parts<DecodePart>& p, bool fromZero, float s) {
+    launch(castSumKernel<PT>, gridFor(a[0].numel, kTile), kThreads, a[0].cudaStream, p, fromZero, s, out);
+  });
+}
+
+bool isBf16(compress::Format format) { return format == compress::Format::BFloat16; }
+
+}  // namespace
+
+void encodeCast(const EncodeArgs* a, size_t n) {
+  isBf16(a[0].config.format) ? encodeFormat<BF16>(a, n) : encodeFormat<F16>(a, n);
+}
+
+void decodeCast(const DecodeArgs* a, size_t n) {
+  isBf16(a[0].format) ? decodeFormat<BF16>(a, n) : decodeFormat<F16>(a, n);
+}
+
+void sumCast(const DecodeArgs* a, size_t n, float scale, float* out) {
+  isBf16(a[0].format) ? sumFormat<BF16>(a, n, scale, out) : sumFormat<F16>(a, n, scale, out);
 }
 
 }  // namespace detail

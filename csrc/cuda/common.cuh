@@ -181,6 +181,84 @@ __device__ __forceinline__ void writeHeader(uint8_t* payload, const HeaderWords&
 
 __global__ void writeHeaderKernel(uint8_t* payload, HeaderWords h);  // in cast.cu
 
+// ---- several chunks a launch -----------------------------------------------------------------
+// The block formats' and the casts' kernels take a table of up to kMaxParts chunks (launchers.h),
+// each with its own payload: part j holds the launch's work items (scale blocks, or tiles of
+// elements) [start[j], start[j + 1]). The table is a __grid_constant__ parameter, so that a
+// run-time index reads it in place instead of copying it to local memory.
+struct EncodePart {
+  const void* x;     // numel elements of the encode's xType
+  float* residual;   // numel, or null
+  uint64_t numel;
+  uint8_t* payload;  // its header, then compress::PayloadLayout's sections at first and second
+  uint64_t first, second;
+  HeaderWords header;
+  uint64_t stream;  // randomness stream
+};
+
+struct DecodePart {
+  const uint8_t* payload;
+  uint64_t first, second;
+  uint64_t numel;
+  void* out;  // numel elements of the decode's output type
+};
+
+template <class Part>
+struct Parts {
+  uint32_t count;
+  uint64_t start[detail::kMaxParts + 1];
+  Part part[detail::kMaxParts];
+};
+
+// The part holding work item g of the launch (g < start[count]).
+template <class Part>
+__device__ __forceinline__ uint32_t partOf(const Parts<Part>& p, uint64_t g) {
+  uint32_t j = 0;
+  while (j + 1 < p.count && p.start[j + 1] <= g) ++j;
+  return j;
+}
+
+// Block 0 writes every part's 32 header bytes, a word a thread (blockDim.x >= 8 * kMaxParts).
+__device__ __forceinline__ void writeHeaders(const Parts<EncodePart>& p) {
+  if (blockIdx.x != 0 || threadIdx.x >= 8 * p.count) return;
+  const EncodePart& q = p.part[threadIdx.x / 8];
+  reinterpret_cast<uint32_t*>(q.payload)[threadIdx.x % 8] = q.header.w[threadIdx.x % 8];
+}
+
+// Launches of up to kMaxParts parts each over args[0, n): makePart(args[i]) is part i's entry,
+// units(args[i]) its work items; launchParts(table) launches one table.
+template <class Part, class Args, class MakePart, class Units, class LaunchParts>
+void inTables(const Args* args, size_t n, MakePart&& makePart, Units&& units, LaunchParts&& launchParts) {
+  for (size_t i0 = 0; i0 < n; i0 += detail::kMaxParts) {
+    Parts<Part> p{};
+    p.count = uint32_t(minOf<size_t>(detail::kMaxParts, n - i0));
+    for (uint32_t j = 0; j < p.count; ++j) {
+      p.part[j] = makePart(args[i0 + j]);
+      p.start[j + 1] = p.start[j] + units(args[i0 + j]);
+    }
+    launchParts(p);
+  }
+}
+
+inline EncodePart encodePartOf(const detail::EncodeArgs& a) {
+  return {a.x, a.residual, a.numel, a.payload, a.layout.first, a.layout.second, a.header, a.stream};
+}
+
+inline DecodePart decodePartOf(const detail::DecodeArgs& a) {
+  return {a.payload, a.layout.first, a.layout.second, a.numel, a.out};
+}
+
+// A sum's tables: launchSum(table, fromZero, scale) for each, the first adding to 0, the last
+// applying the scale (one float32 multiply, after every add).
+template <class Units, class LaunchSum>
+void sumInTables(const detail::DecodeArgs* args, size_t n, float scale, Units&& units, LaunchSum&& launchSum) {
+  size_t done = 0;
+  inTables<DecodePart>(args, n, decodePartOf, units, [&](const Parts<DecodePart>& p) {
+    launchSum(p, done == 0, done + p.count == n ? scale : 1.f);
+    done += p.count;
+  });
+}
+
 // ---- launching -----------------------------------------------------------------------------
 // Blocks for `work` items at `perBlock` items each, capped (kernels loop grid-stride), so
 // grids stay within gridDim.x limits for any size; 0 for no work (nothing is launched).

@@ -51,4 +51,44 @@ void decodeCuda(const compress::PayloadInfo& info, const uint8_t* payload, size_
 void decodeAccumulateCuda(const compress::PayloadInfo& info, const uint8_t* payload, size_t bytes, float* out,
                           size_t numel, cudaStream_t cudaStream);
 
+// ---- Several chunks a call ----------------------------------------------------------------
+// A compressed collective encodes a chunk of a bucket for every rank and decodes every rank's
+// chunk. These calls take them together: the block formats (1-bit, ternary) and the casts
+// enqueue one kernel for up to 16 chunks (1-bit and ternary with a block size that is not a
+// whole number of code bytes, and the sparse formats, their sequence per chunk), with the
+// bytes, checks and results of the calls above, chunk by chunk.
+
+// encodeCuda's arguments for one chunk.
+struct EncodeChunk {
+  const void* x;
+  float* residual;  // or null
+  size_t numel;
+  uint64_t stream;
+  uint8_t* payload;
+  size_t capacity;
+};
+
+// decodeCuda's arguments for one chunk: a payload of the call's config.
+struct DecodeChunk {
+  const uint8_t* payload;
+  size_t bytes;
+  void* out;
+  size_t numel;
+};
+
+// encodeCuda of every chunk. The workspace serves them all (encodeWorkspaceBytes of the largest).
+void encodeChunksCuda(const compress::Config& config, DataType xType, const EncodeChunk* chunks, size_t n,
+                      void* workspace, size_t workspaceBytes, cudaStream_t cudaStream);
+
+// decodeCuda of every chunk.
+void decodeChunksCuda(const compress::Config& config, const DecodeChunk* chunks, size_t n, DataType outType,
+                      cudaStream_t cudaStream);
+
+// out[numel] (float32) = scale * the sum, from 0 in order j = 0 .. n-1, of decode(payloads[j]),
+// payloads of `config` and numel elements, one float32 add each and then one multiply unless
+// scale is 1: as compress::reduceEncode sums. Block formats and casts (sparse payloads are
+// summed with decodeAccumulateCuda).
+void sumPayloadsCuda(const compress::Config& config, const uint8_t* const* payloads, size_t n, size_t numel,
+                     float scale, float* out, cudaStream_t cudaStream);
+
 }  // namespace ddlcomm::gpu

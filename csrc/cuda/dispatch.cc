@@ -2,6 +2,7 @@
 // the per-format launchers. Plain C++ (no device code): it only enqueues work.
 #include <cmath>
 #include <cstdint>
+#include <vector>
 
 #include "common/error.h"
 #include "cuda/cuda_kernels.h"
@@ -13,10 +14,21 @@ namespace {
 // Each format's kernels (launchers.h), one row per row of compress::kFormats, in its order.
 struct CudaKernels {
   compress::Format format;
-  void (*encode)(const detail::EncodeArgs& a);
-  void (*decode)(const detail::DecodeArgs& a);
-  size_t (*workspaceBytes)(const compress::Config& config, uint64_t numel);  // scratch of an encode
+  void (*encode)(const detail::EncodeArgs* a, size_t n);
+  void (*decode)(const detail::DecodeArgs* a, size_t n);
+  void (*sum)(const detail::DecodeArgs* a, size_t n, float scale, float* out);  // null: summed sparsely
+  size_t (*workspaceBytes)(const compress::Config& config, uint64_t numel);   // scratch of an encode
 };
+
+// The formats whose kernels take one chunk a launch.
+template <void (*One)(const detail::EncodeArgs&)>
+void eachEncode(const detail::EncodeArgs* a, size_t n) {
+  for (size_t i = 0; i < n; ++i) One(a[i]);
+}
+template <void (*One)(const detail::DecodeArgs&)>
+void eachDecode(const detail::DecodeArgs* a, size_t n) {
+  for (size_t i = 0; i < n; ++i) One(a[i]);
+}
 
 size_t noWorkspace(const compress::Config&, uint64_t) { return 0; }
 size_t ternaryWorkspace(const compress::Config& c, uint64_t numel) { return detail::ternaryWorkspaceBytes(c, numel); }
@@ -29,12 +41,13 @@ size_t randomkWorkspace(const compress::Config& c, uint64_t numel) {
 }
 
 constexpr CudaKernels kCudaKernels[] = {
-    {compress::Format::OneBit, detail::encodeOneBit, detail::decodeOneBit, noWorkspace},
-    {compress::Format::Ternary, detail::encodeTernary, detail::decodeTernary, ternaryWorkspace},
-    {compress::Format::TopK, detail::encodeTopK, detail::decodeSparse, topkWorkspace},
-    {compress::Format::RandomK, detail::encodeRandomK, detail::decodeSparse, randomkWorkspace},
-    {compress::Format::Float16, detail::encodeCast, detail::decodeCast, noWorkspace},
-    {compress::Format::BFloat16, detail::encodeCast, detail::decodeCast, noWorkspace},
+    {compress::Format::OneBit, detail::encodeOneBit, detail::decodeOneBit, detail::sumOneBit, noWorkspace},
+    {compress::Format::Ternary, detail::encodeTernary, detail::decodeTernary, detail::sumTernary, ternaryWorkspace},
+    {compress::Format::TopK, eachEncode<detail::encodeTopK>, eachDecode<detail::decodeSparse>, nullptr, topkWorkspace},
+    {compress::Format::RandomK, eachEncode<detail::encodeRandomK>, eachDecode<detail::decodeSparse>, nullptr,
+     randomkWorkspace},
+    {compress::Format::Float16, detail::encodeCast, detail::decodeCast, detail::sumCast, noWorkspace},
+    {compress::Format::BFloat16, detail::encodeCast, detail::decodeCast, detail::sumCast, noWorkspace},
 };
 
 constexpr bool followsFormats() {
@@ -117,7 +130,32 @@ detail::DecodeArgs decodeArgs(const compress::PayloadInfo& info, const uint8_t* 
 
 void runDecode(const detail::DecodeArgs& a) {
   if (a.numel == 0) return;
-  kernelsOf(a.format).decode(a);
+  kernelsOf(a.format).decode(&a, 1);
+}
+
+// The checked arguments of one encode (encodeCuda's).
+detail::EncodeArgs encodeArgs(const compress::Config& config, DataType xType, const void* x, float* residual,
+                              size_t numel, uint64_t stream, uint8_t* payload, size_t capacity, void* workspace,
+                              size_t workspaceBytes, cudaStream_t cudaStream) {
+  checkConfig(config, numel);
+  DDLCOMM_CHECK(xType == DataType::Float32 || xType == DataType::Float16 || xType == DataType::BFloat16,
+                ErrorKind::UnsupportedType,
+                "compression input must be torch.float32, torch.float16 or torch.bfloat16, got ",
+                dataTypeName(xType));
+  DDLCOMM_CHECK(x != nullptr || numel == 0, ErrorKind::InvalidArgument, "encodeCuda: null input");
+  checkPayloadPointer(payload, "encodeCuda");
+  const compress::PayloadLayout layout = compress::payloadLayout(config, numel);
+  DDLCOMM_CHECK(capacity >= layout.bytes, ErrorKind::InvalidArgument, "encodeCuda: payload capacity ", capacity,
+                " < ", layout.bytes, " bytes needed");
+  const size_t needed = kernelsOf(config.format).workspaceBytes(config, numel);
+  DDLCOMM_CHECK(workspaceBytes >= needed && (needed == 0 || workspace != nullptr), ErrorKind::InvalidArgument,
+                "encodeCuda: workspace of ", workspaceBytes, " bytes, ", needed, " needed");
+  DDLCOMM_CHECK(reinterpret_cast<uintptr_t>(workspace) % 256 == 0, ErrorKind::InvalidArgument,
+                "encodeCuda: the workspace must be 256-byte aligned");
+  const HeaderWords header = headerWords(compress::makeHeader(config, numel));
+  const uint64_t k = compress::keptEntries(config, numel);
+  return detail::EncodeArgs{config, xType,  x,      residual,  numel,          stream,
+                            k,      payload, layout, header,   workspace, workspaceBytes, cudaStream};
 }
 
 }  // namespace
@@ -143,28 +181,21 @@ size_t encodeWorkspaceBytes(const compress::Config& config, DataType, size_t num
 size_t encodeCuda(const compress::Config& config, DataType xType, const void* x, float* residual, size_t numel,
                   uint64_t stream, uint8_t* payload, size_t capacity, void* workspace, size_t workspaceBytes,
                   cudaStream_t cudaStream) {
-  checkConfig(config, numel);
-  DDLCOMM_CHECK(xType == DataType::Float32 || xType == DataType::Float16 || xType == DataType::BFloat16,
-                ErrorKind::UnsupportedType,
-                "compression input must be torch.float32, torch.float16 or torch.bfloat16, got ",
-                dataTypeName(xType));
-  DDLCOMM_CHECK(x != nullptr || numel == 0, ErrorKind::InvalidArgument, "encodeCuda: null input");
-  checkPayloadPointer(payload, "encodeCuda");
-  const uint64_t k = compress::keptEntries(config, numel);
-  const compress::PayloadLayout layout = compress::payloadLayout(config, numel);
-  DDLCOMM_CHECK(capacity >= layout.bytes, ErrorKind::InvalidArgument, "encodeCuda: payload capacity ", capacity,
-                " < ", layout.bytes, " bytes needed");
-  const size_t needed = encodeWorkspaceBytes(config, xType, numel);
-  DDLCOMM_CHECK(workspaceBytes >= needed && (needed == 0 || workspace != nullptr), ErrorKind::InvalidArgument,
-                "encodeCuda: workspace of ", workspaceBytes, " bytes, ", needed, " needed");
-  DDLCOMM_CHECK(reinterpret_cast<uintptr_t>(workspace) % 256 == 0, ErrorKind::InvalidArgument,
-                "encodeCuda: the workspace must be 256-byte aligned");
+  const detail::EncodeArgs a =
+      encodeArgs(config, xType, x, residual, numel, stream, payload, capacity, workspace, workspaceBytes, cudaStream);
+  kernelsOf(config.format).encode(&a, 1);
+  return a.layout.bytes;
+}
 
-  const HeaderWords header = headerWords(compress::makeHeader(config, numel));
-  const detail::EncodeArgs a{config, xType,  x,      residual,  numel,          stream,
-                             k,      payload, layout, header,   workspace, workspaceBytes, cudaStream};
-  kernelsOf(config.format).encode(a);
-  return layout.bytes;
+void encodeChunksCuda(const compress::Config& config, DataType xType, const EncodeChunk* chunks, size_t n,
+                      void* workspace, size_t workspaceBytes, cudaStream_t cudaStream) {
+  std::vector<detail::EncodeArgs> args;
+  for (size_t i = 0; i < n; ++i) {
+    const EncodeChunk& c = chunks[i];
+    args.push_back(encodeArgs(config, xType, c.x, c.residual, c.numel, c.stream, c.payload, c.capacity, workspace,
+                              workspaceBytes, cudaStream));
+  }
+  if (n > 0) kernelsOf(config.format).encode(args.data(), n);
 }
 
 void decodeCuda(const compress::PayloadInfo& info, const uint8_t* payload, size_t bytes, DataType outType, void* out,
@@ -175,6 +206,34 @@ void decodeCuda(const compress::PayloadInfo& info, const uint8_t* payload, size_
 void decodeAccumulateCuda(const compress::PayloadInfo& info, const uint8_t* payload, size_t bytes, float* out,
                           size_t numel, cudaStream_t cudaStream) {
   runDecode(decodeArgs(info, payload, bytes, DataType::Float32, out, numel, true, cudaStream, "decodeAccumulateCuda"));
+}
+
+void decodeChunksCuda(const compress::Config& config, const DecodeChunk* chunks, size_t n, DataType outType,
+                      cudaStream_t cudaStream) {
+  std::vector<detail::DecodeArgs> args;
+  for (size_t j = 0; j < n; ++j) {
+    const DecodeChunk& c = chunks[j];
+    if (c.numel == 0) continue;  // as decodeCuda: nothing to write
+    args.push_back(decodeArgs(expectedInfo(config, c.numel, c.bytes), c.payload, c.bytes, outType, c.out, c.numel,
+                              false, cudaStream, "decodeChunksCuda"));
+  }
+  if (!args.empty()) kernelsOf(config.format).decode(args.data(), args.size());
+}
+
+void sumPayloadsCuda(const compress::Config& config, const uint8_t* const* payloads, size_t n, size_t numel,
+                     float scale, float* out, cudaStream_t cudaStream) {
+  const CudaKernels& kernels = kernelsOf(config.format);
+  DDLCOMM_CHECK(kernels.sum != nullptr, ErrorKind::InvalidArgument, "sumPayloadsCuda: ",
+                compress::formatName(config.format), " payloads are summed sparsely (decodeAccumulateCuda)");
+  DDLCOMM_CHECK(n >= 1, ErrorKind::InvalidArgument, "sumPayloadsCuda: no payload to sum");
+  if (numel == 0) return;
+  const size_t bytes = encodedBytesCuda(config, numel);
+  std::vector<detail::DecodeArgs> args;
+  for (size_t j = 0; j < n; ++j) {
+    args.push_back(decodeArgs(expectedInfo(config, numel, bytes), payloads[j], bytes, DataType::Float32, out, numel,
+                              true, cudaStream, "sumPayloadsCuda"));
+  }
+  kernels.sum(args.data(), n, scale, out);
 }
 
 }  // namespace ddlcomm::gpu

@@ -60,15 +60,29 @@ struct DecodeArgs {
   cudaStream_t cudaStream;
 };
 
-void encodeOneBit(const EncodeArgs& a);
-void decodeOneBit(const DecodeArgs& a);
-void encodeTernary(const EncodeArgs& a);
-void decodeTernary(const DecodeArgs& a);
-void encodeCast(const EncodeArgs& a);
-void decodeCast(const DecodeArgs& a);
+// Several chunks a call: a compressed collective encodes a chunk of a bucket for every rank and
+// decodes every rank's chunk. The block formats (with whole code bytes a block) and the casts
+// take them in one launch per kMaxParts chunks; the others launch a sequence per chunk.
+// Encodes of a call share config, xType, workspace and cudaStream; decodes share outType,
+// accumulate and cudaStream; each chunk has its own x, residual, numel, stream and payload.
+constexpr uint32_t kMaxParts = 16;
+
+void encodeOneBit(const EncodeArgs* a, size_t n);
+void decodeOneBit(const DecodeArgs* a, size_t n);
+void encodeTernary(const EncodeArgs* a, size_t n);
+void decodeTernary(const DecodeArgs* a, size_t n);
+void encodeCast(const EncodeArgs* a, size_t n);
+void decodeCast(const DecodeArgs* a, size_t n);
 void encodeTopK(const EncodeArgs& a);
 void encodeRandomK(const EncodeArgs& a);
 void decodeSparse(const DecodeArgs& a);
+
+// out (float32, numel of every a[j]) = scale * the sum of decode(a[j]) in order from 0: the
+// payloads of one chunk from every rank, summed as compress::reduceEncode sums them (one
+// float32 add each, then one multiply unless scale is 1). Block formats and casts.
+void sumOneBit(const DecodeArgs* a, size_t n, float scale, float* out);
+void sumTernary(const DecodeArgs* a, size_t n, float scale, float* out);
+void sumCast(const DecodeArgs* a, size_t n, float scale, float* out);
 
 size_t randomkWorkspaceBytes(uint64_t numel, uint64_t k);
 size_t ternaryWorkspaceBytes(const compress::Config& config, uint64_t numel);

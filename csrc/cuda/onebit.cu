@@ -62,25 +62,35 @@ struct OneBitCode {
     return kTwo ? Scale{scales[2 * b], scales[2 * b + 1]} : Scale{scales[b], scales[b]};
   }
 
-  static __device__ __forceinline__ uint32_t code(float y, Scale, const Params&, uint64_t) { return y >= 0.f; }
+  static __device__ __forceinline__ uint32_t code(float y, Scale, const Params&, uint64_t, uint64_t) {
+    return y >= 0.f;
+  }
   static __device__ __forceinline__ float decode(uint32_t code, Scale s) { return code ? s.pos : -s.neg; }
 };
 
 }  // namespace
 
-void encodeOneBit(const EncodeArgs& a) {
-  if (a.config.twoScales) {
-    blocks::encode<OneBitCode<true>>(a, {});
+void encodeOneBit(const EncodeArgs* a, size_t n) {
+  if (a[0].config.twoScales) {
+    blocks::encode<OneBitCode<true>>(a, n, {});
   } else {
-    blocks::encode<OneBitCode<false>>(a, {});
+    blocks::encode<OneBitCode<false>>(a, n, {});
   }
 }
 
-void decodeOneBit(const DecodeArgs& a) {
-  if (a.twoScales) {
-    blocks::decode<OneBitCode<true>>(a);
+void decodeOneBit(const DecodeArgs* a, size_t n) {
+  if (a[0].twoScales) {
+    blocks::decode<OneBitCode<true>>(a, n);
   } else {
-    blocks::decode<OneBitCode<false>>(a);
+    blocks::decode<OneBitCode<false>>(a, n);
+  }
+}
+
+void sumOneBit(const DecodeArgs* a, size_t n, float scale, float* out) {
+  if (a[0].twoScales) {
+    blocks::sum<OneBitCode<true>>(a, n, scale, out);
+  } else {
+    blocks::sum<OneBitCode<false>>(a, n, scale, out);
   }
 }
 

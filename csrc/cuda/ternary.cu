@@ -34,7 +34,6 @@ struct TernaryCode {
     float thresholdFactor;  // compress::kTernaryThreshold
     float clip;             // 0: off
     uint64_t seed;
-    uint64_t stream;
     float* thresholds;  // deterministic generic path: each block's threshold (workspace), else null
   };
   struct Scale {
@@ -83,9 +82,9 @@ struct TernaryCode {
 
   // A non-finite s sends every element, so the whole block decodes non-finite (the contract's
   // non-finite rule; the deterministic rule's s is non-finite exactly when its mean is).
-  static __device__ __forceinline__ uint32_t code(float y, Scale s, const Params& f, uint64_t i) {
+  static __device__ __forceinline__ uint32_t code(float y, Scale s, const Params& f, uint64_t stream, uint64_t i) {
     const bool send = !(s.s <= FLT_MAX) ||
-                      (f.stochastic ? __fmul_rn(compress::counterUniform(f.seed, f.stream, i), s.s) < fabsf(y)
+                      (f.stochastic ? __fmul_rn(compress::counterUniform(f.seed, stream, i), s.s) < fabsf(y)
                                     : fabsf(y) > s.at);
     return send ? (y >= 0.f ? 1u : 2u) : 0u;
   }
@@ -102,13 +101,16 @@ size_t ternaryWorkspaceBytes(const compress::Config& config, uint64_t numel) {
   return size_t((numel + config.blockSize - 1) / config.blockSize) * sizeof(float);
 }
 
-void encodeTernary(const EncodeArgs& a) {
-  const compress::Config& c = a.config;
-  // The generic path packs codes in a second kernel, which needs the deterministic threshold.
-  float* thresholds = !c.stochastic && c.blockSize % 4 != 0 ? static_cast<float*>(a.workspace) : nullptr;
-  blocks::encode<TernaryCode>(a, {c.stochastic, compress::kTernaryThreshold, c.clip, c.seed, a.stream, thresholds});
+void encodeTernary(const EncodeArgs* a, size_t n) {
+  const compress::Config& c = a[0].config;
+  // The generic path packs codes in a second kernel, which needs the deterministic threshold
+  // (the chunks go one after another on the stream, so they share the workspace).
+  float* thresholds = !c.stochastic && c.blockSize % 4 != 0 ? static_cast<float*>(a[0].workspace) : nullptr;
+  blocks::encode<TernaryCode>(a, n, {c.stochastic, compress::kTernaryThreshold, c.clip, c.seed, thresholds});
 }
 
-void decodeTernary(const DecodeArgs& a) { blocks::decode<TernaryCode>(a); }
+void decodeTernary(const DecodeArgs* a, size_t n) { blocks::decode<TernaryCode>(a, n); }
+
+void sumTernary(const DecodeArgs* a, size_t n, float scale, float* out) { blocks::sum<TernaryCode>(a, n, scale, out); }
 
 }  // namespace ddlcomm::gpu::detail

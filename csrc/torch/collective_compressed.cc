@@ -40,39 +40,61 @@ cudaStream_t cudaStreamOf(c10::Device device) {
 }
 #endif
 
-// The first `bytes` bytes of every row of `rows` (uint8 [k, slot], on the CPU).
+// Where every row of `rows` (uint8 [k, slot], on the CPU or a GPU) begins.
 std::vector<const uint8_t*> rowPointers(const at::Tensor& rows) {
   std::vector<const uint8_t*> pointers;
   for (int64_t j = 0; j < rows.size(0); ++j) pointers.push_back(rows[j].data_ptr<uint8_t>());
   return pointers;
 }
 
-}  // namespace
-
-// -- payload_codec.h ----------------------------------------------------------------------
-
+// Where float32 sums are accumulated: `out` itself when it is float32 and contiguous (its
+// values were encoded already), else a new tensor. Zeroed either way. On the CPU a new tensor
+// of a large chunk costs its page faults on every call, which is why the output is preferred.
 at::Tensor accumulatorFor(const at::Tensor& out) {
   if (out.scalar_type() == at::kFloat && out.is_contiguous()) return out.zero_();
   return at::zeros({out.numel()}, out.options().dtype(at::kFloat));
 }
 
+}  // namespace
+
+// -- payload_codec.h ----------------------------------------------------------------------
+
+
 void Codec::encode(const at::Tensor& x, const at::Tensor* residual, uint64_t stream, const at::Tensor& payload) const {
-  const size_t numel = size_t(x.numel()), capacity = size_t(payload.numel());
+  if (!device_.is_cpu()) {
+    encodeChunks({x}, residual ? std::vector<at::Tensor>{*residual} : std::vector<at::Tensor>{}, {stream}, {payload});
+    return;
+  }
+  const size_t numel = size_t(x.numel());
   float* r = residual ? residual->data_ptr<float>() : nullptr;
+  const size_t written = compress::encode(config_, toDataType(x), x.data_ptr(), r, numel, stream,
+                                          payload.data_ptr<uint8_t>(), size_t(payload.numel()));
+  DDLCOMM_CHECK(written == bytes(numel), ErrorKind::Protocol, "payload of ", written, " bytes, expected ",
+                bytes(numel));
+}
+
+void Codec::encodeChunks(const std::vector<at::Tensor>& xs, const std::vector<at::Tensor>& residuals,
+                         const std::vector<uint64_t>& streams, const std::vector<at::Tensor>& payloads) const {
   if (device_.is_cpu()) {
-    const size_t written = compress::encode(config_, toDataType(x), x.data_ptr(), r, numel, stream,
-                                            payload.data_ptr<uint8_t>(), capacity);
-    DDLCOMM_CHECK(written == bytes(numel), ErrorKind::Protocol, "payload of ", written, " bytes, expected ",
-                  bytes(numel));
+    for (size_t i = 0; i < xs.size(); ++i) {
+      encode(xs[i], residuals.empty() ? nullptr : &residuals[i], streams[i], payloads[i]);
+    }
     return;
   }
 #ifdef DDLCOMM_WITH_CUDA
   const c10::DeviceGuard guard(device_);
-  const size_t scratch = gpu::encodeWorkspaceBytes(config_, toDataType(x), numel);
+  std::vector<gpu::EncodeChunk> chunks;
+  size_t scratch = 0;
+  for (size_t i = 0; i < xs.size(); ++i) {
+    const size_t numel = size_t(xs[i].numel());
+    scratch = std::max(scratch, gpu::encodeWorkspaceBytes(config_, toDataType(xs[i]), numel));
+    chunks.push_back({xs[i].data_ptr(), residuals.empty() ? nullptr : residuals[i].data_ptr<float>(), numel,
+                      streams[i], payloads[i].data_ptr<uint8_t>(), size_t(payloads[i].numel())});
+  }
   // From torch's caching allocator, on the current stream: reused, never synchronized.
   const at::Tensor workspace = scratch ? bytesOn(device_, scratch) : at::Tensor();
-  gpu::encodeCuda(config_, toDataType(x), x.data_ptr(), r, numel, stream, payload.data_ptr<uint8_t>(), capacity,
-                  scratch ? workspace.data_ptr() : nullptr, scratch, cudaStreamOf(device_));
+  gpu::encodeChunksCuda(config_, xs.empty() ? DataType::Float32 : toDataType(xs[0]), chunks.data(), chunks.size(),
+                        scratch ? workspace.data_ptr() : nullptr, scratch, cudaStreamOf(device_));
 #else
   fail(ErrorKind::UnsupportedType, "ddlcomm was built without CUDA kernels: cannot compress a tensor on ", device_);
 #endif
@@ -88,24 +110,43 @@ void Codec::reduceEncode(const at::Tensor& rows, size_t bytes, const at::Tensor&
                            size_t(out.numel()));
     return;
   }
-  at::Tensor acc = accumulatorFor(chunk);
-  for (int64_t j = 0; j < rows.size(0); ++j) decode(rows[j], bytes, acc, true);
-  if (scale != 1.f) acc.mul_(scale);
+  const at::Tensor acc = chunk.scalar_type() == at::kFloat && chunk.is_contiguous()
+                             ? chunk
+                             : at::empty({chunk.numel()}, chunk.options().dtype(at::kFloat));
+  sum(rows, bytes, scale, acc);
   encode(acc, server, stream, out);
 }
 
-void Codec::sumSparse(const at::Tensor& rows, size_t bytes, float scale, const at::Tensor& out) const {
-  if (device_.is_cpu()) {
+void Codec::sum(const at::Tensor& rows, size_t bytes, float scale, const at::Tensor& out) const {
+  at::Tensor acc;
+  if (device_.is_cpu() || compress::isSparse(config_.format)) {
+    acc = accumulatorFor(out);
+    for (int64_t j = 0; j < rows.size(0); ++j) decode(rows[j], bytes, acc, true);
+    if (scale != 1.f) acc.mul_(scale);
+  } else {
+#ifdef DDLCOMM_WITH_CUDA
+    const c10::DeviceGuard guard(device_);
+    const bool inPlace = out.scalar_type() == at::kFloat && out.is_contiguous();
+    acc = inPlace ? out : at::empty({out.numel()}, out.options().dtype(at::kFloat));
+    gpu::expectedInfo(config_, size_t(out.numel()), bytes);  // the rows' size, as decode() checks it
     const std::vector<const uint8_t*> payloads = rowPointers(rows);
-    out.zero_();
-    compress::sumSparse(config_, payloads.data(), payloads.size(), bytes, size_t(out.numel()), scale,
-                        toDataType(out), out.data_ptr());
-    return;
+    gpu::sumPayloadsCuda(config_, payloads.data(), payloads.size(), size_t(out.numel()), scale, acc.data_ptr<float>(),
+                         cudaStreamOf(device_));
+#else
+    (void)bytes;
+    fail(ErrorKind::UnsupportedType, "ddlcomm was built without CUDA kernels: cannot decode into a tensor on ",
+         device_);
+#endif
   }
-  at::Tensor acc = accumulatorFor(out);
-  for (int64_t j = 0; j < rows.size(0); ++j) decode(rows[j], bytes, acc, true);
-  if (scale != 1.f) acc.mul_(scale);
-  if (!acc.is_same(out)) out.copy_(acc);
+  if (!acc.is_same(out)) out.copy_(acc.view(out.sizes()));
+}
+
+void Codec::sumSparse(const at::Tensor& rows, size_t bytes, float scale, const at::Tensor& out) const {
+  if (!device_.is_cpu()) return sum(rows, bytes, scale, out);
+  const std::vector<const uint8_t*> payloads = rowPointers(rows);
+  out.zero_();
+  compress::sumSparse(config_, payloads.data(), payloads.size(), bytes, size_t(out.numel()), scale, toDataType(out),
+                      out.data_ptr());
 }
 
 void Codec::decode(const at::Tensor& payload, size_t n, const at::Tensor& out, bool accumulate) const {
@@ -120,16 +161,32 @@ void Codec::decode(const at::Tensor& payload, size_t n, const at::Tensor& out, b
     }
     return;
   }
+  if (!accumulate) return decodeChunks({payload}, {n}, {out});
 #ifdef DDLCOMM_WITH_CUDA
   const c10::DeviceGuard guard(device_);
-  const compress::PayloadInfo info = gpu::expectedInfo(config_, numel, n);
-  if (accumulate) {
-    gpu::decodeAccumulateCuda(info, p, n, out.data_ptr<float>(), numel, cudaStreamOf(device_));
-  } else {
-    gpu::decodeCuda(info, p, n, toDataType(out), out.data_ptr(), numel, cudaStreamOf(device_));
-  }
+  gpu::decodeAccumulateCuda(gpu::expectedInfo(config_, numel, n), p, n, out.data_ptr<float>(), numel,
+                            cudaStreamOf(device_));
 #else
-  (void)accumulate;
+  fail(ErrorKind::UnsupportedType, "ddlcomm was built without CUDA kernels: cannot decode into a tensor on ",
+       device_);
+#endif
+}
+
+void Codec::decodeChunks(const std::vector<at::Tensor>& payloads, const std::vector<size_t>& bytes,
+                         const std::vector<at::Tensor>& outs) const {
+  if (device_.is_cpu()) {
+    for (size_t j = 0; j < payloads.size(); ++j) decode(payloads[j], bytes[j], outs[j], false);
+    return;
+  }
+#ifdef DDLCOMM_WITH_CUDA
+  const c10::DeviceGuard guard(device_);
+  std::vector<gpu::DecodeChunk> chunks;
+  for (size_t j = 0; j < payloads.size(); ++j) {
+    chunks.push_back({payloads[j].data_ptr<uint8_t>(), bytes[j], outs[j].data_ptr(), size_t(outs[j].numel())});
+  }
+  gpu::decodeChunksCuda(config_, chunks.data(), chunks.size(), outs.empty() ? DataType::Float32 : toDataType(outs[0]),
+                        cudaStreamOf(device_));
+#else
   fail(ErrorKind::UnsupportedType, "ddlcomm was built without CUDA kernels: cannot decode into a tensor on ",
        device_);
 #endif
@@ -237,11 +294,15 @@ class Piece {
     std::vector<size_t> offsets{0};
     for (size_t slot : slots_) offsets.push_back(offsets.back() + slot);
     at::Tensor outgoing = at::empty({int64_t(offsets.back())}, flat_.options().dtype(at::kByte));
+    std::vector<at::Tensor> xs, residuals, payloads;
+    std::vector<uint64_t> streams;
     for (int i = 0; i < n; ++i) {
-      const at::Tensor residual = worker ? chunk(*worker, i) : at::Tensor();
-      a_.codec.encode(chunk(flat_, i), worker ? &residual : nullptr, encodeStream(a_.stream, a_.me, 0, i, a_.size, index_),
-                      slice(outgoing, offsets[size_t(i)], offsets[size_t(i) + 1]));
+      xs.push_back(chunk(flat_, i));
+      if (worker) residuals.push_back(chunk(*worker, i));
+      streams.push_back(encodeStream(a_.stream, a_.me, 0, i, a_.size, index_));
+      payloads.push_back(slice(outgoing, offsets[size_t(i)], offsets[size_t(i) + 1]));
     }
+    a_.codec.encodeChunks(xs, residuals, streams, payloads);
     incoming_ = a_.wire.empty(size_t(n) * slots_[size_t(r)]);
     std::vector<int64_t> received(static_cast<size_t>(n), static_cast<int64_t>(slots_[size_t(r)]));
     std::vector<int64_t> sending(slots_.begin(), slots_.end());
@@ -268,7 +329,12 @@ class Piece {
   void gather() {
     wait(a_.payloads, exchange_);
     const at::Tensor rows = a_.wire.receive(gathered_.view({chunks_.n, int64_t(widest_)}), sizes_, lengths_);
-    for (int j = 0; j < chunks_.n; ++j) a_.codec.decode(rows[j], sizes_[size_t(j)], chunk(flat_, j), false);
+    std::vector<at::Tensor> payloads, outs;
+    for (int j = 0; j < chunks_.n; ++j) {
+      payloads.push_back(rows[j]);
+      outs.push_back(chunk(flat_, j));
+    }
+    a_.codec.decodeChunks(payloads, sizes_, outs);
   }
 
  private:

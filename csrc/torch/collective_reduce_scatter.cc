@@ -63,23 +63,23 @@ void compressedReduceScatterOverCollectives(const CollectiveGroup& g, const Coll
   const int k = int(owners.size());
   const size_t bytes = codec.bytes(m), slot = payloadSlot(args.config, m);
   at::Tensor outgoing = at::empty({int64_t(size_t(k) * slot)}, flat.options().dtype(at::kByte));
+  std::vector<at::Tensor> xs, residuals, payloads;
+  std::vector<uint64_t> streams;
   for (int i = 0; i < k; ++i) {
     const size_t o = size_t(owners[size_t(i)]);
-    const at::Tensor residual = args.workerResidual ? slice(*args.workerResidual, o * m, (o + 1) * m) : at::Tensor();
-    codec.encode(slice(flat, size_t(i) * m, size_t(i + 1) * m), args.workerResidual ? &residual : nullptr,
-                 encodeStream(args.stream, rank, 0, int(o), n, 0),
-                 slice(outgoing, size_t(i) * slot, size_t(i + 1) * slot));
+    xs.push_back(slice(flat, size_t(i) * m, size_t(i + 1) * m));
+    if (args.workerResidual) residuals.push_back(slice(*args.workerResidual, o * m, (o + 1) * m));
+    streams.push_back(encodeStream(args.stream, rank, 0, int(o), n, 0));
+    payloads.push_back(slice(outgoing, size_t(i) * slot, size_t(i + 1) * slot));
   }
+  codec.encodeChunks(xs, residuals, streams, payloads);
   at::Tensor incoming = wire.empty(size_t(k) * slot);
   at::Tensor sent = wire.send(outgoing);
   std::vector<int64_t> even;  // empty: equal splits
   wait(*among, among->alltoall_base(incoming, sent, even, even));
   const at::Tensor rows = wire.receive(incoming.view({k, int64_t(slot)}), std::vector<size_t>(size_t(k), bytes),
                                        std::vector<size_t>(size_t(k), m));
-  at::Tensor acc = accumulatorFor(args.output);
-  for (int j = 0; j < k; ++j) codec.decode(rows[j], bytes, acc, true);
-  if (args.average) acc.mul_(1.f / float(n));
-  if (!acc.is_same(args.output)) args.output.copy_(acc.view(args.output.sizes()));
+  codec.sum(rows, bytes, args.average ? 1.f / float(n) : 1.f, args.output);
 }
 
 c10::intrusive_ptr<c10d::Work> startCompressedReduceScatter(ProcessGroupDdlcomm& engine,

@@ -23,17 +23,28 @@ class Codec {
   size_t bytes(size_t numel) const { return compress::encodedBytes(config_, numel); }
 
   void encode(const at::Tensor& x, const at::Tensor* residual, uint64_t stream, const at::Tensor& payload) const;
+  // encode() of every chunk xs[i] (with residuals[i] where residuals is not empty, and
+  // streams[i]) into payloads[i]: on a GPU one launch for the chunks of a block format or a
+  // cast (gpu::encodeChunksCuda).
+  void encodeChunks(const std::vector<at::Tensor>& xs, const std::vector<at::Tensor>& residuals,
+                    const std::vector<uint64_t>& streams, const std::vector<at::Tensor>& payloads) const;
   // The reduce step: `out` = encode(scale * the float32 sum, in row order, of decode(the first
   // `bytes` bytes of every row), with the server residual). On the CPU one fused pass
   // (compress::reduceEncode); on a GPU the sum is taken in `chunk` (the rows' values, already
   // encoded) where it is float32.
   void reduceEncode(const at::Tensor& rows, size_t bytes, const at::Tensor& chunk, float scale,
                     const at::Tensor* server, uint64_t stream, const at::Tensor& out) const;
-  // `out` = scale * the sum, in row order, of the sparse payloads in the first `bytes` bytes of
-  // every row: zero where none carries an index (compress::sumSparse on the CPU).
+  // `out` = scale * the float32 sum, in row order from 0, of decode(the first `bytes` bytes of
+  // every row): on a GPU one launch for a block format or a cast (gpu::sumPayloadsCuda).
+  void sum(const at::Tensor& rows, size_t bytes, float scale, const at::Tensor& out) const;
+  // sum() of sparse payloads: zero where none carries an index (compress::sumSparse on the CPU).
   void sumSparse(const at::Tensor& rows, size_t bytes, float scale, const at::Tensor& out) const;
   // out (its device, float32 where accumulate) = or += decode(the first `n` bytes of payload).
   void decode(const at::Tensor& payload, size_t n, const at::Tensor& out, bool accumulate) const;
+  // decode() of the first bytes[j] bytes of payloads[j] into outs[j], for every j: on a GPU one
+  // launch for a block format or a cast (gpu::decodeChunksCuda).
+  void decodeChunks(const std::vector<at::Tensor>& payloads, const std::vector<size_t>& bytes,
+                    const std::vector<at::Tensor>& outs) const;
 
  private:
   compress::Config config_;
@@ -72,11 +83,6 @@ void wait(const c10d::Backend& backend, const c10::intrusive_ptr<c10d::Work>& wo
 // all-reduced (a float32 sum is finite only if every element is, unless it overflowed: then
 // each element is checked). Both compressed collectives ask it first.
 bool nonFiniteAnywhere(c10d::Backend& group, bool staged, const at::Tensor& flat);
-
-// Where float32 sums are accumulated: `out` itself when it is float32 and contiguous (its
-// values were encoded already), else a new tensor. Zeroed either way. On the CPU a new tensor
-// of a large chunk costs its page faults on every call, which is why the output is preferred.
-at::Tensor accumulatorFor(const at::Tensor& out);
 
 inline at::Tensor slice(const at::Tensor& t, size_t begin, size_t end) {
   return t.slice(0, int64_t(begin), int64_t(end));

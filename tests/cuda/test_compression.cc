@@ -269,6 +269,125 @@ void testEncodeOnce(const Case& cs, size_t n, const Variant& v, uint64_t stream,
   }
 }
 
+// ---- several chunks a call ---------------------------------------------------------------
+// encodeChunksCuda, decodeChunksCuda and sumPayloadsCuda against the single calls, chunk by
+// chunk: `total` elements in n chunks of ring sizes (some empty where total < n), their
+// payloads in slots of one size, as an all-gather leaves them; 17 chunks take two tables of
+// kMaxParts. The sum: n payloads of chunk 0's size, against decodeAccumulateCuda of each
+// from 0, times the scale.
+void testChunks(const Case& cs, size_t total, size_t n, uint64_t stream, std::mt19937_64& rng, cudaStream_t s) {
+  const Config& cfg = cs.cfg;
+  const std::string name = str(cs.name, " chunks=", n, " total=", total);
+  std::vector<size_t> begin{0}, bytes;
+  size_t slot = 0, wsBytes = 0;
+  for (size_t i = 0; i < n; ++i) {
+    const size_t len = total / n + (i < total % n ? 1 : 0);
+    begin.push_back(begin.back() + len);
+    bytes.push_back(gpu::encodedBytesCuda(cfg, len));
+    slot = std::max(slot, (bytes.back() + 3) / 4 * 4);
+    wsBytes = std::max(wsBytes, gpu::encodeWorkspaceBytes(cfg, DataType::Float32, len));
+  }
+  const std::vector<float> x = makeValues(total, Data::Normal, rng, 1.f);
+  const std::vector<float> residual0 = makeValues(total, Data::Normal, rng, 0.1f);
+  DeviceBuffer dx(4 * total), dws(wsBytes), together(n * slot), apart(n * slot), rTogether(4 * total),
+      rApart(4 * total);
+  dx.upload(x.data(), 4 * total);
+  rTogether.upload(residual0.data(), 4 * total);
+  rApart.upload(residual0.data(), 4 * total);
+  together.fill(kPoison);
+  apart.fill(kPoison);
+  auto chunk = [&](size_t i, DeviceBuffer& payloads, DeviceBuffer& residual) {
+    return gpu::EncodeChunk{dx.as<float>() + begin[i], residual.as<float>() + begin[i], begin[i + 1] - begin[i],
+                            stream + 7 * i, payloads.as() + i * slot, slot};
+  };
+  std::vector<uint8_t> got(n * slot), want(n * slot);
+  try {
+    std::vector<gpu::EncodeChunk> chunks;
+    for (size_t i = 0; i < n; ++i) chunks.push_back(chunk(i, together, rTogether));
+    gpu::encodeChunksCuda(cfg, DataType::Float32, chunks.data(), n, dws.ptr, wsBytes, s);
+    for (size_t i = 0; i < n; ++i) {
+      const gpu::EncodeChunk c = chunk(i, apart, rApart);
+      gpu::encodeCuda(cfg, DataType::Float32, c.x, c.residual, c.numel, c.stream, c.payload, c.capacity, dws.ptr,
+                      wsBytes, s);
+    }
+    DDLCOMM_CUDA_CHECK(cudaStreamSynchronize(s));
+  } catch (const std::exception& e) {
+    check(false, name + ": encode", e.what());
+    return;
+  }
+  together.download(got.data(), got.size());
+  apart.download(want.data(), want.size());
+  check(got == want, name + ": payloads equal the single encodes'");
+  std::vector<float> r1(total), r2(total);
+  rTogether.download(r1.data(), 4 * total);
+  rApart.download(r2.data(), 4 * total);
+  checkArrays(name + ": residuals equal the single encodes'", r1.data(), r2.data(), total, DataType::Float32);
+
+  for (DataType out : {DataType::Float32, DataType::BFloat16}) {
+    const size_t es = elementSize(out);
+    DeviceBuffer dTogether(total * es), dApart(total * es);
+    dTogether.fill(kPoison);
+    dApart.fill(kPoison);
+    std::vector<uint8_t> a(total * es), b(total * es);
+    try {
+      std::vector<gpu::DecodeChunk> chunks;
+      for (size_t i = 0; i < n; ++i) {
+        chunks.push_back({apart.as() + i * slot, bytes[i], dTogether.as() + begin[i] * es, begin[i + 1] - begin[i]});
+      }
+      gpu::decodeChunksCuda(cfg, chunks.data(), n, out, s);
+      for (const gpu::DecodeChunk& c : chunks) {
+        if (c.numel == 0) continue;
+        gpu::decodeCuda(gpu::expectedInfo(cfg, c.numel, c.bytes), c.payload, c.bytes, out,
+                        dApart.as() + (static_cast<uint8_t*>(c.out) - dTogether.as()), c.numel, s);
+      }
+      DDLCOMM_CUDA_CHECK(cudaStreamSynchronize(s));
+    } catch (const std::exception& e) {
+      check(false, name + ": decode", e.what());
+      continue;
+    }
+    dTogether.download(a.data(), a.size());
+    dApart.download(b.data(), b.size());
+    checkArrays(name + ": decodes to " + dataTypeName(out) + " equal the single decodes'", a.data(), b.data(), total,
+                out);
+  }
+  if (compress::isSparse(cfg.format) || n == 0) return;
+
+  // n payloads of chunk 0's size: chunk 0's, then those of the elements after it.
+  const size_t len = begin[1], size = gpu::encodedBytesCuda(cfg, len);
+  const std::vector<float> y = makeValues(n * len, Data::Normal, rng, 1.f);
+  DeviceBuffer dy(4 * n * len), dsummed(n * slot), dsum(4 * len), dref(4 * len);
+  dy.upload(y.data(), 4 * n * len);
+  std::vector<gpu::EncodeChunk> chunks;
+  std::vector<const uint8_t*> payloads;
+  for (size_t i = 0; i < n; ++i) {
+    chunks.push_back({dy.as<float>() + i * len, nullptr, len, stream + 7 * i, dsummed.as() + i * slot, slot});
+    payloads.push_back(dsummed.as() + i * slot);
+  }
+  for (float scale : {1.f, 1.f / float(n)}) {
+    std::vector<float> a(len), b(len);
+    try {
+      gpu::encodeChunksCuda(cfg, DataType::Float32, chunks.data(), n, dws.ptr, wsBytes, s);
+      dsum.fill(kPoison);
+      gpu::sumPayloadsCuda(cfg, payloads.data(), n, len, scale, dsum.as<float>(), s);
+      dref.fill(0);
+      for (const uint8_t* p : payloads) {
+        gpu::decodeAccumulateCuda(gpu::expectedInfo(cfg, len, size), p, size, dref.as<float>(), len, s);
+      }
+      DDLCOMM_CUDA_CHECK(cudaStreamSynchronize(s));
+    } catch (const std::exception& e) {
+      check(false, name + ": sum", e.what());
+      continue;
+    }
+    dsum.download(a.data(), 4 * len);
+    dref.download(b.data(), 4 * len);
+    if (scale != 1.f) {
+      for (float& v : b) v *= scale;
+    }
+    checkArrays(name + str(": sum times ", scale, " equals the accumulated decodes'"), a.data(), b.data(), len,
+                DataType::Float32);
+  }
+}
+
 }  // namespace
 
 void testCompression(const Options& opt, std::mt19937_64& rng, cudaStream_t s) {
@@ -289,6 +408,10 @@ void testCompression(const Options& opt, std::mt19937_64& rng, cudaStream_t s) {
         if (opt.quick && (cs.slow == 2 || (cs.slow == 1 && (n != 257 || vi != 0)))) continue;
         testEncodeOnce(cs, n, variants[vi], stream++, rng, s, opt.verbose);
       }
+    }
+    if (cs.slow == 0) {
+      const std::pair<size_t, size_t> shapes[] = {{0, 3}, {5, 17}, {1000, 3}, {4099, 17}};  // elements, chunks
+      for (const auto& [total, chunks] : shapes) testChunks(cs, total, chunks, stream++, rng, s);
     }
     std::printf("%-28s %s\n", cs.name.c_str(), g_failed == before ? "ok" : "FAILED");
     std::fflush(stdout);

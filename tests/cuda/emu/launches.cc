@@ -5,14 +5,17 @@
 //   cmake -S tests/cuda/emu -B build/cuda-emu -G Ninja -DDDLCOMM_EMU_ASAN=OFF
 //   ninja -C build/cuda-emu cuda_launches_emu && build/cuda-emu/cuda_launches_emu [--bucket-mb=25]
 //
-// A bucket of a quantizer or cast at n ranks (one piece, csrc/torch/collective_compressed.cc's
-// Piece): n encodes of a chunk with its residual, n decode-accumulates of the chunks received and
-// the encode of their sum with the server residual, n decodes of the chunks gathered; around them
-// two torch operations (the accumulator's zero and, averaging over n > 1 ranks, its scaling) and
-// two NCCL calls (all-to-all, all-gather). A sparse format: one encode of the bucket, n
-// decode-accumulates, the same two torch operations, one NCCL all-gather (random-k first checks
-// for a non-finite entry, which reads a flag on the host: torch's sum, isfinite and fill, an
-// all-reduce). Counted with random normal gradients.
+// A bucket runs the calls csrc/torch/collective_compressed.cc makes, in its order, over random
+// normal gradients. A quantizer or cast at n ranks (one piece, its Piece): the n chunks encoded
+// with their residuals (gpu::encodeChunksCuda), the n chunks received summed and scaled
+// (gpu::sumPayloadsCuda) and the sum encoded with the server residual, the n chunks gathered
+// decoded (gpu::decodeChunksCuda); two NCCL calls (all-to-all, all-gather). A sparse format: one
+// encode of the bucket, n decode-accumulates of the payloads gathered, around them two torch
+// operations (the accumulator's zero and, averaging over n > 1 ranks, its scaling) and one NCCL
+// all-gather (random-k first checks for a non-finite entry, which reads a flag on the host:
+// torch's sum, isfinite and fill, an all-reduce). "one call a chunk" counts the launches the
+// same bucket took when every chunk was a call of its own (the calls' counts composed), with
+// the two torch operations a quantizer's sum then took too.
 #include <cuda_runtime.h>  // the emulator's: emu::operations()
 
 #include <cstdio>
@@ -60,6 +63,39 @@ Counts countCalls(const compress::Config& config, size_t numel, std::mt19937& rn
   return c;
 }
 
+// The launches of one bucket of a quantizer or cast at n ranks, as one rank's Piece makes them.
+uint64_t countBucket(const compress::Config& config, size_t numel, int n, std::mt19937& rng) {
+  std::normal_distribution<float> normal;
+  std::vector<float> host(numel);
+  for (float& v : host) v = normal(rng);
+  DeviceBuffer x(4 * numel), residual(4 * numel);
+  x.upload(host.data(), 4 * numel);
+  residual.fill(0);
+  std::vector<size_t> begin{0};
+  for (int i = 0; i < n; ++i) begin.push_back(begin.back() + numel / size_t(n) + (size_t(i) < numel % size_t(n)));
+  const size_t slot = (gpu::encodedBytesCuda(config, begin[1]) + 3) / 4 * 4;
+  DeviceBuffer sent(size_t(n) * slot), reduced(slot), server(4 * begin[1]);
+  server.fill(0);
+  std::vector<gpu::EncodeChunk> chunks;
+  std::vector<gpu::DecodeChunk> gathered;
+  std::vector<const uint8_t*> received;
+  for (int i = 0; i < n; ++i) {
+    const size_t len = begin[size_t(i) + 1] - begin[size_t(i)];
+    chunks.push_back({x.as<float>() + begin[size_t(i)], residual.as<float>() + begin[size_t(i)], len, uint64_t(i),
+                      sent.as() + size_t(i) * slot, slot});
+    gathered.push_back({sent.as() + size_t(i) * slot, gpu::encodedBytesCuda(config, len), x.as<float>() + begin[size_t(i)],
+                        len});
+    received.push_back(sent.as());  // every rank's payload of chunk 0, as rank 0 receives them
+  }
+  const uint64_t before = emu::operations();
+  gpu::encodeChunksCuda(config, DataType::Float32, chunks.data(), chunks.size(), nullptr, 0, nullptr);
+  gpu::sumPayloadsCuda(config, received.data(), received.size(), begin[1], 1.f / float(n), x.as<float>(), nullptr);
+  gpu::encodeCuda(config, DataType::Float32, x.ptr, server.as<float>(), begin[1], 0, reduced.as(), slot, nullptr, 0,
+                  nullptr);
+  gpu::decodeChunksCuda(config, gathered.data(), gathered.size(), DataType::Float32, nullptr);
+  return emu::operations() - before;
+}
+
 compress::Config configOf(compress::Format format, bool approximate = false) {
   compress::Config c;
   c.format = format;
@@ -92,22 +128,23 @@ int main(int argc, char** argv) {
                  {"fp16", configOf(compress::Format::Float16)},
                  {"bf16", configOf(compress::Format::BFloat16)}};
   std::mt19937 rng(1);
-  std::printf("A %zu MB float32 bucket (%zu elements): csrc/cuda launches per call and per bucket\n\n", bucketMb,
-              numel);
-  std::printf("| compressor | ranks | encode | decode-accumulate | decode | launches per bucket | "
-              "+ torch ops | + NCCL calls |\n|---|---|---|---|---|---|---|---|\n");
+  std::printf("A %zu MB float32 bucket (%zu elements): csrc/cuda launches per bucket\n\n", bucketMb, numel);
+  std::printf("| compressor | ranks | launches per bucket | + torch ops | + NCCL calls | one call a chunk: "
+              "launches + torch ops |\n|---|---|---|---|---|---|\n");
   for (const auto& f : formats) {
     const bool sparse = compress::isSparse(f.config.format);
     for (int n : {1, 2, 4, 8}) {
       // Sparse formats encode the whole bucket and decode every rank's payload of it.
       const Counts c = countCalls(f.config, sparse ? numel : numel / size_t(n), rng);
-      const uint64_t perBucket = sparse ? c.encode + uint64_t(n) * c.decodeAccumulate
-                                        : uint64_t(n + 1) * c.encode + uint64_t(n) * (c.decodeAccumulate + c.decode);
+      const uint64_t perChunk = sparse ? c.encode + uint64_t(n) * c.decodeAccumulate
+                                       : uint64_t(n + 1) * c.encode + uint64_t(n) * (c.decodeAccumulate + c.decode);
+      const uint64_t perBucket = sparse ? perChunk : countBucket(f.config, numel, n, rng);
+      const int torchOps = n > 1 ? 2 : 1;
       const bool checksFinite = f.config.format == compress::Format::RandomK;
-      std::printf("| %s | %d | %llu | %llu | %llu | %llu | %d%s | %d%s |\n", f.name, n,
-                  static_cast<unsigned long long>(c.encode), static_cast<unsigned long long>(c.decodeAccumulate),
-                  static_cast<unsigned long long>(c.decode), static_cast<unsigned long long>(perBucket),
-                  n > 1 ? 2 : 1, checksFinite ? " + 3" : "", sparse ? 1 : 2, checksFinite ? " + 1" : "");
+      const std::string extra = checksFinite ? " + 3" : "";
+      std::printf("| %s | %d | %llu | %d%s | %d%s | %llu + %d%s |\n", f.name, n,
+                  static_cast<unsigned long long>(perBucket), sparse ? torchOps : 0, extra.c_str(), sparse ? 1 : 2,
+                  checksFinite ? " + 1" : "", static_cast<unsigned long long>(perChunk), torchOps, extra.c_str());
       std::fflush(stdout);
     }
   }
