@@ -1,6 +1,6 @@
-// What the compressed all-reduce and reduce-scatter share (collective_compressed.cc, which
-// defines it, and collective_reduce_scatter.cc): encoding and decoding on the tensors' device,
-// the way payloads travel, and how a failed exchange is reported. Payload tensors are uint8,
+// What the compressed all-reduce and reduce-scatter share (collective_compressed.cc and
+// collective_reduce_scatter.cc): encoding and decoding on the tensors' device, the way
+// payloads travel, and how a failed exchange is reported. Payload tensors are uint8,
 // 4-byte aligned; buffers that travel are left uninitialized (the bytes that pad a payload to
 // its slot are sent but never read, and a fill would cost a kernel launch per buffer on a GPU).
 #pragma once
