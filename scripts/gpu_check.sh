@@ -4,10 +4,11 @@
 # background) and csrc/cuda standalone; runs the GPU test (all sizes, plus >2^31 elements);
 # then tests/test_gpu.py and the DDP step benchmark (bench.cuda.ddp_step) on the
 # extension; then the GPU test under compute-sanitizer memcheck on a reduced size set, the
-# CUDA benchmark (with the 25 MB bucket on its own) and the plain-torch comparison.
+# CUDA benchmark (with the 25 MB bucket on its own, and its chunks at 1-16 ranks) and the
+# plain-torch comparison.
 # Logs go to $1 (default ./gpu-results): summary.txt (every step with its exit status),
-# env.txt, build.log, test.log, memcheck.log, bench.log, bench.csv, bucket.log, torch.log,
-# extension.log, pytest.log, ddp_step.log, ddp_step.json (and _adamw: the same step with
+# env.txt, build.log, test.log, memcheck.log, bench.log, bench.csv, bucket.log, chunks.log,
+# torch.log, extension.log, pytest.log, ddp_step.log, ddp_step.json (and _adamw: the same step with
 # AdamW). Every step has a time limit.
 #
 #   scripts/gpu_check.sh [results-dir]        CUDA_ARCH=90 (default) picks the architecture
@@ -112,6 +113,9 @@ fi
 skipped bench || step bench 150 bench.log "$BUILD/bench_cuda_kernels" --csv="$RESULTS/bench.csv"
 # A 25 MB DDP bucket (24 MiB): encode+EF plus decode-accumulate against the 1 ms target.
 skipped bucket || step bucket 60 bucket.log "$BUILD/bench_cuda_kernels" --min-mib=24 --max-mib=24
+# The same bucket's kernels at 1-16 ranks, every rank's chunk in one call against a call per
+# chunk: host and GPU time (bench/cuda/bucket.cc).
+skipped chunks || step chunks 120 chunks.log "$BUILD/bench_cuda_bucket"
 # By its path: it imports torch only.
 skipped torch || step torch 150 torch.log env PYTHONUNBUFFERED=1 python3 "$ROOT/bench/cuda/torch_ops.py" \
   --bench "$BUILD/bench_cuda_kernels" --sizes-mib 1,16,64,256
@@ -122,6 +126,8 @@ echo "== benchmark =="
 cat "$RESULTS/bench.log" 2>/dev/null | tail -70
 echo "== 25 MB bucket =="
 tail -4 "$RESULTS/bucket.log" 2>/dev/null
+echo "== a bucket's chunks together =="
+tail -22 "$RESULTS/chunks.log" 2>/dev/null
 echo "== torch comparison =="
 tail -45 "$RESULTS/torch.log" 2>/dev/null
 echo "== pytest =="

@@ -39,3 +39,7 @@ def test_cuda_kernels_on_cpu_emulator():
     # A quantizer's or cast's chunks go to one launch per call at every rank count.
     for name in ("1-bit", "ternary", "fp16", "bf16"):
         assert launches[name, 8] == launches[name, 1], run.stdout
+    # bench/cuda/bucket.cc, which times the same on a GPU: it runs, a row per compressor and rank count.
+    run = subprocess.run([str(build / "bench_cuda_bucket_emu"), "--bucket-mib=0.0625", "--reps=1"],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and run.stdout.count("\n| ") == 4 * 5 + 1, run.stdout[-3000:] + run.stderr[-3000:]
