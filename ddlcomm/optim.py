@@ -132,12 +132,24 @@ class DirectionOptimizer:
     def averaged(self, params: list[torch.Tensor], directions: list[torch.Tensor]) -> None:
         """The hook's average of ``params``' directions has arrived: ``step()`` checks that
         nothing rewrote it in ``.grad`` before it is applied."""
-        for param, direction in zip(params, directions):
-            self._pending[param] = direction.reshape(-1)[: self._SAMPLE].clone()
+        # Copied together: one operation a bucket (a kernel launch on a GPU), not one a parameter.
+        heads = [direction.reshape(-1)[: self._SAMPLE] for direction in directions]
+        samples = torch.cat(heads).split([head.numel() for head in heads]) if heads else ()
+        for param, sample in zip(params, samples):
+            self._pending[param] = sample
 
     def _check_unchanged(self, pending: dict[torch.Tensor, Optional[torch.Tensor]]) -> None:
-        changed = sum(1 for p, sample in pending.items() if sample is not None and p.grad is not None
-                      and not torch.equal(p.grad.reshape(-1)[: self._SAMPLE], sample))
+        groups: dict[tuple[torch.device, torch.dtype], list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        for p, sample in pending.items():
+            if sample is not None and p.grad is not None:
+                now = p.grad.reshape(-1)[: self._SAMPLE]
+                groups.setdefault((sample.device, sample.dtype), []).append((now, sample))
+        # One comparison per device and dtype, each parameter's only where it fails: on a GPU
+        # reading an answer waits for the device, once a step rather than once a parameter.
+        changed = 0
+        for pairs in groups.values():
+            if not torch.equal(torch.cat([now for now, _ in pairs]), torch.cat([sample for _, sample in pairs])):
+                changed += sum(1 for now, sample in pairs if not torch.equal(now, sample))
         if changed:
             name = f"ddlcomm.optim.{type(self).__name__}"
             raise RuntimeError(
