@@ -238,6 +238,14 @@ class SGD(DirectionOptimizer, torch.optim.SGD):
             grad.add_(param, alpha=group["weight_decay"])
         momentum = group["momentum"]
         buf = self.state[param].get("momentum_buffer") if momentum else None
+        # On a GPU, past the buffer's first step, whether the gradient is finite is decided on
+        # the device (as Adam's): reading it on the host would wait for the GPU once per parameter.
+        finite = device_finite(grad) if sparse and momentum and buf is not None else None
+        if finite is not None:
+            new = buf.mul(momentum).add_(grad, alpha=1 - group["dampening"])
+            torch.where(finite, grad.add(new, alpha=momentum) if group["nesterov"] else new, grad, out=grad)
+            torch.where(finite, new, buf, out=buf)
+            return
         if sparse and momentum and all_finite(grad):
             # torch's step on this rank's gradient, the momentum kept here: a buffer rebuilt from
             # the sparse average would hold each element only once it was sent.

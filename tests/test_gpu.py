@@ -51,29 +51,33 @@ def test_gpu_payloads_are_the_cpu_payloads(name: str, dtype: torch.dtype) -> Non
     assert torch.equal(acc.cpu(), c.decode_accumulate(cpu_payload, torch.ones(x.numel())))
 
 
-@pytest.mark.parametrize("name", ["Adam", "AdamW"])
-def test_adam_directions_on_cuda_decide_finiteness_on_the_device(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
-    """On CUDA gradients Adam's directions mask a non-finite gradient on the device: the same
-    directions and moments as the host's decision (forced by device_finite -> None), a NaN
-    step included, and no host synchronization while they are computed."""
+@pytest.mark.parametrize("name,options", [("Adam", dict(weight_decay=0.1)), ("AdamW", dict(weight_decay=0.1)),
+                                          ("SGD", dict(momentum=0.9, nesterov=True))])
+def test_directions_on_cuda_decide_finiteness_on_the_device(monkeypatch: pytest.MonkeyPatch, name: str,
+                                                            options: dict) -> None:
+    """On CUDA gradients Adam's directions, and SGD's with a sparse compressor past a buffer's
+    first step, mask a non-finite gradient on the device: the same directions and moments as the
+    host's decision (forced by device_finite -> None), a NaN step included, and no host
+    synchronization while they are computed."""
     from ddlcomm import optim
 
+    sgd = name == "SGD"
     runs = []
     for on_device in (True, False):
         if not on_device:
             monkeypatch.setattr(optim, "device_finite", lambda t: None)
         g = torch.Generator().manual_seed(3)
         params = [torch.nn.Parameter(torch.randn(1000, 10, generator=g).cuda())]
-        opt = getattr(optim, name)(params, lr=1e-3, weight_decay=0.1)
+        opt = getattr(optim, name)(params, lr=1e-3, **options)
         directions = []
         for step in range(3):
             grad = torch.randn(1000, 10, generator=g).cuda()
             if step == 1:
                 grad[5, 5] = float("nan")
-            if on_device:
+            if on_device and not (sgd and step == 0):  # SGD's first step makes its buffer on the host's word
                 torch.cuda.set_sync_debug_mode("error")  # a host synchronization raises
             try:
-                opt.local_directions(params, [grad], ranks=2)
+                opt.local_directions(params, [grad], ranks=2, sparse=sgd)
             finally:
                 torch.cuda.set_sync_debug_mode("default")
             directions.append(grad.cpu())
