@@ -148,7 +148,8 @@ void piecesAmong(const at::Tensor& flat, const std::vector<PieceSpan>& spans, co
 }
 
 // Copies every host rank's shard (flat[chunks.begin(l), chunks.begin(l+1))) to the others; the
-// all-gather needs equal sizes, so the shards are padded to the widest.
+// all-gather needs equal sizes, so the shards are padded to the widest. The shards go back in
+// one concatenation (one kernel on a GPU, not one a shard), this rank's own with the values it has.
 void gatherInHost(const at::Tensor& flat, const ring::Chunks& chunks, int local, c10d::Backend& host) {
   const int k = chunks.n;
   size_t widest = 0;
@@ -158,9 +159,10 @@ void gatherInHost(const at::Tensor& flat, const ring::Chunks& chunks, int local,
   at::Tensor everyone = at::empty({int64_t(size_t(k) * widest)}, flat.options());
   allGather(host, everyone, padded);
   const at::Tensor rows = everyone.view({k, int64_t(widest)});
-  for (int l = 0; l < k; ++l) {
-    if (l != local) slice(flat, chunks.begin(l), chunks.begin(l + 1)).copy_(slice(rows[l], 0, chunks.length(l)));
-  }
+  std::vector<at::Tensor> shards;
+  for (int l = 0; l < k; ++l) shards.push_back(slice(rows[l], 0, chunks.length(l)));
+  at::Tensor out = slice(flat, chunks.begin(0), chunks.begin(k));
+  at::cat_out(out, shards);
 }
 
 // Exact inside the host (the host's all-reduce in the tensor's dtype), each rank's shard of
