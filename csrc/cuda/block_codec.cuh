@@ -206,17 +206,20 @@ __global__ __launch_bounds__(kThreads) void sumKernel(const __grid_constant__ Pa
   }
 }
 
-inline uint64_t blocksOf(uint64_t numel, uint32_t blockSize) { return (numel + blockSize - 1) / blockSize; }
+// A chunk's work items in a launch's table: its scale blocks (its payload layout's).
+template <class Args>
+uint64_t scaleBlocks(const Args& chunk) {
+  return chunk.layout.nblocks;
+}
 
 template <class Code>
 void encode(const EncodeArgs* a, size_t n, const typename Code::Params& f) {
   constexpr uint32_t kPer = kPerByte<Code>;
   const uint32_t blockSize = a[0].config.blockSize;
-  const auto blocks = [&](const EncodeArgs& c) { return blocksOf(c.numel, blockSize); };
   withFloatType(a[0].xType, [&](auto xt) {
     using XT = decltype(xt);
     if (blockSize % kPer == 0) {
-      inTables<EncodePart>(a, n, encodePartOf, blocks, [&](const Parts<EncodePart>& p) {
+      inTables<EncodePart>(a, n, encodePartOf, scaleBlocks<EncodeArgs>, [&](const Parts<EncodePart>& p) {
         // At least one CTA: block 0 writes the headers, of empty chunks too.
         const uint64_t grid = maxOf<uint64_t>(1, gridFor(p.start[p.count], kWarpsPerCta));
         launch(encodeKernel<Code, XT, true>, grid, kThreads, a[0].cudaStream, p, blockSize, f);
@@ -224,7 +227,7 @@ void encode(const EncodeArgs* a, size_t n, const typename Code::Params& f) {
       return;
     }
     for (size_t i = 0; i < n; ++i) {  // the generic path, a chunk at a time
-      inTables<EncodePart>(a + i, 1, encodePartOf, blocks, [&](const Parts<EncodePart>& p) {
+      inTables<EncodePart>(a + i, 1, encodePartOf, scaleBlocks<EncodeArgs>, [&](const Parts<EncodePart>& p) {
         const uint64_t grid = maxOf<uint64_t>(1, gridFor(p.start[1], kWarpsPerCta));
         launch(encodeKernel<Code, XT, false>, grid, kThreads, a[i].cudaStream, p, blockSize, f);
       });
@@ -238,7 +241,7 @@ template <class Code>
 void decode(const DecodeArgs* a, size_t n) {
   const uint32_t blockSize = a[0].blockSize;
   withOutput(a[0].accumulate, a[0].outType, [&](auto outT, auto acc) {
-    inTables<DecodePart>(a, n, decodePartOf, [&](const DecodeArgs& c) { return blocksOf(c.numel, blockSize); },
+    inTables<DecodePart>(a, n, decodePartOf, scaleBlocks<DecodeArgs>,
                          [&](const Parts<DecodePart>& p) {
                            launch(decodeKernel<Code, decltype(outT), decltype(acc)::value>,
                                   gridFor(p.start[p.count], kWarpsPerCta), kThreads, a[0].cudaStream, p, blockSize);
@@ -249,7 +252,7 @@ void decode(const DecodeArgs* a, size_t n) {
 template <class Code>
 void sum(const DecodeArgs* a, size_t n, float scale, float* out) {
   const uint32_t blockSize = a[0].blockSize;
-  sumInTables(a, n, scale, [&](const DecodeArgs& c) { return blocksOf(c.numel, blockSize); },
+  sumInTables(a, n, scale, scaleBlocks<DecodeArgs>,
               [&](const Parts<DecodePart>& p, bool fromZero, float s) {
                 launch(sumKernel<Code>, gridFor(p.start[1], kWarpsPerCta), kThreads, a[0].cudaStream, p, blockSize,
                        fromZero, s, out);

@@ -94,13 +94,16 @@ __global__ __launch_bounds__(kThreads) void castSumKernel(const __grid_constant_
   }
 }
 
-uint64_t encodeTiles(const EncodeArgs& c) { return tilesOf(c.numel); }
-uint64_t decodeTiles(const DecodeArgs& c) { return tilesOf(c.numel); }
+// A chunk's work items in a launch's table: its tiles.
+template <class Args>
+uint64_t tiles(const Args& chunk) {
+  return tilesOf(chunk.numel);
+}
 
 template <typename PT>
 void encodeFormat(const EncodeArgs* a, size_t n) {
   withFloatType(a[0].xType, [&](auto xt) {
-    inTables<EncodePart>(a, n, encodePartOf, encodeTiles, [&](const Parts<EncodePart>& p) {
+    inTables<EncodePart>(a, n, encodePartOf, tiles<EncodeArgs>, [&](const Parts<EncodePart>& p) {
       // At least one CTA: block 0 writes the headers, of empty chunks too.
       const uint64_t grid = maxOf<uint64_t>(1, gridFor(p.start[p.count], 1));
       launch(castEncodeKernel<decltype(xt), PT>, grid, kThreads, a[0].cudaStream, p);
@@ -111,7 +114,7 @@ void encodeFormat(const EncodeArgs* a, size_t n) {
 template <typename PT>
 void decodeFormat(const DecodeArgs* a, size_t n) {
   withOutput(a[0].accumulate, a[0].outType, [&](auto outT, auto acc) {
-    inTables<DecodePart>(a, n, decodePartOf, decodeTiles, [&](const Parts<DecodePart>& p) {
+    inTables<DecodePart>(a, n, decodePartOf, tiles<DecodeArgs>, [&](const Parts<DecodePart>& p) {
       launch(castDecodeKernel<PT, decltype(outT), decltype(acc)::value>, gridFor(p.start[p.count], 1), kThreads,
              a[0].cudaStream, p);
     });
@@ -120,7 +123,7 @@ void decodeFormat(const DecodeArgs* a, size_t n) {
 
 template <typename PT>
 void sumFormat(const DecodeArgs* a, size_t n, float scale, float* out) {
-  sumInTables(a, n, scale, decodeTiles, [&](const Parts<DecodePart>& p, bool fromZero, float s) {
+  sumInTables(a, n, scale, tiles<DecodeArgs>, [&](const Parts<DecodePart>& p, bool fromZero, float s) {
     launch(castSumKernel<PT>, gridFor(a[0].numel, kTile), kThreads, a[0].cudaStream, p, fromZero, s, out);
   });
 }

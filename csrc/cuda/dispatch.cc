@@ -190,6 +190,7 @@ size_t encodeCuda(const compress::Config& config, DataType xType, const void* x,
 void encodeChunksCuda(const compress::Config& config, DataType xType, const EncodeChunk* chunks, size_t n,
                       void* workspace, size_t workspaceBytes, cudaStream_t cudaStream) {
   std::vector<detail::EncodeArgs> args;
+  args.reserve(n);
   for (size_t i = 0; i < n; ++i) {
     const EncodeChunk& c = chunks[i];
     args.push_back(encodeArgs(config, xType, c.x, c.residual, c.numel, c.stream, c.payload, c.capacity, workspace,
@@ -211,6 +212,7 @@ void decodeAccumulateCuda(const compress::PayloadInfo& info, const uint8_t* payl
 void decodeChunksCuda(const compress::Config& config, const DecodeChunk* chunks, size_t n, DataType outType,
                       cudaStream_t cudaStream) {
   std::vector<detail::DecodeArgs> args;
+  args.reserve(n);
   for (size_t j = 0; j < n; ++j) {
     const DecodeChunk& c = chunks[j];
     if (c.numel == 0) continue;  // as decodeCuda: nothing to write
@@ -228,9 +230,11 @@ void sumPayloadsCuda(const compress::Config& config, const uint8_t* const* paylo
   DDLCOMM_CHECK(n >= 1, ErrorKind::InvalidArgument, "sumPayloadsCuda: no payload to sum");
   if (numel == 0) return;
   const size_t bytes = encodedBytesCuda(config, numel);
+  const compress::PayloadInfo info = expectedInfo(config, numel, bytes);
   std::vector<detail::DecodeArgs> args;
+  args.reserve(n);
   for (size_t j = 0; j < n; ++j) {
-    args.push_back(decodeArgs(expectedInfo(config, numel, bytes), payloads[j], bytes, DataType::Float32, out, numel,
+    args.push_back(decodeArgs(info, payloads[j], bytes, DataType::Float32, out, numel,
                               true, cudaStream, "sumPayloadsCuda"));
   }
   kernels.sum(args.data(), n, scale, out);
