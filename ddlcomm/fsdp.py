@@ -37,8 +37,9 @@ momentum loses accuracy, and so does keeping a momentum per rank (docs/fsdp.md).
 or AdamW pass ``adam_betas=`` (and ``torch.optim.SGD(..., momentum=0, weight_decay=wd)``):
 the first moment is averaged the same way (1-bit Adam's idea), the second moment of each
 rank's chunk comes from its own gradient, and the output is the chunk's Adam step, at most 1
-per element (averaged over the replicas under HSDP). A non-finite gradient on any rank leaves every rank's moments
-alone and makes every output non-finite. Not for use with ``torch.amp.GradScaler``: the
+per element (averaged over the replicas under HSDP). Where the average comes out non-finite (a
+non-finite gradient on any rank, an overflow) every rank keeps its moments, clears the residuals
+and outputs NaN. Not for use with ``torch.amp.GradScaler``: the
 scaler would divide the (scale-free) Adam step by its scale.
 The compressed reduce-scatter is one C++ implementation for every group and device
 (``ddlcomm.compressed.compressed_reduce_scatter``; over hosts of several ranks where the group
@@ -50,14 +51,14 @@ the host sums compressed across, docs/collectives.md).
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional
+from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
-from .compressors import BF16, FP16, Compressor, all_finite
+from .compressors import BF16, FP16, Compressor, all_finite, device_finite
 from .compressed import (compressed_all_reduce, compressed_reduce_scatter, reduce_scatter_wire_bytes,
                          server_residual_numel, wire_bytes)
 from .moments import normalised_step, update_first, update_second
@@ -75,6 +76,40 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # The state's per-module tensors, as state_dict() names them.
 _MEMORIES = ("residuals", "server_residuals", "momenta", "exp_avgs", "exp_avg_sqs", "replica_residuals",
              "replica_server_residuals")
+
+
+# Whether an average came out finite: a bool on the CPU; on a GPU a 0-dim bool tensor there,
+# for masks (reading it would wait for the GPU).
+_Finite = Union[bool, torch.Tensor]
+
+
+def _finite(tensor: torch.Tensor) -> _Finite:
+    finite = device_finite(tensor)
+    return all_finite(tensor) if finite is None else finite
+
+
+def _agreed(finite: _Finite, group: dist.ProcessGroup) -> _Finite:
+    """``finite`` on every rank of ``group``: one byte all-reduced (on a GPU, nothing waits)."""
+    device = finite.device if isinstance(finite, torch.Tensor) else torch.device("cpu")
+    flag = torch.logical_not(torch.as_tensor(finite, device=device)).to(torch.uint8).reshape(1)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    return flag[0] == 0 if isinstance(finite, torch.Tensor) else not bool(flag.item())
+
+
+def _update_if(finite: _Finite, tensor: torch.Tensor, update: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """``update(tensor)`` (in place) if ``finite``."""
+    if isinstance(finite, torch.Tensor):
+        torch.where(finite, update(tensor.clone()), tensor, out=tensor)
+    elif finite:
+        update(tensor)
+
+
+def _fill_unless(finite: _Finite, tensor: torch.Tensor, value: float) -> None:
+    """``tensor`` filled with ``value`` unless ``finite``."""
+    if isinstance(finite, torch.Tensor):
+        tensor.masked_fill_(finite.logical_not(), value)
+    elif not finite:
+        tensor.fill_(value)
 
 
 class FSDPCompressionState(CompressionOptions):
@@ -126,6 +161,7 @@ class FSDPCompressionState(CompressionOptions):
         self.calls: dict[str, int] = {}
         self._index: dict[str, int] = {}  # module name -> its position, for the randomness streams
         self._verified: set[Any] = set()  # modules (and ("replica", module)) whose agreement was checked
+        self._spares: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}  # see _spare
 
     def _advise(self, compressor: Compressor, momentum: float, adam_betas: Optional[tuple[float, float]]) -> None:
         """Says once where these options lost accuracy in docs/results/fsdp_training.md."""
@@ -258,13 +294,24 @@ class FSDPCompressionState(CompressionOptions):
         compressed_reduce_scatter(output, flat, self.compressor, residual, group, average, stream, verify)
         self.stats.count(reduce_scatter_wire_bytes(self.compressor, m, n), ring, compressed=True)
 
-    def _poisoned(self, flat: torch.Tensor, groups: list[dist.ProcessGroup]) -> bool:
-        """Whether any rank of ``groups`` holds a non-finite gradient (one byte all-reduced): the
-        shared momentum must not take it in, on any rank."""
-        flag = torch.tensor([0 if all_finite(flat) else 1], dtype=torch.uint8, device=flat.device)
-        for g in groups:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=g)
-        return bool(flag.item())
+    def _spare(self, like: torch.Tensor) -> torch.Tensor:
+        """A buffer of ``like``'s size, dtype and device for a new moment, kept between steps: a
+        fresh module-sized tensor per step costs as much again in page faults on a CPU."""
+        spare = self._spares.pop((like.numel(), like.dtype, like.device), None)
+        return torch.empty_like(like) if spare is None else spare
+
+    def _commit(self, store: dict[str, torch.Tensor], name: str, new: torch.Tensor, finite: _Finite) -> torch.Tensor:
+        """``store[name]`` becomes ``new`` if ``finite``; the buffer not kept is the spare of its
+        size. Returns the moment kept."""
+        old = store[name]
+        if isinstance(finite, torch.Tensor):
+            torch.where(finite, new, old, out=old)
+            kept, spare = old, new
+        else:
+            kept, spare = (new, old) if finite else (old, new)
+        store[name] = kept
+        self._spares[(spare.numel(), spare.dtype, spare.device)] = spare
+        return kept
 
     def _direction_step(self, name: str, output: torch.Tensor, flat: torch.Tensor, group: dist.ProcessGroup,
                         op: Any, calls: int, stream: int) -> None:
@@ -276,8 +323,9 @@ class FSDPCompressionState(CompressionOptions):
         chunk's bias-corrected Adam step, at most 1 per element (the replicas average it in
         ``replica_all_reduce``).
         Uncompressed (warm-up, small modules), the average gradient feeds both moments: AdamW.
-        Times the group size for SUM. A non-finite gradient on any rank leaves every rank's
-        moments alone and makes every output non-finite."""
+        Times the group size for SUM. Where the average comes out non-finite (a non-finite
+        gradient on any rank, an overflow) every rank keeps its moments, clears the residuals
+        and outputs NaN."""
         if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
             raise ValueError(f"ddlcomm fsdp: momentum= and adam_betas= need SUM or AVG reduce-scatters; FSDP2 "
                              f"asked for {op} (a gradient divide factor makes it do so)")
@@ -288,30 +336,27 @@ class FSDPCompressionState(CompressionOptions):
         if self.replicate_group is not None and self.adam_betas is None:
             levels.append((self.replicate_group, self.replica_residuals, self.replica_server_residuals))
         scale = n if op == dist.ReduceOp.SUM else 1
-        if self._poisoned(flat, [group] if self.replicate_group is None else [group, self.replicate_group]):
-            plain = flat.to(dtype, copy=True)
-            for g, _, _ in levels:
-                dist.all_reduce(plain, group=g)
-            output.view(-1).copy_(plain[r * m:(r + 1) * m])
-            return
         compress = self._uncompressed_reason(name, flat, op, calls) is None
         adam = self.adam_betas is not None
-        if adam:
-            moment = self._memory(self.exp_avgs, name, flat.numel(), flat.device, dtype)
-            if compress:
-                gradient = flat
-                reduced = update_first(moment, flat.to(dtype), self.adam_betas[0])
-            else:  # the average gradient feeds both moments: exactly AdamW (warm-up, small modules)
-                gradient = reduced = flat.to(dtype, copy=True)
+        store = self.exp_avgs if adam else self.momenta
+        moment = self._memory(store, name, flat.numel(), flat.device, dtype)
+        # The new moment is made beside the old one, which it replaces only where the average
+        # came out finite: the average is the same bits on every rank, so every rank decides
+        # alike without a flag exchanged per module (on a GPU, without waiting for it).
+        if adam and not compress:  # the average gradient feeds both moments: exactly AdamW
+            gradient = reduced = flat.to(dtype, copy=True)
+        elif adam:
+            gradient = flat
+            reduced = torch.lerp(moment, flat.to(dtype), 1 - self.adam_betas[0], out=self._spare(moment))
         else:
-            moment = self._memory(self.momenta, name, flat.numel(), flat.device, dtype)
-            # In place, one pass: a new module-sized tensor per step cost as much again in page faults.
-            reduced = torch.add(flat, moment, alpha=self.momentum, out=moment)
+            reduced = torch.add(flat, moment, alpha=self.momentum, out=self._spare(moment))
         verify = name not in self._verified
         self._verified.add(name)
+        residuals: list[torch.Tensor] = []
         for level, (g, workers, servers) in enumerate(levels):
             if compress:
                 worker, server = self._residuals(workers, servers, name, reduced, g)
+                residuals += [t for t in (worker, server) if t is not None]
                 compressed_all_reduce(reduced, self.compressor, worker, server, group=g, average=True,
                                       stream=stream, verify=verify).wait()
             else:
@@ -322,22 +367,32 @@ class FSDPCompressionState(CompressionOptions):
                 ring = ring_reduce_scatter_bytes(nbytes, n)
                 sent = wire_bytes(self.compressor, flat.numel(), n, r) if compress else ring_all_reduce_bytes(nbytes, n)
                 self.stats.count(sent, ring, compress)
+        finite = _finite(reduced)
+        if adam and self.replicate_group is not None:
+            # Each replica averages its own first moment; the replicas average the steps, so
+            # they keep or skip theirs together.
+            finite = _agreed(finite, self.replicate_group)
+        for residual in residuals:  # what they kept of a discarded average would come back later
+            _fill_unless(finite, residual, 0.0)
+        if adam and not compress:
+            _update_if(finite, moment, lambda t: update_first(t, gradient, self.adam_betas[0]))
+        else:
+            moment = self._commit(store, name, reduced, finite)
         chunk = moment[r * m:(r + 1) * m]
         if not adam:
             output.view(-1).copy_(chunk * scale if scale != 1 else chunk)
-            return
-        beta1, beta2 = self.adam_betas
-        if not compress:
-            update_first(moment, gradient, beta1)
-        # The first moment is the group's; the second is of this rank's chunk alone, from its own
-        # gradient when compressed (it never sees compression error and costs no traffic). Its
-        # variance is left as it is (ranks=1): scaled to the group's batch, as ddlcomm.optim's
-        # per-rank moments need, the language model lost accuracy (docs/fsdp.md).
-        mine = gradient[r * m:(r + 1) * m].to(dtype)
-        second = self._memory(self.exp_avg_sqs, name, m, flat.device, dtype)
-        update_second(second, mine, beta2)
-        step = normalised_step(chunk, second, calls + 1, beta1, beta2, self.adam_eps, ranks=1)
-        output.view(-1).copy_(step.mul_(scale) if scale != 1 else step)
+        else:
+            beta1, beta2 = self.adam_betas
+            # The first moment is the group's; the second is of this rank's chunk alone, from its own
+            # gradient when compressed (it never sees compression error and costs no traffic). Its
+            # variance is left as it is (ranks=1): scaled to the group's batch, as ddlcomm.optim's
+            # per-rank moments need, the language model lost accuracy (docs/fsdp.md).
+            mine = gradient[r * m:(r + 1) * m].to(dtype)
+            second = self._memory(self.exp_avg_sqs, name, m, flat.device, dtype)
+            _update_if(finite, second, lambda v: update_second(v, mine, beta2))
+            step = normalised_step(chunk, second, calls + 1, beta1, beta2, self.adam_eps, ranks=1)
+            output.view(-1).copy_(step.mul_(scale) if scale != 1 else step)
+        _fill_unless(finite, output, float("nan"))
 
     def replica_all_reduce(self, name: str, shard: torch.Tensor) -> None:
         """HSDP: averages this rank's reduced shard (with ``adam_betas``: its Adam step) over
@@ -390,7 +445,7 @@ def compress_gradients(model: torch.nn.Module, compressor: Compressor, *, start_
     + momentum * buf``, whose average is the new ``buf`` (DDP's ``ddlcomm.optim.SGD`` with a
     compressed hook does the same). This keeps momentum SGD's accuracy with every compressor
     (docs/fsdp.md). It costs two float32 buffers of the module's unsharded size per rank (the
-    momentum and the residual) and, with dense compressors, twice the bytes of a compressed
+    momentum and the residual), one more per distinct module size and, with dense compressors, twice the bytes of a compressed
     reduce-scatter; ops other than SUM and AVG are refused.
     ``adam_betas``, ``adam_eps``: Adam (AdamW), moved into the communication the same way; use
     ``torch.optim.SGD(..., momentum=0, weight_decay=wd)``, which for a given direction is
@@ -398,7 +453,7 @@ def compress_gradients(model: torch.nn.Module, compressor: Compressor, *, start_
     (the same on every rank); the second, of this rank's chunk alone, comes from its own
     gradient; the output is the chunk's bias-corrected step ``m / (sqrt(v') + eps)``
     (``ddlcomm.moments``). Two float32 buffers of the module's unsharded size per rank (the
-    first moment and the residual) and one of its chunk.
+    first moment and the residual), one more per distinct module size and one of its chunk.
     Returns the state that holds the residuals (save its ``state_dict()`` with each rank's
     checkpoint).
     """

@@ -156,6 +156,11 @@ def test_fsdp_reduce_scatter_on_cuda_matches_cpu(backend: str, ranks: int) -> No
     assert_all_ok(launch(gpu.fsdp_reduce_scatter, ranks, timeout=240, args=(backend,)))
 
 
+@pytest.mark.parametrize("backend,ranks", GROUPS)
+def test_fsdp_moments_on_cuda_match_cpu_without_host_syncs(backend: str, ranks: int) -> None:
+    assert_all_ok(launch(gpu.fsdp_moments, ranks, timeout=240, args=(backend,)))
+
+
 @pytest.mark.parametrize("backend,ranks", [GROUPS[0], GROUPS[3]])  # FSDP2 on one rank reduces nothing
 def test_fsdp_training_on_cuda_matches_cpu_accuracy(backend: str, ranks: int) -> None:
     results = launch(gpu.fsdp_training, ranks, timeout=600, args=(backend,))

@@ -218,6 +218,40 @@ def fsdp_reduce_scatter(backend: str) -> None:
                 assert states[gpu].stats.compressed_buckets == 2, vars(states[gpu].stats)
 
 
+def fsdp_moments(backend: str) -> None:
+    """``momentum=`` and ``adam_betas=`` on CUDA gradients: outputs and moments close to the CPU
+    run's (torch's own arithmetic may round differently on the two devices), a NaN on one rank
+    handled alike (every output NaN, the moments kept), and over NCCL no host synchronization
+    past a module's first call (its agreement check)."""
+    rank, n, gpu = _init_on_gpu(backend)
+    world = dist.group.WORLD
+    g = torch.Generator().manual_seed(rank)
+    m = 70_001
+    for name in ("onebit", "ternary", "fp16"):
+        for options in ({"momentum": 0.9}, {"adam_betas": (0.9, 0.95)}):
+            states = {d: ddlcomm_fsdp.FSDPCompressionState(COMPRESSORS[name](), start_compress_iter=1,
+                                                           min_compression_bytes=0, **options) for d in (CPU, gpu)}
+            moments = "exp_avgs" if "adam_betas" in options else "momenta"
+            for call in range(4):
+                x = torch.randn(n * m, generator=g)
+                if call == 2 and rank == n - 1:
+                    x[(n - 1) * m + 3] = float("nan")
+                outs = {}
+                for d, state in states.items():
+                    outs[d] = torch.empty(m, device=d)
+                    if d == gpu and backend == "nccl" and call > 1:
+                        torch.cuda.set_sync_debug_mode("error")  # a host synchronization raises
+                    try:
+                        state.reduce_scatter("layer", outs[d], x.to(d), world, dist.ReduceOp.AVG)
+                    finally:
+                        torch.cuda.set_sync_debug_mode("default")
+                what = f"{name} {options} call {call}"
+                assert torch.allclose(outs[gpu].cpu(), outs[CPU], rtol=1e-4, atol=1e-5, equal_nan=True), what
+                assert outs[gpu].isnan().all() == (call == 2), f"{what}: NaN where the CPU has none, or none"
+                ours, theirs = (getattr(states[d], moments)["layer"] for d in (gpu, CPU))
+                assert torch.allclose(ours.cpu(), theirs, rtol=1e-4, atol=1e-5), f"{what}: moments differ"
+
+
 def _fsdp_model(device: torch.device) -> torch.nn.Module:
     """The DDP test's MLP under FSDP2 (each Linear its own unit) on `device`, same init everywhere."""
     torch.manual_seed(0)

@@ -89,6 +89,21 @@ def reduce_scatter_math(backend: str, hosts: str = "") -> None:
         raise AssertionError("a residual of another size was accepted")
     _momentum_math(dist.group.WORLD)
     _adam_math(dist.group.WORLD)
+    _non_finite_averages(dist.group.WORLD)
+    _on_the_device(dist.group.WORLD)
+
+
+def _on_the_device(group: dist.ProcessGroup, replicate_group=None) -> None:
+    """The same checks with the decisions a GPU makes on the device (masks, never read on the
+    host), forced on these CPU tensors."""
+    host = fsdp.device_finite
+    fsdp.device_finite = lambda tensor: torch.isfinite(tensor).all()
+    try:
+        _momentum_math(group, replicate_group)
+        _adam_math(group, replicate_group)
+        _non_finite_averages(group, replicate_group)
+    finally:
+        fsdp.device_finite = host
 
 
 def _momentum_math(group: dist.ProcessGroup, replicate_group=None) -> None:
@@ -127,7 +142,7 @@ def _momentum_math(group: dist.ProcessGroup, replicate_group=None) -> None:
         if rank == world - 1:
             x[5::m] = float("inf")  # in every rank's chunk
         state.reduce_scatter("layer", out, x, group, dist.ReduceOp.AVG)
-        assert not torch.isfinite(out).all(), "an inf gradient on one rank left this rank's output finite"
+        assert not torch.isfinite(out).any(), "an inf gradient on one rank left some of this rank's output finite"
         assert torch.equal(state.momenta["layer"], before), "an inf gradient on one rank changed the momentum"
     try:
         state.reduce_scatter("layer", torch.empty(m), torch.randn(n * m), group, dist.ReduceOp.MAX)
@@ -135,6 +150,48 @@ def _momentum_math(group: dist.ProcessGroup, replicate_group=None) -> None:
         assert "SUM or AVG" in str(e), e
     else:
         raise AssertionError("momentum with MAX was accepted")
+
+
+def _non_finite_averages(group: dist.ProcessGroup, replicate_group=None) -> None:
+    """``momentum=`` and ``adam_betas=``, every compressor, compressed and uncompressed: one
+    NaN (or, through fp16, a finite value that overflows it) in one chunk of the last rank
+    makes every output of every rank NaN, leaves every rank's moments as they were and clears
+    the residuals; the next step is finite again and the moments stay alike."""
+    n, r = group.size(), group.rank()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    m = 512
+    g = torch.Generator().manual_seed(300 + rank)
+    kinds = {"fp16": compressors.FP16, "1-bit": lambda: compressors.OneBit(block_size=32),
+             "ternary": lambda: compressors.Ternary(block_size=64), "top-k": lambda: compressors.TopK(ratio=0.05),
+             "random-k": lambda: compressors.RandomK(ratio=0.1)}
+    cases = [(kind, options, start, bad) for kind in kinds for options in ({"momentum": 0.9}, {"adam_betas": (0.9, 0.99)})
+             for start, bad in ((1, float("nan")), (9, float("inf")))] + [("fp16", {"momentum": 0.9}, 1, 1e6)]
+    for kind, options, start, bad in cases:
+        state = fsdp.FSDPCompressionState(kinds[kind](), start_compress_iter=start, min_compression_bytes=0,
+                                          replicate_group=replicate_group, **options)
+        name = f"{kind} {options} from {start}, {bad}"
+        moments = state.exp_avgs if "adam_betas" in options else state.momenta
+        out = torch.empty(m)
+        for _ in range(2):
+            state.reduce_scatter("layer", out, torch.randn(n * m, generator=g), group, dist.ReduceOp.AVG)
+        before = moments["layer"].clone()
+        x = torch.randn(n * m, generator=g)
+        if rank == world - 1:
+            x[(n - 1) * m + 7] = bad  # in the last chunk only
+        state.reduce_scatter("layer", out, x, group, dist.ReduceOp.AVG)
+        assert out.isnan().all(), f"{name}: {int((~out.isnan()).sum())} outputs are not NaN"
+        if replicate_group is not None:  # a sparse compressor sends some of the NaNs: the sum is NaN there
+            state.replica_all_reduce("layer", out)
+            assert not torch.isfinite(out).all(), f"{name}: the replicas' average is finite"
+        assert torch.equal(moments["layer"], before), f"{name}: the moment changed"
+        for kind_of in ("residuals", "server_residuals", "replica_residuals", "replica_server_residuals"):
+            residual = getattr(state, kind_of).get("layer")
+            assert residual is None or start > 2 or not residual.any(), f"{name}: {kind_of} not cleared"
+        state.reduce_scatter("layer", out, torch.randn(n * m, generator=g), group, dist.ReduceOp.AVG)
+        assert torch.isfinite(out).all() and torch.isfinite(moments["layer"]).all(), f"{name}: not finite again"
+        everyone = [torch.empty_like(moments["layer"]) for _ in range(n)]
+        dist.all_gather(everyone, moments["layer"], group=group)
+        assert all(torch.equal(e, moments["layer"]) for e in everyone), f"{name}: ranks hold different moments"
 
 
 def _adam_math(group: dist.ProcessGroup, replicate_group=None) -> None:
@@ -191,7 +248,7 @@ def _adam_math(group: dist.ProcessGroup, replicate_group=None) -> None:
     state.reduce_scatter("layer", out, x, group, dist.ReduceOp.AVG)
     if replicate_group is not None:
         state.replica_all_reduce("layer", out)
-    assert not torch.isfinite(out).all(), "a NaN gradient on one rank left this rank's output finite"
+    assert not torch.isfinite(out).any(), "a NaN gradient on one rank left some of this rank's output finite"
     assert torch.equal(state.exp_avgs["layer"], moments[0]) and torch.equal(state.exp_avg_sqs["layer"], moments[1]), \
         "a NaN gradient on one rank changed this rank's moments"
     try:
@@ -381,6 +438,8 @@ def hsdp() -> None:
     mesh = init_device_mesh("cpu", (2, n // 2), mesh_dim_names=("replicate", "shard"))
     _momentum_math(mesh["shard"].get_group(), mesh["replicate"].get_group())
     _adam_math(mesh["shard"].get_group(), mesh["replicate"].get_group())
+    _non_finite_averages(mesh["shard"].get_group(), mesh["replicate"].get_group())
+    _on_the_device(mesh["shard"].get_group(), mesh["replicate"].get_group())
     x, y = synthetic(rank, samples=4096)
     results = {}
     for name in (None, "ternary"):
