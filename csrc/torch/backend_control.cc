@@ -57,16 +57,22 @@ c10::intrusive_ptr<DdlcommWork> ProcessGroupDdlcomm::enqueue(c10d::OpType type, 
   ++opsIssued_;
   // The profiler span "ddlcomm:<op>" is recorded on the executor thread, which does the work,
   // under the caller's profiler state (thread-local in torch.profiler).
+  // A collective writes into the caller's tensors (a broadcast of a model's parameters among
+  // them: leaves that require grad); autograd records none of it, on whichever thread runs it.
   std::function<void(Communicator&)> run;
   if (at::hasCallbacks()) {
     run = [task = std::move(task), profiler = ProfilerContext(c10::str("ddlcomm:", profilingName(type)),
                                                                 std::move(outputs))](Communicator& comm) {
+      at::NoGradGuard noGrad;
       ProfilerContext::Scope scope(profiler);
       RECORD_FUNCTION(profiler.name, profiler.inputs);
       task(comm);
     };
   } else {
-    run = std::move(task);
+    run = [task = std::move(task)](Communicator& comm) {
+      at::NoGradGuard noGrad;
+      task(comm);
+    };
   }
   Executor::Done done = [work](std::exception_ptr error) { work->complete(error); };
   size_t bytes = 0;

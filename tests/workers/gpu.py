@@ -238,11 +238,11 @@ def fsdp_moments(backend: str) -> None:
                     x[(n - 1) * m + 3] = float("nan")
                 outs = {}
                 for d, state in states.items():
-                    outs[d] = torch.empty(m, device=d)
+                    outs[d], here = torch.empty(m, device=d), x.to(d)
                     if d == gpu and backend == "nccl" and call > 1:
                         torch.cuda.set_sync_debug_mode("error")  # a host synchronization raises
                     try:
-                        state.reduce_scatter("layer", outs[d], x.to(d), world, dist.ReduceOp.AVG)
+                        state.reduce_scatter("layer", outs[d], here, world, dist.ReduceOp.AVG)
                     finally:
                         torch.cuda.set_sync_debug_mode("default")
                 what = f"{name} {options} call {call}"
