@@ -186,6 +186,23 @@ dist.destroy_process_group()
         assert ("No backend of type" in result.stderr) == warned, result.stderr
 
 
+def test_collectives_write_into_parameters_that_require_grad(tmp_path: Path) -> None:
+    """A broadcast or all-reduce into a model's parameters (leaves that require grad; here a
+    non-contiguous one, which the backend writes through a copy, as it writes a CUDA tensor
+    staged through the host) works as on gloo: autograd records none of it."""
+    code = ONE_RANK + """
+init()
+p = torch.nn.Parameter(torch.arange(12.).reshape(3, 4).t())
+dist.broadcast(p, src=0)
+dist.all_reduce(p)
+print(p.requires_grad, p.is_contiguous(), p.detach().sum().item())
+dist.destroy_process_group()
+"""
+    result = run_python(code, tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["True", "False", "66.0"], result.stdout
+
+
 def test_version_is_the_pyproject_version() -> None:
     import ddlcomm
 
